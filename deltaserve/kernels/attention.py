@@ -1,0 +1,72 @@
+"""Attention over the paged KV cache: write the new K/V rows, then attend to each sequence's whole context.
+
+Portable PyTorch path (gather + scaled_dot_product_attention). Decode sequences are attended in one batched call
+with a padding mask; prefill chunks one sequence at a time with a causal mask offset by what is already cached.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+             k: torch.Tensor, v: torch.Tensor) -> None:
+    """Store new K/V rows [T, Hkv, D] at their flat slots (page * page_size + offset)."""
+    k_cache.index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                    v_cache: torch.Tensor, batch, scale: float) -> torch.Tensor:
+    """Causal attention for a packed batch; returns [T, Hq, D].
+
+    q: [T, Hq, D]; k, v: the new rows [T, Hkv, D] (already written to the caches). `batch` is a
+    models.batch.ForwardBatch. Hq must be a multiple of Hkv (grouped-query attention).
+    """
+    write_kv(k_cache, v_cache, batch.slot_mapping, k, v)
+    out = torch.empty_like(q)
+    cu = batch.cu_q.tolist()
+    nd = batch.num_decode
+    if nd:
+        out[:nd] = _decode_attention(q[:nd], k_cache, v_cache, batch.context_slots[:nd],
+                                     batch.context_lens[:nd], scale)
+    for b in range(nd, batch.num_seqs):
+        lo, hi = cu[b], cu[b + 1]
+        cached = batch.cached_lens[b]
+        if cached == 0:
+            # A fresh prompt attends only to itself: use the new rows directly, no gather.
+            out[lo:hi] = _prefill_attention(q[lo:hi], k[lo:hi], v[lo:hi], 0, scale)
+        else:
+            slots = batch.context_slots[b, : cached + hi - lo]
+            out[lo:hi] = _prefill_attention(q[lo:hi], k_cache[slots].to(q.dtype), v_cache[slots].to(q.dtype),
+                                            cached, scale)
+    return out
+
+
+def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cached: int, scale: float) -> torch.Tensor:
+    """One sequence: q [S, Hq, D] at positions cached..cached+S-1 over k, v [cached+S, Hkv, D]."""
+    qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+    gqa = qh.shape[0] != kh.shape[0]
+    if cached == 0:
+        o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=gqa)
+    else:
+        s, total = q.shape[0], k.shape[0]
+        q_pos = torch.arange(cached, cached + s, device=q.device).unsqueeze(1)
+        mask = torch.arange(total, device=q.device).unsqueeze(0) <= q_pos
+        o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=gqa)
+    return o.transpose(0, 1)
+
+
+def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      context_slots: torch.Tensor, context_lens: list[int], scale: float) -> torch.Tensor:
+    """B single-token queries q [B, Hq, D], each over its own context of context_lens[b] cached rows."""
+    max_len = max(context_lens)
+    slots = context_slots[:, :max_len]
+    kh = k_cache[slots].to(q.dtype).transpose(1, 2)  # [B, Hkv, L, D]
+    vh = v_cache[slots].to(q.dtype).transpose(1, 2)
+    lens = torch.tensor(context_lens, device=q.device).unsqueeze(1)
+    mask = (torch.arange(max_len, device=q.device).unsqueeze(0) < lens)[:, None, None, :]  # [B, 1, 1, L]
+    gqa = q.shape[1] != kh.shape[1]
+    o = F.scaled_dot_product_attention(q.unsqueeze(2), kh, vh, attn_mask=mask, scale=scale, enable_gqa=gqa)
+    return o.squeeze(2)

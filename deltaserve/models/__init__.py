@@ -1,0 +1,42 @@
+"""Model architectures by Hugging Face `model_type`, and building one from a loaded checkpoint."""
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+
+from deltaserve.models.layers import load_weights
+
+# model_type -> (module, class); each module is one architecture family, top to bottom.
+ARCHITECTURES: dict[str, tuple[str, str]] = {
+    "llama": ("deltaserve.models.llama", "LlamaForCausalLM"),
+    "qwen3": ("deltaserve.models.llama", "LlamaForCausalLM"),
+}
+
+
+class UnsupportedModelError(ValueError):
+    """The checkpoint's architecture is not one deltaserve implements."""
+
+
+def supported_model_types() -> list[str]:
+    return sorted(ARCHITECTURES)
+
+
+def model_class(config: dict):
+    model_type = config.get("model_type")
+    if model_type not in ARCHITECTURES:
+        raise UnsupportedModelError(
+            f"model_type {model_type!r} is not supported; supported: {', '.join(supported_model_types())}"
+        )
+    module, name = ARCHITECTURES[model_type]
+    return getattr(importlib.import_module(module), name)
+
+
+def build_model(config: dict, tensors: dict[str, torch.Tensor], *, dtype: torch.dtype = torch.float32,
+                device: torch.device | str = "cpu"):
+    """Instantiate the architecture named by config['model_type'] and fill it from `tensors` (HF names)."""
+    cls = model_class(config)
+    model = cls(config)
+    load_weights(model, tensors, dtype=dtype, device=device, tied=model.tied_weights, name=config["model_type"])
+    return model.eval()

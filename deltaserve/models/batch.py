@@ -1,0 +1,124 @@
+"""The contract between the engine and the models: one packed batch, and the caches it reads and writes.
+
+The engine (engine/runner.py) builds a `ForwardBatch` per step; the pools (cache/) own the tensors in
+`ModelCaches`; a model's `forward(batch, caches)` reads and writes those caches in place and returns the logits
+of the rows the sampler needs. Sequences are ordered decode-first: the first `num_decode` sequences contribute one
+token each and already have context in the caches; the rest are prefill chunks (a fresh prompt or the next chunk of
+a long one), packed one after another.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+ATTENTION = "attention"
+GDN = "gdn"
+
+
+@dataclass(frozen=True)
+class CacheGeometry:
+    """What one request needs per layer: KV rows for attention layers, a fixed state for GDN layers."""
+
+    layer_kinds: tuple[str, ...]  # ATTENTION or GDN, one per decoder layer
+    num_kv_heads: int = 0
+    head_dim: int = 0
+    conv_dim: int = 0  # channels of the GDN causal conv (q, k and v concatenated)
+    conv_width: int = 0  # kernel width W; the conv state keeps the last W - 1 inputs
+    num_v_heads: int = 0  # GDN recurrent state is [num_v_heads, key_head_dim, value_head_dim]
+    key_head_dim: int = 0
+    value_head_dim: int = 0
+
+    @property
+    def attention_layers(self) -> list[int]:
+        return [i for i, kind in enumerate(self.layer_kinds) if kind == ATTENTION]
+
+    @property
+    def gdn_layers(self) -> list[int]:
+        return [i for i, kind in enumerate(self.layer_kinds) if kind == GDN]
+
+
+@dataclass
+class ModelCaches:
+    """Per-layer views of the pools; entries are None for layers of the other kind.
+
+    k[i], v[i]: [kv_slots, num_kv_heads, head_dim] where a flat slot is page * page_size + offset.
+    conv[i]: [state_slots, conv_dim, conv_width - 1]; recurrent[i]: [state_slots, num_v_heads, Dk, Dv].
+    """
+
+    k: list[torch.Tensor | None]
+    v: list[torch.Tensor | None]
+    conv: list[torch.Tensor | None]
+    recurrent: list[torch.Tensor | None]
+
+
+@dataclass
+class ForwardBatch:
+    """One model step over B sequences whose new tokens are packed into T rows."""
+
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64, absolute position of each token in its sequence
+    q_lens: list[int]  # [B] new tokens per sequence
+    cached_lens: list[int]  # [B] tokens of each sequence already in the caches before this step
+    num_decode: int  # the first num_decode sequences have q_len 1 and cached_len > 0
+    cu_q: torch.Tensor  # [B + 1] int64 offsets of each sequence's rows in the packed tokens
+    slot_mapping: torch.Tensor  # [T] int64 flat KV slot where each new token's K/V is written
+    context_slots: torch.Tensor  # [B, max_context] int64 flat KV slots of each sequence's whole context, padded
+    state_slots: torch.Tensor  # [B] int64 GDN state slot of each sequence
+    logits_indices: torch.Tensor  # [R] int64 rows of the packed tokens whose logits are returned
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.q_lens)
+
+    @property
+    def context_lens(self) -> list[int]:
+        return [c + q for c, q in zip(self.cached_lens, self.q_lens)]
+
+
+def single_sequence_batch(
+    input_ids: list[int], cached_len: int, slots: torch.Tensor, state_slot: int = 0, all_logits: bool = False
+) -> ForwardBatch:
+    """A batch of one sequence whose context occupies `slots[: cached_len + len(input_ids)]`.
+
+    Used by tests and by simple callers that keep one request in contiguous slots.
+    """
+    q_len = len(input_ids)
+    total = cached_len + q_len
+    ids = torch.tensor(input_ids, dtype=torch.long)
+    rows = torch.arange(q_len) if all_logits else torch.tensor([q_len - 1])
+    return ForwardBatch(
+        input_ids=ids,
+        positions=torch.arange(cached_len, total, dtype=torch.long),
+        q_lens=[q_len],
+        cached_lens=[cached_len],
+        num_decode=1 if (q_len == 1 and cached_len > 0) else 0,
+        cu_q=torch.tensor([0, q_len], dtype=torch.long),
+        slot_mapping=slots[cached_len:total].long(),
+        context_slots=slots[:total].long().unsqueeze(0),
+        state_slots=torch.tensor([state_slot], dtype=torch.long),
+        logits_indices=rows,
+    )
+
+
+def allocate_caches(
+    geometry: CacheGeometry, kv_slots: int, state_slots: int, dtype: torch.dtype, device: torch.device | str = "cpu",
+    state_dtype: torch.dtype = torch.float32,
+) -> ModelCaches:
+    """Plain contiguous caches for tests and one-off runs; the engine uses cache/ pools instead."""
+    n = len(geometry.layer_kinds)
+    caches = ModelCaches(k=[None] * n, v=[None] * n, conv=[None] * n, recurrent=[None] * n)
+    for i in geometry.attention_layers:
+        shape = (kv_slots, geometry.num_kv_heads, geometry.head_dim)
+        caches.k[i] = torch.zeros(shape, dtype=dtype, device=device)
+        caches.v[i] = torch.zeros(shape, dtype=dtype, device=device)
+    for i in geometry.gdn_layers:
+        caches.conv[i] = torch.zeros(
+            (state_slots, geometry.conv_dim, geometry.conv_width - 1), dtype=state_dtype, device=device
+        )
+        caches.recurrent[i] = torch.zeros(
+            (state_slots, geometry.num_v_heads, geometry.key_head_dim, geometry.value_head_dim),
+            dtype=state_dtype, device=device,
+        )
+    return caches

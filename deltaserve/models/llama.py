@@ -1,0 +1,119 @@
+"""Llama and Qwen3 (dense): pre-norm decoder, grouped-query attention with RoPE, SwiGLU MLP.
+
+Qwen3 is Llama plus an RMSNorm on each head of q and k before the rotary embedding, and an explicit head_dim.
+Parameter names are the Hugging Face checkpoints' own.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from deltaserve.kernels.attention import paged_attention
+from deltaserve.models.batch import ATTENTION, CacheGeometry, ForwardBatch, ModelCaches
+from deltaserve.models.layers import RMSNorm, Rotary, apply_rotary, linear, rope_parameters, silu_mul
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: dict, layer_idx: int, rotary: Rotary):
+        super().__init__()
+        hidden = config["hidden_size"]
+        self.num_heads = config["num_attention_heads"]
+        self.num_kv_heads = config.get("num_key_value_heads") or self.num_heads
+        self.head_dim = config.get("head_dim") or hidden // self.num_heads
+        bias = bool(config.get("attention_bias", False))
+        self.q_proj = linear(hidden, self.num_heads * self.head_dim, bias)
+        self.k_proj = linear(hidden, self.num_kv_heads * self.head_dim, bias)
+        self.v_proj = linear(hidden, self.num_kv_heads * self.head_dim, bias)
+        self.o_proj = linear(self.num_heads * self.head_dim, hidden, bool(config.get("o_bias", False)))
+        self.qk_norm = config["model_type"] == "qwen3"
+        if self.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config["rms_norm_eps"])
+            self.k_norm = RMSNorm(self.head_dim, config["rms_norm_eps"])
+        self.layer_idx = layer_idx
+        self.rotary = rotary
+        self.scale = self.head_dim ** -0.5
+
+    def forward(self, x: torch.Tensor, cos_sin, batch: ForwardBatch, caches: ModelCaches) -> torch.Tensor:
+        t = x.shape[0]
+        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, *cos_sin), apply_rotary(k, *cos_sin)
+        i = self.layer_idx
+        o = paged_attention(q, k, v, caches.k[i], caches.v[i], batch, self.scale)
+        return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int):
+        super().__init__()
+        self.gate_proj = linear(hidden, intermediate)
+        self.up_proj = linear(hidden, intermediate)
+        self.down_proj = linear(intermediate, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: dict, layer_idx: int, rotary: Rotary):
+        super().__init__()
+        eps = config["rms_norm_eps"]
+        self.input_layernorm = RMSNorm(config["hidden_size"], eps)
+        self.self_attn = LlamaAttention(config, layer_idx, rotary)
+        self.post_attention_layernorm = RMSNorm(config["hidden_size"], eps)
+        self.mlp = LlamaMLP(config["hidden_size"], config["intermediate_size"])
+
+    def forward(self, x, cos_sin, batch, caches):
+        x = x + self.self_attn(self.input_layernorm(x), cos_sin, batch, caches)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: dict):
+        super().__init__()
+        hidden = config["hidden_size"]
+        self.embed_tokens = nn.Embedding(config["vocab_size"], hidden, device="meta")
+        self.embed_tokens.requires_grad_(False)
+        head_dim = config.get("head_dim") or hidden // config["num_attention_heads"]
+        self.rotary = Rotary(rope_parameters(config), head_dim)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, i, self.rotary) for i in range(config["num_hidden_layers"])
+        )
+        self.norm = RMSNorm(hidden, config["rms_norm_eps"])
+
+    def forward(self, batch: ForwardBatch, caches: ModelCaches) -> torch.Tensor:
+        x = self.embed_tokens(batch.input_ids)
+        cos_sin = self.rotary.cos_sin(batch.positions)
+        for layer in self.layers:
+            x = layer(x, cos_sin, batch, caches)
+        return x
+
+
+class LlamaForCausalLM(nn.Module):
+    """The whole model: forward(batch, caches) -> float32 logits of batch.logits_indices rows."""
+
+    def __init__(self, config: dict):
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config)
+        self.lm_head = linear(config["hidden_size"], config["vocab_size"])
+        attn = self.model.layers[0].self_attn
+        self.geometry = CacheGeometry(
+            layer_kinds=(ATTENTION,) * config["num_hidden_layers"],
+            num_kv_heads=attn.num_kv_heads,
+            head_dim=attn.head_dim,
+        )
+
+    @property
+    def tied_weights(self) -> dict[str, str]:
+        return {"lm_head.weight": "model.embed_tokens.weight"} if self.config.get("tie_word_embeddings") else {}
+
+    def forward(self, batch: ForwardBatch, caches: ModelCaches) -> torch.Tensor:
+        hidden = self.model(batch, caches)
+        # Only the rows the sampler needs pass the final norm and the vocab projection.
+        hidden = self.model.norm(hidden.index_select(0, batch.logits_indices))
+        return self.lm_head(hidden).float()
