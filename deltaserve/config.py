@@ -1,0 +1,257 @@
+"""EngineConfig: every engine and server setting, one frozen dataclass, parsed once from the command line.
+
+Device-dependent defaults (memory fraction, headroom, dtypes, prefill chunk) are left as None / "auto" here and
+filled in by `EngineConfig.for_device(kind)`, so one config describes the same intent on a CPU and on a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import re
+from dataclasses import dataclass
+
+KiB = 1024
+MiB = 1024**2
+GiB = 1024**3
+
+DEVICE_KINDS = ("cpu", "cuda")
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1}
+DTYPE_ALIASES = {
+    "fp32": "float32", "float": "float32", "f32": "float32",
+    "bf16": "bfloat16",
+    "fp16": "float16", "half": "float16", "f16": "float16",
+    "fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "e4m3": "float8_e4m3fn",
+    "fp8_e5m2": "float8_e5m2", "e5m2": "float8_e5m2",
+}
+COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
+SIZE_FLAGS = {"headroom": "--headroom", "device_memory": "--device-memory", "max_body_bytes": "--max-body-bytes",
+              "cuda_graph_reserve": "--cuda-graph-reserve"}
+STATE_DTYPES = ("float32", "bfloat16", "float16")
+ATTENTION_BACKENDS = ("auto", "portable", "paged")
+
+DEFAULT_MAX_NEW_TOKENS_CAP = 16384
+# Host RAM is shared with the OS, the page cache of the checkpoint, the tokenizer and the HTTP server.
+CPU_MEM_FRACTION = 0.5
+# Stock engines use 0.9 on a dedicated card; incident 4 shows why the rest must stay free.
+GPU_MEM_FRACTION = 0.9
+GPU_HEADROOM_BYTES = 512 * MiB  # a desktop compositor / browser on the same GPU (incident 2: ~0.7 GB)
+CPU_PREFILL_CHUNK_TOKENS = 512  # keeps one step's activations small; the CPU is compute-bound well before 512
+GPU_PREFILL_CHUNK_TOKENS = 2048
+
+_SIZE_UNITS = {
+    "": 1, "b": 1,
+    "k": KiB, "kib": KiB, "kb": 1000,
+    "m": MiB, "mib": MiB, "mb": 1000**2,
+    "g": GiB, "gib": GiB, "gb": 1000**3,
+    "t": 1024**4, "tib": 1024**4, "tb": 1000**4,
+}
+_SIZE_RE = re.compile(r"^\s*(-?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+))\s*([a-zA-Z]*)\s*$")
+
+
+class ConfigError(ValueError):
+    """A setting is invalid; the message is one line naming the setting and its limit."""
+
+
+def parse_bytes(text: str | int) -> int:
+    """'24GiB', '512MiB', '1.5GB', '8G' (binary), '4096' -> bytes. KB/MB/GB are decimal, K/M/G and KiB.. binary.
+
+    A leading minus is read (and left to the caller's range check, which names the setting)."""
+    if isinstance(text, int):
+        return text
+    match = _SIZE_RE.match(str(text))
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _SIZE_UNITS:
+        raise ConfigError(f"cannot read {text!r} as a size: use e.g. 24GiB, 512MiB, 1.5GB or a number of bytes")
+    return int(round(float(match.group(1)) * _SIZE_UNITS[unit]))
+
+
+def normalize_dtype(name: str, allowed: tuple[str, ...], setting: str) -> str:
+    """Canonical dtype name ('bf16' -> 'bfloat16'); 'auto' passes through."""
+    if name == "auto":
+        return name
+    canonical = DTYPE_ALIASES.get(name.lower(), name.lower())
+    if canonical not in allowed:
+        raise ConfigError(f"{setting} {name!r} is not supported: choose auto, {', '.join(allowed)}")
+    return canonical
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Every setting of one engine (and its server). None / "auto" means: decided by the device kind."""
+
+    model: str | None = None  # None: the built-in default model
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    dtype: str = "auto"  # compute dtype; auto: float32 on CPU, bfloat16 on CUDA
+    page_size: int = 16  # KV tokens per page
+    mem_fraction: float | None = None  # of the device TOTAL; None: 0.9 GPU, 0.5 CPU
+    device_memory: int | None = None  # bytes; overrides what the device reports (plans for another card)
+    headroom: int | None = None  # bytes kept for other processes; None: 0 CPU, 512 MiB GPU
+    max_total_tokens: int | None = None  # None: the KV pool is what remains
+    context_length: int | None = None  # None: the model's max_position_embeddings, capped at the pool
+    max_running_requests: int = 16
+    prefill_chunk_tokens: int | None = None  # None: 512 CPU, 2048 GPU
+    kv_dtype: str = "auto"  # auto: the compute dtype
+    state_dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
+    max_new_tokens_cap: int | None = None  # None: 16384, lowered to the context length
+    default_max_tokens: int | None = None  # None: what remains of the context, capped by max_new_tokens_cap
+    max_queue: int = 64  # waiting requests; beyond it the server answers 429
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    served_model_name: str | None = None
+    max_body_bytes: int = 8 * MiB  # a 100K-token prompt is ~0.5 MB of JSON; escaping can multiply it
+    seed: int = 0
+    attention_backend: str = "auto"  # auto: paged kernel on CUDA, portable gather + SDPA on CPU
+    dequantize_weights: bool | None = None  # None: True on CPU (portable path), False on CUDA (packed kernels)
+    cuda_graph_reserve: int | None = None  # bytes; None: estimated from the decode batch
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "dtype", normalize_dtype(self.dtype, COMPUTE_DTYPES, "--dtype"))
+        object.__setattr__(self, "kv_dtype", normalize_dtype(self.kv_dtype, tuple(DTYPE_BYTES), "--kv-dtype"))
+        object.__setattr__(self, "state_dtype", normalize_dtype(self.state_dtype, STATE_DTYPES, "--state-dtype"))
+        _validate(self)
+
+    def for_device(self, kind: str) -> EngineConfig:
+        """This config with every device-dependent default filled in for 'cpu' or 'cuda'."""
+        if kind not in DEVICE_KINDS:
+            raise ConfigError(f"device kind {kind!r} is not supported: choose {' or '.join(DEVICE_KINDS)}")
+        gpu = kind == "cuda"
+        dtype = self.dtype if self.dtype != "auto" else ("bfloat16" if gpu else "float32")
+        return dataclasses.replace(
+            self,
+            device=self.device if self.device.startswith(kind) else kind,
+            dtype=dtype,
+            mem_fraction=self.mem_fraction or (GPU_MEM_FRACTION if gpu else CPU_MEM_FRACTION),
+            headroom=self.headroom if self.headroom is not None else (GPU_HEADROOM_BYTES if gpu else 0),
+            prefill_chunk_tokens=self.prefill_chunk_tokens
+            or (GPU_PREFILL_CHUNK_TOKENS if gpu else CPU_PREFILL_CHUNK_TOKENS),
+            kv_dtype=self.kv_dtype if self.kv_dtype != "auto" else dtype,
+            state_dtype=self.state_dtype if self.state_dtype != "auto" else ("bfloat16" if gpu else "float32"),
+            attention_backend=self.attention_backend if self.attention_backend != "auto"
+            else ("paged" if gpu else "portable"),
+            dequantize_weights=self.dequantize_weights if self.dequantize_weights is not None else not gpu,
+        )
+
+    def device_kind(self) -> str:
+        """'cpu' or 'cuda' for this config's device ('auto' asks torch whether CUDA is present)."""
+        if self.device == "auto":
+            import torch  # only here: config stays importable without touching a device
+
+            return "cuda" if torch.cuda.is_available() else "cpu"
+        return "cuda" if self.device.startswith("cuda") else "cpu"
+
+    def to_dict(self) -> dict:
+        """All settings as plain JSON values (api_key redacted)."""
+        values = dataclasses.asdict(self)
+        if values["api_key"] is not None:
+            values["api_key"] = "***"
+        return values
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> EngineConfig:
+        """Build from an argparse namespace filled by `add_engine_arguments`; bad values raise ConfigError."""
+        fields = {f.name for f in dataclasses.fields(cls)}
+        values = {k: v for k, v in vars(args).items() if k in fields and v is not None}
+        device = values.get("device")
+        if device is not None and device not in ("auto", "cpu") and not device.startswith("cuda"):
+            # `--device 24GiB` plans for a GPU of that size.
+            try:
+                values["device_memory"] = parse_bytes(device)
+            except ConfigError:
+                raise ConfigError(f"--device {device!r} is not supported: choose auto, cpu, cuda, cuda:N "
+                                  f"or a size such as 24GiB") from None
+            values["device"] = "cuda"
+        for name, flag in SIZE_FLAGS.items():
+            if isinstance(values.get(name), str):
+                try:
+                    values[name] = parse_bytes(values[name])
+                except ConfigError as e:
+                    raise ConfigError(f"{flag}: {e}") from None
+        return cls(**values)
+
+
+def _validate(c: EngineConfig) -> None:
+    """One clear line per bad setting: what was given and the limit."""
+    if c.mem_fraction is not None and not 0 < c.mem_fraction <= 1:
+        raise ConfigError(f"--mem-fraction {c.mem_fraction} is out of range: it must be in (0, 1]")
+    if c.headroom is not None and c.headroom < 0:
+        raise ConfigError(f"--headroom {c.headroom} is negative: it must be >= 0 bytes")
+    positive = {
+        "--page-size": c.page_size, "--max-running-requests": c.max_running_requests,
+        "--max-queue": c.max_queue, "--max-body-bytes": c.max_body_bytes,
+        "--max-total-tokens": c.max_total_tokens, "--context-length": c.context_length,
+        "--prefill-chunk-tokens": c.prefill_chunk_tokens, "--device-memory": c.device_memory,
+        "--max-new-tokens-cap": c.max_new_tokens_cap, "--default-max-tokens": c.default_max_tokens,
+    }
+    for flag, value in positive.items():
+        if value is not None and value <= 0:
+            raise ConfigError(f"{flag} {value} must be a positive number")
+    if c.cuda_graph_reserve is not None and c.cuda_graph_reserve < 0:
+        raise ConfigError(f"--cuda-graph-reserve {c.cuda_graph_reserve} is negative: it must be >= 0 bytes")
+    if c.max_new_tokens_cap is not None and c.context_length is not None and c.max_new_tokens_cap > c.context_length:
+        raise ConfigError(f"--max-new-tokens-cap {c.max_new_tokens_cap} exceeds --context-length {c.context_length}: "
+                          f"the cap must be at most the context length")
+    cap = c.max_new_tokens_cap or DEFAULT_MAX_NEW_TOKENS_CAP
+    if c.default_max_tokens is not None and c.default_max_tokens > cap:
+        raise ConfigError(f"--default-max-tokens {c.default_max_tokens} exceeds the max-new-tokens cap {cap}: "
+                          f"lower it or raise --max-new-tokens-cap")
+    if not 0 <= c.port <= 65535:
+        raise ConfigError(f"--port {c.port} is out of range: it must be in 0..65535")
+    if c.attention_backend not in ATTENTION_BACKENDS:
+        raise ConfigError(f"--attention-backend {c.attention_backend!r} is not supported: "
+                          f"choose {', '.join(ATTENTION_BACKENDS)}")
+    if c.device != "auto" and c.device != "cpu" and not re.fullmatch(r"cuda(:\d+)?", c.device):
+        raise ConfigError(f"--device {c.device!r} is not supported: "
+                          f"choose auto, cpu, cuda, cuda:N or a size like 24GiB")
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add every EngineConfig flag; defaults stay None so `from_args` knows what was given."""
+    g = parser.add_argument_group("engine")
+    g.add_argument("--model", help="checkpoint folder, .gguf file or config.json (default: built-in SmolLM2)")
+    g.add_argument("--device", help="auto, cpu, cuda, cuda:N, or a size such as 24GiB to plan for a GPU of it")
+    g.add_argument("--device-memory", help="override the device's total memory, e.g. 24GiB")
+    g.add_argument("--dtype", help="compute dtype: auto (float32 CPU, bfloat16 CUDA), float32, bfloat16, float16")
+    g.add_argument("--page-size", type=int, help="KV tokens per page (16)")
+    g.add_argument("--mem-fraction", type=float,
+                   help="fraction of the device TOTAL memory to budget (0.9 GPU, 0.5 CPU)")
+    g.add_argument("--headroom", help="bytes kept free for other processes, e.g. 1.5GiB (512MiB GPU, 0 CPU)")
+    g.add_argument("--max-total-tokens", type=int, help="exact KV pool size in tokens (default: what remains)")
+    g.add_argument("--context-length", type=int, help="longest request, prompt + completion (default: the model's)")
+    g.add_argument("--max-running-requests", type=int, help="requests decoded at once = GDN state slots (16)")
+    g.add_argument("--prefill-chunk-tokens", type=int, help="prompt tokens read per step (512 CPU, 2048 GPU)")
+    g.add_argument("--kv-dtype", help="KV cache dtype: auto (= compute dtype), float32, bfloat16, float16, fp8")
+    g.add_argument("--state-dtype", help="GDN state dtype: auto (float32 CPU, bfloat16 GPU), float32, bfloat16")
+    g.add_argument("--max-new-tokens-cap", type=int, help=f"most new tokens one request may reserve "
+                   f"({DEFAULT_MAX_NEW_TOKENS_CAP}, at most the context)")
+    g.add_argument("--default-max-tokens", type=int, help="new tokens reserved when a request sets no max_tokens "
+                   "(default: the rest of the context, capped by --max-new-tokens-cap)")
+    g.add_argument("--max-queue", type=int, help="waiting requests before the server answers 429 (64)")
+    g.add_argument("--host", help="listen address (127.0.0.1)")
+    g.add_argument("--port", type=int, help="listen port (8000)")
+    g.add_argument("--api-key", help="require this bearer token")
+    g.add_argument("--served-model-name", help="model name reported by the API")
+    g.add_argument("--max-body-bytes", help="largest request body (8MiB)")
+    g.add_argument("--seed", type=int, help="default sampling seed (0)")
+    g.add_argument("--attention-backend", help="auto (paged on CUDA, portable on CPU), portable, paged")
+    g.add_argument("--dequantize-weights", action=argparse.BooleanOptionalAction, default=None,
+                   help="hold quantized weights dequantized in the compute dtype (default: on CPU)")
+    g.add_argument("--cuda-graph-reserve", help="bytes reserved for CUDA graphs (default: estimated)")
+
+
+def device_memory_bytes(kind: str) -> tuple[int, int]:
+    """(total, free) bytes of the device: host RAM for 'cpu' (MemTotal, MemAvailable), the GPU for 'cuda'."""
+    if kind == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ConfigError("--device cuda: no CUDA device here; pass --device 24GiB to plan for a GPU of that size")
+        free, total = torch.cuda.mem_get_info()
+        return total, free
+    info = {}
+    with open("/proc/meminfo") as f:
+        for row in f:
+            name, value = row.split(":", 1)
+            info[name] = int(value.split()[0]) * KiB
+    return info["MemTotal"], info.get("MemAvailable", info["MemFree"])
