@@ -1,0 +1,211 @@
+"""GGUF files: metadata -> HF-style config, tensors -> HF-named float tensors, vocabulary -> Tokenizer.
+
+llama.cpp's converter renames every tensor, reverses shapes (ne order) and, for `llama`, permutes
+the rows of attn_q / attn_k for its rotary layout; all three are undone here, exactly as
+transformers' GGUF loader undoes them, so the tensors equal what transformers loads.
+"""
+
+from pathlib import Path
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType as Q
+from gguf import GGUFReader, GGUFValueType
+from gguf.quants import dequantize
+
+from deltaserve.weights.errors import CheckpointError
+from deltaserve.weights.gguf_tokenizer import gguf_tokenizer
+
+SUPPORTED_TYPES = (Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K)
+SUPPORTED_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+GGUF_MAGIC = b"GGUF"
+
+
+class _PlainViewReader(GGUFReader):
+    """GGUFReader slicing a plain ndarray view of its memmap: np.memmap's per-slice hooks made
+    parsing a 100k-string vocabulary three times slower."""
+
+    def _get(self, offset, dtype, count=1, override_order=None):
+        plain = self.__dict__.get("_plain")
+        if plain is None:
+            plain = self._plain = self.data.view(np.ndarray)
+        count = int(count)
+        array = plain[offset:offset + np.dtype(dtype).itemsize * count].view(dtype=dtype)[:count]
+        return array.view(array.dtype.newbyteorder(self.byte_order if override_order is None else override_order))
+
+
+def open_gguf(path: Path) -> GGUFReader:
+    """A GGUFReader on `path` (memory-mapped, no tensor data read), or one clear CheckpointError."""
+    try:
+        with open(path, "rb") as f:
+            magic = f.read(4)
+    except OSError as e:
+        raise CheckpointError(path, f"cannot open: {e.strerror}") from e
+    if magic != GGUF_MAGIC:
+        raise CheckpointError(path, "not a GGUF file (it does not start with the GGUF magic bytes)")
+    try:
+        reader = _PlainViewReader(path)
+    except Exception as e:
+        raise CheckpointError(path, f"truncated or corrupt GGUF file ({type(e).__name__}: {e})") from e
+    size = path.stat().st_size
+    for tensor in reader.tensors:
+        if tensor.data_offset + tensor.n_bytes > size:
+            raise CheckpointError(path, f"truncated GGUF file: tensor {tensor.name} ends at byte "
+                                        f"{tensor.data_offset + tensor.n_bytes}, the file has {size}")
+    return reader
+
+
+def field(reader: GGUFReader, key: str, default=None):
+    """One metadata value (str, int, float, bool or list), `default` when absent."""
+    entry = reader.fields.get(key)
+    if entry is None or not entry.types:
+        return default
+    value = entry.contents()
+    if entry.types[0] == GGUFValueType.FLOAT32:
+        value = float(str(np.float32(value)))  # the decimal the converter wrote, not its float32 neighbour
+    return value
+
+
+def architecture(reader: GGUFReader, path: Path) -> str:
+    """`general.architecture`, checked against the ones we can load."""
+    arch = field(reader, "general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise CheckpointError(path, f"unsupported GGUF architecture {arch!r}; "
+                                    f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+    return arch
+
+
+def gguf_config(reader: GGUFReader, path: Path) -> dict:
+    """An HF-style config.json dict synthesized from the GGUF metadata."""
+    arch = architecture(reader, path)
+
+    def meta(key, default=None):
+        return field(reader, f"{arch}.{key}", default)
+
+    def required(key):
+        value = meta(key)
+        if value is None:
+            raise CheckpointError(path, f"GGUF metadata lacks {arch}.{key}")
+        return value
+
+    names = {t.name: t for t in reader.tensors}
+    hidden_size = required("embedding_length")
+    heads = required("attention.head_count")
+    kv_heads = meta("attention.head_count_kv", heads)
+    if isinstance(kv_heads, list):  # per-layer list: only a uniform one fits these architectures
+        if len(set(kv_heads)) != 1:
+            raise CheckpointError(path, f"per-layer KV head counts {sorted(set(kv_heads))} are not supported")
+        kv_heads = kv_heads[0]
+    embed = names.get("token_embd.weight")
+    vocab_size = meta("vocab_size") or (int(embed.shape[1]) if embed is not None else None)
+    if vocab_size is None:
+        vocab_size = len(field(reader, "tokenizer.ggml.tokens", []))
+    config = {
+        "architectures": [SUPPORTED_ARCHITECTURES[arch]],
+        "model_type": arch,
+        "hidden_size": hidden_size,
+        "intermediate_size": required("feed_forward_length"),
+        "num_hidden_layers": required("block_count"),
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": meta("attention.key_length", hidden_size // heads),
+        "hidden_act": "silu",
+        "rms_norm_eps": meta("attention.layer_norm_rms_epsilon", 1e-6),
+        "rope_theta": meta("rope.freq_base", 10000.0),
+        "max_position_embeddings": meta("context_length", 2048),
+        "vocab_size": vocab_size,
+        "tie_word_embeddings": "output.weight" not in names,
+        "attention_bias": "blk.0.attn_q.bias" in names,
+        "bos_token_id": field(reader, "tokenizer.ggml.bos_token_id"),
+        "eos_token_id": field(reader, "tokenizer.ggml.eos_token_id"),
+        "pad_token_id": field(reader, "tokenizer.ggml.padding_token_id"),
+    }
+    scaling = meta("rope.scaling.type")
+    if scaling not in (None, "none"):
+        config["rope_scaling"] = {"rope_type": scaling, "factor": meta("rope.scaling.factor", 1.0)}
+        original = meta("rope.scaling.original_context_length")
+        if original is not None:
+            config["rope_scaling"]["original_max_position_embeddings"] = original
+    return config
+
+
+def hf_name(gguf_name: str) -> str | None:
+    """The transformers parameter name of a GGUF tensor name, None when there is none."""
+    stem, dot, suffix = gguf_name.rpartition(".")
+    if not dot or suffix not in ("weight", "bias"):
+        return None
+    if stem in GLOBAL_NAMES:
+        return f"{GLOBAL_NAMES[stem]}.{suffix}"
+    parts = stem.split(".")
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{LAYER_NAMES[parts[2]]}.{suffix}"
+    return None
+
+
+def tensor_name(gguf_name: str) -> str:
+    """The name a tensor gets in a Checkpoint: its HF name, or its GGUF name if it has none (rope_freqs)."""
+    return hf_name(gguf_name) or gguf_name
+
+
+def read_gguf_index(path: Path) -> dict[str, tuple[str, tuple[int, ...], int]]:
+    """name -> (GGUF type name, HF-order shape, bytes as stored), from the headers only."""
+    reader = open_gguf(path)
+    return {tensor_name(t.name): (t.tensor_type.name, tuple(int(d) for d in reversed(t.shape)), int(t.n_bytes))
+            for t in reader.tensors}
+
+
+def read_gguf_config(path: Path) -> dict:
+    """The synthesized config of a GGUF file."""
+    return gguf_config(open_gguf(path), path)
+
+
+def read_gguf_tokenizer(path: Path):
+    """The Tokenizer of a GGUF file, without reading tensor data."""
+    return gguf_tokenizer(open_gguf(path), path)
+
+
+def load_gguf(path: Path, dtype: torch.dtype, skip_prefixes: tuple[str, ...]):
+    """(config, tensors, tokenizer, generation_config, skipped) of a GGUF file, tensors dequantized."""
+    reader = open_gguf(path)
+    config = gguf_config(reader, path)
+    tokenizer = gguf_tokenizer(reader, path)
+    tensors, skipped = {}, {}
+    for tensor in reader.tensors:
+        name = tensor_name(tensor.name)
+        prefix = next((p for p in skip_prefixes if name.startswith(p)), None)
+        if prefix is not None:
+            skipped[prefix] = skipped.get(prefix, 0) + 1
+            continue
+        if tensor.tensor_type not in SUPPORTED_TYPES:
+            raise CheckpointError(path, f"tensor {tensor.name} has GGUF type {tensor.tensor_type.name}, which we "
+                                        f"cannot dequantize; supported: {', '.join(t.name for t in SUPPORTED_TYPES)}")
+        values = dequantize(tensor.data, tensor.tensor_type).reshape(tuple(int(d) for d in reversed(tensor.shape)))
+        kind = tensor.name.split(".")[-2] if "." in tensor.name else ""
+        if config["model_type"] == "llama" and kind in ("attn_q", "attn_k"):
+            heads = config["num_attention_heads" if kind == "attn_q" else "num_key_value_heads"]
+            values = unpermute_rotary(values, heads)
+        tensors[name] = torch.from_numpy(np.array(values, dtype=np.float32)).to(dtype)
+    eos = tokenizer.eos_token_ids
+    generation_config = {"bos_token_id": tokenizer.bos_token_id,
+                         "eos_token_id": eos[0] if len(eos) == 1 else eos}
+    return config, tensors, tokenizer, generation_config, [f"{p}* ({n} tensors)" for p, n in skipped.items()]
+
+
+def unpermute_rotary(rows: np.ndarray, heads: int) -> np.ndarray:
+    """Undo llama.cpp's `permute` of q/k rows: per head, (2, dim/2) interleaved back to halves."""
+    half = rows.shape[0] // heads // 2
+    return rows.reshape(heads, half, 2, *rows.shape[1:]).swapaxes(2, 1).reshape(rows.shape)

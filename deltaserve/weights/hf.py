@@ -1,0 +1,119 @@
+"""Hugging Face model folders: config.json, (sharded) safetensors, generation_config.json."""
+
+import json
+import struct
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from deltaserve.engine.tokenizer import Tokenizer
+from deltaserve.weights.errors import CheckpointError
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+HEADER_LIMIT_BYTES = 100 * 1024 * 1024  # safetensors' own cap on the JSON header
+
+
+def read_json(path: Path, *, required: bool) -> dict:
+    """The JSON object in `path`; {} when absent and not required."""
+    if not path.is_file():
+        if required:
+            raise CheckpointError(path.parent, f"no {path.name} in this folder (not an HF model folder?)")
+        return {}
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise CheckpointError(path, f"not valid JSON: {e}") from e
+    if not isinstance(value, dict):
+        raise CheckpointError(path, f"expected a JSON object, got {type(value).__name__}")
+    return value
+
+
+def read_hf_config(folder: Path) -> dict:
+    """config.json of an HF model folder."""
+    return read_json(folder / "config.json", required=True)
+
+
+def safetensors_files(folder: Path) -> list[Path]:
+    """The weight files: the shards named by the index, or model.safetensors, or every *.safetensors."""
+    index_path = folder / INDEX_FILE
+    if index_path.is_file():
+        weight_map = read_json(index_path, required=True).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise CheckpointError(index_path, "has no weight_map")
+        files = [folder / name for name in dict.fromkeys(weight_map.values())]
+    elif (folder / SINGLE_FILE).is_file():
+        files = [folder / SINGLE_FILE]
+    else:
+        files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(folder, f"no {SINGLE_FILE} or {INDEX_FILE} (only safetensors weights are supported)")
+    for file in files:
+        if not file.is_file():
+            raise CheckpointError(file, f"missing shard (named in {INDEX_FILE})")
+    return files
+
+
+def read_safetensors_header(file: Path) -> dict[str, tuple[str, tuple[int, ...], int]]:
+    """name -> (dtype, shape, nbytes) from one file's header, checked against the file's size."""
+    size = file.stat().st_size
+    with open(file, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise CheckpointError(file, f"truncated safetensors file ({size} bytes, no header)")
+        (header_bytes,) = struct.unpack("<Q", head)
+        if header_bytes > min(HEADER_LIMIT_BYTES, size - 8):
+            raise CheckpointError(file, f"not a safetensors file or truncated (header of {header_bytes} bytes "
+                                        f"in a file of {size})")
+        try:
+            header = json.loads(f.read(header_bytes))
+        except (ValueError, UnicodeDecodeError) as e:
+            raise CheckpointError(file, f"corrupt safetensors header: {e}") from e
+    index = {}
+    data_bytes = size - 8 - header_bytes
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        start, end = entry["data_offsets"]
+        if end > data_bytes:
+            raise CheckpointError(file, f"truncated safetensors file: tensor {name} ends at data byte {end}, "
+                                        f"the file holds {data_bytes}")
+        index[name] = (entry["dtype"], tuple(entry["shape"]), end - start)
+    return index
+
+
+def read_hf_index(folder: Path) -> dict[str, tuple[str, tuple[int, ...], int]]:
+    """name -> (dtype, shape, nbytes) over all weight files, headers only."""
+    index = {}
+    for file in safetensors_files(folder):
+        index.update(read_safetensors_header(file))
+    return index
+
+
+def load_hf(folder: Path, dtype: torch.dtype, skip_prefixes: tuple[str, ...]):
+    """(config, tensors, tokenizer, generation_config, skipped) of an HF folder.
+
+    Floating-point tensors are converted to `dtype`; integer ones (packed quantized weights) are kept.
+    """
+    config = read_hf_config(folder)
+    generation_config = read_json(folder / "generation_config.json", required=False)
+    files = safetensors_files(folder)
+    tokenizer = Tokenizer.from_hf_dir(folder)
+    tensors, skipped = {}, {}
+    for file in files:
+        read_safetensors_header(file)  # a clear message for a truncated shard before safetensors' own
+        try:
+            with safe_open(file, framework="pt") as shard:
+                for name in shard.keys():
+                    prefix = next((p for p in skip_prefixes if name.startswith(p)), None)
+                    if prefix is not None:
+                        skipped[prefix] = skipped.get(prefix, 0) + 1
+                        continue
+                    tensor = shard.get_tensor(name)
+                    tensors[name] = tensor.to(dtype) if tensor.is_floating_point() else tensor
+        except CheckpointError:
+            raise
+        except Exception as e:
+            raise CheckpointError(file, f"cannot read safetensors: {e}") from e
+    return config, tensors, tokenizer, generation_config, [f"{p}* ({n} tensors)" for p, n in skipped.items()]
