@@ -1,0 +1,1 @@
+"""Load generator: concurrency × prompt length × generation length against an OpenAI-compatible server."""
