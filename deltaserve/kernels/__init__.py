@@ -1,0 +1,112 @@
+"""Kernels: pure tensor functions. Each entry point takes a fast path (flash-linear-attention, causal-conv1d)
+only for CUDA tensors when that package imports, and the portable PyTorch path otherwise.
+
+The fast-path glue keeps our conventions: q/k are l2-normalised here (eps 1e-6, as transformers does) rather
+than by fla's in-kernel norm, and key heads are repeated to value heads (value head j reads key head
+j // (Hv // Hk)) before the call, so both paths compute the same function.
+"""
+
+import functools
+import importlib
+
+import torch
+
+from deltaserve.kernels.conv import causal_conv1d, causal_conv1d_step
+from deltaserve.kernels.gated_delta import (CPU_CHUNK_SIZE, chunk_gated_delta_rule, l2norm,
+                                            recurrent_gated_delta_rule_step)
+
+__all__ = [
+    "causal_conv1d", "causal_conv1d_step", "chunk_gated_delta_rule", "recurrent_gated_delta_rule_step", "l2norm",
+    "gated_delta_prefill", "gated_delta_decode", "conv_prefill", "conv_decode",
+]
+
+FAST_CONV_MAX_WIDTH = 4     # causal-conv1d's CUDA kernels handle widths 2..4
+
+
+@functools.cache
+def _optional(module: str):
+    """The module if it imports (asked only for CUDA inputs, so CPU-only installs never try), else None."""
+    try:
+        return importlib.import_module(module)
+    except Exception:
+        return None
+
+
+def _fla_inputs(q, k, v, use_qk_l2norm):
+    """Our normalisation and head repeat, then fla's [1, T, H, D] layout with q/k in v's dtype."""
+    if use_qk_l2norm:
+        q, k = l2norm(q.float()), l2norm(k.float())
+    ratio = v.shape[1] // q.shape[1]
+    q, k = (x.repeat_interleave(ratio, dim=1).to(v.dtype) for x in (q, k))
+    return q, k
+
+
+def gated_delta_prefill(q, k, v, g, beta, *, cu_seqlens=None, initial_state=None, use_qk_l2norm=True,
+                        scale=None, output_final_state=True):
+    """Chunked gated delta rule; same contract as `chunk_gated_delta_rule` (packed [T, H, D] inputs), with
+    the chunk size each path runs best at."""
+    # fla's chunk kernel refuses float32 inputs; those take the portable path (which runs on CUDA too).
+    fla = _optional("fla.ops.gated_delta_rule") if q.is_cuda and v.dtype != torch.float32 else None
+    if fla is None:
+        return chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens=cu_seqlens, initial_state=initial_state,
+                                      chunk_size=64 if q.is_cuda else CPU_CHUNK_SIZE,
+                                      use_qk_l2norm=use_qk_l2norm, scale=scale,
+                                      output_final_state=output_final_state)
+    qr, kr = _fla_inputs(q, k, v, use_qk_l2norm)
+    o, final = fla.chunk_gated_delta_rule(
+        qr[None], kr[None], v[None], g[None].float(), beta[None].to(v.dtype),
+        scale=q.shape[-1] ** -0.5 if scale is None else scale,
+        initial_state=None if initial_state is None else initial_state.float(),
+        output_final_state=output_final_state, cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=False)
+    return o[0], None if final is None else final.float()
+
+
+def gated_delta_decode(q, k, v, g, beta, state, *, use_qk_l2norm=True, scale=None):
+    """One token per sequence; same contract as `recurrent_gated_delta_rule_step` ([B, H, D] inputs)."""
+    fla = _optional("fla.ops.gated_delta_rule") if q.is_cuda else None
+    if fla is None:
+        return recurrent_gated_delta_rule_step(q, k, v, g, beta, state, use_qk_l2norm=use_qk_l2norm, scale=scale)
+    qr, kr = _fla_inputs(q, k, v, use_qk_l2norm)
+    o, new_state = fla.fused_recurrent_gated_delta_rule(
+        qr[:, None], kr[:, None], v[:, None], g[:, None].float(), beta[:, None].to(v.dtype),
+        scale=q.shape[-1] ** -0.5 if scale is None else scale, initial_state=state.float(),
+        output_final_state=True, use_qk_l2norm_in_kernel=False)
+    return o[:, 0], new_state.float()
+
+
+def conv_prefill(x, weight, bias=None, *, cu_seqlens=None, initial_state=None, activation="silu"):
+    """Causal depthwise conv + activation; same contract as `conv.causal_conv1d` (packed [T, C] input)."""
+    fast = None
+    if x.is_cuda and weight.shape[1] <= FAST_CONV_MAX_WIDTH and activation in ("silu", None):
+        fast = _optional("causal_conv1d")
+    if fast is None:
+        return causal_conv1d(x, weight, bias, cu_seqlens=cu_seqlens, initial_state=initial_state,
+                             activation=activation)
+    bounds = [0, x.shape[0]] if cu_seqlens is None else cu_seqlens.tolist()
+    history = weight.shape[1] - 1
+    if initial_state is None:
+        initial_state = x.new_zeros(len(bounds) - 1, x.shape[1], history)
+    y = torch.empty_like(x)
+    finals = []
+    for n, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:])):
+        init = initial_state[n:n + 1].to(x.dtype)
+        if hi > lo:
+            # [1, C, L] channel-last views, the layout in which the kernel accepts initial states
+            init_cl = init.transpose(1, 2).contiguous().transpose(1, 2)
+            out = fast.causal_conv1d_fn(x[lo:hi].T[None], weight, bias, initial_states=init_cl,
+                                        activation=activation)
+            y[lo:hi] = out[0].T
+        finals.append(torch.cat([init, x[lo:hi].T[None]], dim=-1)[..., -history:] if history else init)
+    return y, torch.cat(finals)
+
+
+def conv_decode(x, weight, bias, state, activation="silu"):
+    """One token per sequence; same contract as `conv.causal_conv1d_step` ([B, C] input, state not modified)."""
+    fast = None
+    if x.is_cuda and weight.shape[1] <= FAST_CONV_MAX_WIDTH and activation in ("silu", None):
+        fast = _optional("causal_conv1d")
+    if fast is None:
+        return causal_conv1d_step(x, weight, bias, state, activation)
+    new_state = state.to(x.dtype).clone()                       # the kernel updates the state in place
+    y = fast.causal_conv1d_update(x, new_state, weight, bias, activation)
+    return y, new_state.to(state.dtype)
