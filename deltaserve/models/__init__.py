@@ -12,6 +12,11 @@ from deltaserve.models.layers import load_weights
 ARCHITECTURES: dict[str, tuple[str, str]] = {
     "llama": ("deltaserve.models.llama", "LlamaForCausalLM"),
     "qwen3": ("deltaserve.models.llama", "LlamaForCausalLM"),
+    "qwen3_next": ("deltaserve.models.qwen3_next", "Qwen3NextForCausalLM"),
+    "qwen3_5_text": ("deltaserve.models.qwen3_5", "Qwen3_5ForCausalLM"),
+    "qwen3_5": ("deltaserve.models.qwen3_5", "Qwen3_5ForCausalLM"),
+    "qwen3_5_moe_text": ("deltaserve.models.qwen3_5", "Qwen3_5ForCausalLM"),
+    "qwen3_5_moe": ("deltaserve.models.qwen3_5", "Qwen3_5ForCausalLM"),
 }
 
 
@@ -33,10 +38,22 @@ def model_class(config: dict):
     return getattr(importlib.import_module(module), name)
 
 
+def skip_prefixes(config: dict) -> tuple[str, ...]:
+    """Checkpoint name prefixes the architecture never loads (a vision tower, an MTP head): pass them to the
+    checkpoint reader so those tensors are not even read."""
+    return tuple(getattr(model_class(config), "skip_prefixes", ()))
+
+
 def build_model(config: dict, tensors: dict[str, torch.Tensor], *, dtype: torch.dtype = torch.float32,
                 device: torch.device | str = "cpu"):
-    """Instantiate the architecture named by config['model_type'] and fill it from `tensors` (HF names)."""
+    """Instantiate the architecture named by config['model_type'] and fill it from `tensors` (HF names).
+
+    A model with a `checkpoint_tensors(tensors)` method first maps the checkpoint's names onto its own (and skips
+    what it does not load, e.g. a vision tower); `tensors` may be a lazy mapping, read only for what is kept.
+    """
     cls = model_class(config)
     model = cls(config)
+    if hasattr(model, "checkpoint_tensors"):
+        tensors = model.checkpoint_tensors(tensors)
     load_weights(model, tensors, dtype=dtype, device=device, tied=model.tied_weights, name=config["model_type"])
     return model.eval()

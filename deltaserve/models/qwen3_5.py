@@ -1,0 +1,51 @@
+"""Qwen3.5 (dense and MoE, text-only or multimodal checkpoints): the hybrid decoder (hybrid.py) with separate
+Gated DeltaNet in-projections (in_proj_qkv, in_proj_z, in_proj_b, in_proj_a).
+
+Dense models use a SwiGLU MLP of intermediate_size on every layer; MoE models a sparse mixture of experts with a
+gated shared expert on every layer, router weights always renormalised over the top-k. A multimodal checkpoint
+(model_type qwen3_5 / qwen3_5_moe) nests the language model's settings under text_config and its tensors under
+model.language_model.: only the language model is built and loaded, the vision tower is skipped unread.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from deltaserve.models.hybrid import (
+    SKIP_PREFIXES,
+    HybridForCausalLM,
+    SparseMoeBlock,
+    SwiGLU,
+    announce_unloaded_parts,
+    language_model_tensors,
+)
+
+MOE_MODEL_TYPES = ("qwen3_5_moe", "qwen3_5_moe_text")
+
+
+def text_config(config: dict) -> dict:
+    """The language model's settings: text_config of a multimodal checkpoint, else the config itself."""
+    return config.get("text_config") or config
+
+
+class Qwen3_5ForCausalLM(HybridForCausalLM):
+    skip_prefixes = SKIP_PREFIXES  # checkpoint tensors never read
+
+    def __init__(self, config: dict):
+        text = text_config(config)
+        moe = config["model_type"] in MOE_MODEL_TYPES
+
+        def mlp_of_layer(i: int):
+            if moe:
+                return SparseMoeBlock(text, norm_topk_prob=True)
+            return SwiGLU(text["hidden_size"], text["intermediate_size"])
+
+        # A multimodal checkpoint ties (or not) at its top level, as transformers reads it.
+        tie = config.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
+        super().__init__(text, mlp_of_layer, fused_projections=False, tie_word_embeddings=bool(tie))
+        self.model_type = config["model_type"]
+        self.announced_parts = announce_unloaded_parts(config, self.model_type)
+
+    def checkpoint_tensors(self, tensors) -> dict[str, torch.Tensor]:
+        """The checkpoint's tensors under this model's names (model.visual.* and mtp.* skipped)."""
+        return language_model_tensors(tensors, self.model_type, self.announced_parts)
