@@ -16,7 +16,6 @@ def _add_generate(sub) -> None:
     p.add_argument("--max-tokens", type=int, default=128, help="new tokens to generate at most [128]")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy [0]")
     p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=None)
     p.add_argument("--chat", action="store_true", help="apply the model's chat template to the prompt")
     p.add_argument("--system", default=None, help="system message (with --chat)")
     from deltaserve.config import add_engine_arguments

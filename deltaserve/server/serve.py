@@ -1,0 +1,88 @@
+"""`deltaserve serve`: bind the port, start uvicorn at once, and load the engine behind it (/health 503 till then)."""
+
+from __future__ import annotations
+
+import argparse
+import socket
+import sys
+
+import uvicorn
+
+from deltaserve.config import ConfigError, EngineConfig, add_engine_arguments
+from deltaserve.server.app import create_app
+
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+GRACEFUL_SHUTDOWN_S = 5  # open streams are cut after this on Ctrl-C / SIGTERM
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The engine's settings plus the server's own (log level)."""
+    add_engine_arguments(parser)
+    g = parser.add_argument_group("server")
+    g.add_argument("--log-level", default="info", choices=LOG_LEVELS, help="uvicorn log level (info)")
+    g.add_argument("--no-access-log", action="store_true", help="do not log one line per HTTP request")
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening socket on host:port, or a ConfigError naming the address (in use, not local, ...)."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        family, kind, proto, _, address = infos[0]
+        sock = socket.socket(family, kind, proto)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(2048)
+    except OSError as e:
+        raise ConfigError(f"--host {host} --port {port}: cannot listen there: {e.strerror or e}") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def run(args: argparse.Namespace) -> int:
+    """Serve until interrupted; a model that fails to load stops the server and its error is raised here."""
+    config = EngineConfig.from_args(args)
+    sock = bind(config.host, config.port)
+    host, port = sock.getsockname()[:2]
+    load_errors: list[BaseException] = []
+    server: uvicorn.Server | None = None
+
+    def stop(error: BaseException) -> None:
+        load_errors.append(error)
+        server.should_exit = True
+
+    app = create_app(config, on_load_failure=stop)
+    server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level, access_log=not args.no_access_log,
+                                           timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S))
+    print(f"deltaserve: listening on http://{host}:{port} (GET /health answers 503 until the model has loaded)",
+          file=sys.stderr, flush=True)
+    server.run(sockets=[sock])
+    if load_errors:
+        raise load_errors[0]
+    return 0
+
+
+def _expected_errors() -> tuple[type[Exception], ...]:
+    """Bad settings or a bad checkpoint: one line on stderr, exit code 2 (as the `deltaserve` CLI does)."""
+    from deltaserve.budget import BudgetError
+    from deltaserve.models import UnsupportedModelError
+    from deltaserve.weights import CheckpointError
+
+    return ConfigError, BudgetError, UnsupportedModelError, CheckpointError
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m deltaserve.server.serve ...`, the same as `deltaserve serve ...`."""
+    parser = argparse.ArgumentParser(prog="deltaserve serve", description="the OpenAI-compatible HTTP server")
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        return run(args)
+    except _expected_errors() as e:
+        print(f"deltaserve serve: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
