@@ -46,8 +46,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
 
 def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cached: int, scale: float) -> torch.Tensor:
     """One sequence: q [S, Hq, D] at positions cached..cached+S-1 over k, v [cached+S, Hkv, D]."""
-    qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
-    gqa = qh.shape[0] != kh.shape[0]
+    # 4-D inputs: with 3-D ones CPU SDPA takes the math path and materialises the whole score matrix.
+    qh, kh, vh = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
+    gqa = qh.shape[1] != kh.shape[1]
     if cached == 0:
         o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=gqa)
     else:
@@ -55,7 +56,7 @@ def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cached
         q_pos = torch.arange(cached, cached + s, device=q.device).unsqueeze(1)
         mask = torch.arange(total, device=q.device).unsqueeze(0) <= q_pos
         o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=gqa)
-    return o.transpose(0, 1)
+    return o[0].transpose(0, 1)
 
 
 def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
