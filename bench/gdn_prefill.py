@@ -80,7 +80,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", default="1024,4096,16384,32768", help="prompt tokens, comma-separated")
     parser.add_argument("--shapes", default="27b,tiny", help=f"comma-separated from {sorted(SHAPES)}")
-    parser.add_argument("--repeats", type=int, default=1, help="best of this many timed runs per cell")
+    parser.add_argument("--repeats", type=int, default=2, help="best of this many timed runs per cell")
     parser.add_argument("--chunk-size", type=int, default=0,
                         help=f"0: the dispatcher's choice (CPU: {CPU_CHUNK_SIZE})")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: leave as is)")

@@ -71,9 +71,10 @@ def _expected_errors() -> tuple[type[Exception], ...]:
     from deltaserve.budget import BudgetError
     from deltaserve.config import ConfigError
     from deltaserve.models import UnsupportedModelError
+    from deltaserve.models.spec import SpecError
     from deltaserve.weights import CheckpointError
 
-    return (UsageError, CheckpointError, ConfigError, BudgetError, UnsupportedModelError)
+    return (UsageError, CheckpointError, ConfigError, BudgetError, UnsupportedModelError, SpecError)
 
 
 def build_parser() -> argparse.ArgumentParser:

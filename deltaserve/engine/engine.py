@@ -91,7 +91,8 @@ class Engine:
         self._seeds = random.Random(c.seed)  # seeds of requests that name none: reproducible per engine start
         self._thread: threading.Thread | None = None
         self._stopping = False
-        for check in measure_vs_predicted(budget, self.measured_bytes()):
+        measured = {name: n for name, n in self.measured_bytes().items() if n or budget.line(name).bytes}
+        for check in measure_vs_predicted(budget, measured):
             self._log(f"measured {check}")
 
     def measured_bytes(self) -> dict[str, int]:
@@ -148,6 +149,8 @@ class Engine:
 
     def step(self) -> bool:
         """Run one step in the calling thread (when the background loop is not started); False when idle."""
+        if self._thread is not None and threading.current_thread() is not self._thread:
+            raise RuntimeError("Engine.step() called while the background loop runs; use one or the other")
         with self._cond:
             try:
                 plan = self.scheduler.schedule()

@@ -13,7 +13,7 @@ import math
 from collections import Counter, deque
 from dataclasses import dataclass
 
-from deltaserve.cache.kv_pool import KVPool, PoolExhausted
+from deltaserve.cache.kv_pool import KVPool, PoolCorruption, PoolExhausted
 from deltaserve.cache.state_pool import StatePool
 from deltaserve.engine.admission import AdmissionLedger, AdmissionPolicy, Reservation
 from deltaserve.engine.request import Request, TokenLogprob
@@ -45,7 +45,7 @@ class StepPlan:
 
     decode: list[Request]
     prefill: list[tuple[Request, int]]
-    sampling: list[Request] = None  # filled in: decode requests, and prefills that read their prompt's end
+    sampling: list[Request] | None = None  # filled in: decode requests, and prefills that read their prompt's end
 
     def __post_init__(self) -> None:
         if self.sampling is None:
@@ -196,12 +196,18 @@ class Scheduler:
         self.kv_pool.free(request)
 
     def check(self) -> None:
-        """Raise unless pools and ledger agree with the queues (tests and debugging)."""
+        """Raise PoolCorruption unless pools and ledger agree with the queues (tests and debugging)."""
         self.kv_pool.check()
         self.state_pool.check()
         running = set(self.running)
-        assert set(self.ledger.reservations) == running, "ledger and running queue differ"
-        assert set(self.kv_pool.owners()) <= running, "a page is held by a request that is not running"
-        assert self.state_pool.used_slots == len(running), "state slots and running requests differ"
-        for request in self.running:
-            assert self.kv_pool.capacity(request) <= request.reserved_pages * self.kv_pool.page_size
+        problems = []
+        if set(self.ledger.reservations) != running:
+            problems.append("ledger and running queue differ")
+        if not set(self.kv_pool.owners()) <= running:
+            problems.append("a page is held by a request that is not running")
+        if self.state_pool.used_slots != len(running):
+            problems.append(f"{self.state_pool.used_slots} state slots held by {len(running)} running requests")
+        if any(self.kv_pool.capacity(r) > r.reserved_pages * self.kv_pool.page_size for r in self.running):
+            problems.append("a request holds more pages than it reserved")
+        if problems:
+            raise PoolCorruption("scheduler: " + "; ".join(problems))

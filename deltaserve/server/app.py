@@ -16,30 +16,27 @@ import threading
 import time
 import traceback
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from deltaserve.config import EngineConfig
 from deltaserve.engine.engine import Engine, QueueFull, RequestRefused
-from deltaserve.engine.request import RequestOutput, RequestStream
+from deltaserve.engine.request import RequestStream
 from deltaserve.engine.tokenizer import ChatTemplateError
 from deltaserve.server import protocol
-from deltaserve.server.generation import Generation, GenerationFailed
+from deltaserve.server.generation import EventStream, Generation, GenerationFailed, chat_events, completion_events
 from deltaserve.server.metrics import ServerMetrics
 
 DISCONNECT_POLL_S = 0.1  # how often a non-streamed request checks that its client is still there
 LOADING_RETRY_AFTER_S = 5
-ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
-               405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
-               500: "server_error", 503: "service_unavailable"}
 
 
 class ApiError(Exception):
@@ -52,10 +49,6 @@ class ApiError(Exception):
         self.headers = headers or {}
 
 
-class ClientGone(Exception):
-    """The client closed the connection before its answer was ready."""
-
-
 @dataclass
 class ServerState:
     """What the routes share: settings, metrics, and the engine once it has loaded."""
@@ -65,7 +58,10 @@ class ServerState:
     engine: Engine | None = None
     load_error: BaseException | None = None
     started_s: int = field(default_factory=lambda: int(time.time()))
-    metrics: ServerMetrics = None
+    metrics: ServerMetrics = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.metrics = ServerMetrics(lambda: self.engine.stats() if self.engine is not None else None)
 
     def ready_engine(self) -> Engine:
         if self.engine is not None:
@@ -95,7 +91,6 @@ def create_app(config: EngineConfig, *, load_engine: Callable[[EngineConfig], En
                log: Callable[[str], None] = _stderr) -> FastAPI:
     """The FastAPI app; at startup it loads the engine in a thread, answering 503 until the engine is ready."""
     state = ServerState(config=config, log=log)
-    state.metrics = ServerMetrics(lambda: state.engine.stats() if state.engine is not None else None)
     load = load_engine or (lambda c: Engine(c, log=log))
 
     def load_in_thread() -> None:
@@ -128,7 +123,7 @@ def create_app(config: EngineConfig, *, load_engine: Callable[[EngineConfig], En
 
 def _add_error_handlers(app: FastAPI, state: ServerState) -> None:
     def error_response(status: int, message: str, param=None, code=None, headers=None) -> JSONResponse:
-        type_ = ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
+        type_ = protocol.error_type(status)
         state.metrics.errors.labels(str(status), type_).inc()
         return JSONResponse(protocol.error_body(message, type_, param, code), status_code=status, headers=headers)
 
@@ -181,7 +176,8 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
             try:
                 state.ready_engine()
             except ApiError as e:
-                return JSONResponse(protocol.error_body(e.message, ERROR_TYPES[503], code=e.code), 503, e.headers)
+                body = protocol.error_body(e.message, protocol.error_type(503), code=e.code)
+                return JSONResponse(body, 503, e.headers)
         return {"status": "ok"}
 
     @app.get("/metrics")
@@ -212,12 +208,15 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
                                                  **protocol.chat_template_kwargs(req))
         except ChatTemplateError as e:
             raise ApiError(400, f"messages: {e}", param="messages") from None
+        except Exception as e:  # the template ran on the client's data (messages, tools, chat_template_kwargs)
+            raise ApiError(400, f"messages: the chat template failed on this request: {type(e).__name__}: {e}",
+                           param="messages") from None
         gen = _submit(state, engine, [prompt_ids], req, received_s)
         meta = protocol.ResponseMeta(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), state.served_name())
         token_bytes = engine.tokenizer.token_bytes
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return EventStream(_chat_events(gen, meta, include_usage, token_bytes), gen)
+            return EventStream(chat_events(gen, meta, include_usage, token_bytes), gen)
         await _collect(request, gen, state)
         return protocol.chat_completion(meta, gen.results(), gen.usage(), token_bytes)
 
@@ -234,7 +233,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         echoes = [_echo_text(engine, req.prompt, prompts, p) if req.echo else "" for p in gen.choice_prompt]
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return EventStream(_completion_events(gen, meta, include_usage, echoes), gen)
+            return EventStream(completion_events(gen, meta, include_usage, echoes), gen)
         await _collect(request, gen, state)
         return protocol.completion(meta, gen.results(), gen.usage(), echoes)
 
@@ -358,80 +357,10 @@ async def _collect(request: Request, gen: Generation, state: ServerState) -> Non
             await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
             if not task.done() and await request.is_disconnected():
                 state.metrics.disconnects.inc()
-                raise ClientGone()
+                raise ClientDisconnect()
         task.result()
     except GenerationFailed as e:
         raise ApiError(e.status, e.message, code=e.code) from None
-    except ClientGone:
-        raise ClientDisconnect() from None
     finally:
         task.cancel()
         gen.close()
-
-
-async def _chat_events(gen: Generation, meta: protocol.ResponseMeta, include_usage: bool,
-                       token_bytes) -> AsyncIterator[bytes]:
-    for i in range(len(gen.streams)):
-        yield protocol.chat_chunk(meta, i, role=True)
-    async for i, out in _guarded(gen):
-        if isinstance(out, bytes):
-            yield out
-            return
-        if out.text or out.logprobs:
-            yield protocol.chat_chunk(meta, i, text=out.text, logprobs=out.logprobs, token_bytes=token_bytes)
-        if out.finished:
-            yield protocol.chat_chunk(meta, i, text=None, finish=out.finish_reason)
-    if include_usage:
-        yield protocol.chat_usage_chunk(meta, gen.usage())
-    yield protocol.SSE_DONE
-
-
-async def _completion_events(gen: Generation, meta: protocol.ResponseMeta, include_usage: bool,
-                             echoes: list[str]) -> AsyncIterator[bytes]:
-    offsets = [len(e) for e in echoes]
-    for i, echo in enumerate(echoes):
-        if echo:
-            yield protocol.completion_chunk(meta, i, echo)
-    async for i, out in _guarded(gen):
-        if isinstance(out, bytes):
-            yield out
-            return
-        if out.text or out.logprobs:
-            yield protocol.completion_chunk(meta, i, out.text, logprobs=out.logprobs, text_start=offsets[i])
-            offsets[i] += len(out.text)
-        if out.finished:
-            yield protocol.completion_chunk(meta, i, "", finish=out.finish_reason)
-    if include_usage:
-        yield protocol.completion_usage_chunk(meta, gen.usage())
-    yield protocol.SSE_DONE
-
-
-async def _guarded(gen: Generation) -> AsyncIterator[tuple[int, RequestOutput | bytes]]:
-    """The merged outputs; a failure becomes one error event and [DONE] (the status line has already gone out)."""
-    try:
-        async for item in gen.events():
-            yield item
-    except GenerationFailed as e:
-        yield -1, protocol.sse_event(protocol.error_body(e.message, ERROR_TYPES.get(e.status, "server_error"),
-                                                         code=e.code)) + protocol.SSE_DONE
-    except Exception as e:  # an internal failure ends this stream only
-        gen.log(f"deltaserve: internal error in a stream:\n{traceback.format_exc()}")
-        yield -1, protocol.sse_event(protocol.error_body(f"internal error: {type(e).__name__}: {e}",
-                                                         "server_error", code="internal_error")) + protocol.SSE_DONE
-
-
-class EventStream(StreamingResponse):
-    """An SSE response that aborts its engine requests however it ends (finished, error, or client gone)."""
-
-    def __init__(self, events: AsyncIterator[bytes], gen: Generation):
-        super().__init__(events, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        self.gen = gen
-
-    async def __call__(self, scope, receive, send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            if not self.gen.done and not self.gen.failed:
-                self.gen.metrics.disconnects.inc()
-            self.gen.close()

@@ -1,10 +1,14 @@
-"""The engine requests behind one HTTP request (prompts × n choices), read on the event loop as one stream."""
+"""The engine requests behind one HTTP request (prompts × n choices), read on the event loop as one stream,
+and relayed as server-sent events."""
 
 from __future__ import annotations
 
 import asyncio
 import time
+import traceback
 from collections.abc import AsyncIterator, Callable
+
+from fastapi.responses import StreamingResponse
 
 from deltaserve.engine.engine import Engine
 from deltaserve.engine.request import RequestOutput, RequestStream, TokenLogprob
@@ -111,3 +115,73 @@ class Generation:
         for stream, reason in zip(self.streams, self.finish_reasons):
             if reason is None:
                 self.engine.abort(stream.request_id)
+
+
+async def chat_events(gen: Generation, meta: protocol.ResponseMeta, include_usage: bool,
+                      token_bytes: Callable[[int], bytes]) -> AsyncIterator[bytes]:
+    """The chat stream: each choice's role, its text deltas (with logprobs), its finish; usage; [DONE]."""
+    for i in range(len(gen.streams)):
+        yield protocol.chat_chunk(meta, i, role=True)
+    async for i, out in _failures_as_events(gen):
+        if isinstance(out, bytes):
+            yield out
+            return
+        if out.text or out.logprobs:
+            yield protocol.chat_chunk(meta, i, text=out.text, logprobs=out.logprobs, token_bytes=token_bytes)
+        if out.finished:
+            yield protocol.chat_chunk(meta, i, text=None, finish=out.finish_reason)
+    if include_usage:
+        yield protocol.chat_usage_chunk(meta, gen.usage())
+    yield protocol.SSE_DONE
+
+
+async def completion_events(gen: Generation, meta: protocol.ResponseMeta, include_usage: bool,
+                            echoes: list[str]) -> AsyncIterator[bytes]:
+    """The completions stream: echoed prompts, text deltas (with logprobs), finishes; usage; [DONE]."""
+    offsets = [len(e) for e in echoes]
+    for i, echo in enumerate(echoes):
+        if echo:
+            yield protocol.completion_chunk(meta, i, echo)
+    async for i, out in _failures_as_events(gen):
+        if isinstance(out, bytes):
+            yield out
+            return
+        if out.text or out.logprobs:
+            yield protocol.completion_chunk(meta, i, out.text, logprobs=out.logprobs, text_start=offsets[i])
+            offsets[i] += len(out.text)
+        if out.finished:
+            yield protocol.completion_chunk(meta, i, "", finish=out.finish_reason)
+    if include_usage:
+        yield protocol.completion_usage_chunk(meta, gen.usage())
+    yield protocol.SSE_DONE
+
+
+async def _failures_as_events(gen: Generation) -> AsyncIterator[tuple[int, RequestOutput | bytes]]:
+    """The merged outputs; a failure becomes one error event and [DONE] (the status line has already gone out)."""
+    try:
+        async for item in gen.events():
+            yield item
+    except GenerationFailed as e:
+        yield -1, protocol.sse_event(protocol.error_body(e.message, protocol.error_type(e.status),
+                                                         code=e.code)) + protocol.SSE_DONE
+    except Exception as e:  # an internal failure ends this stream only
+        gen.log(f"deltaserve: internal error in a stream:\n{traceback.format_exc()}")
+        yield -1, protocol.sse_event(protocol.error_body(f"internal error: {type(e).__name__}: {e}",
+                                                         "server_error", code="internal_error")) + protocol.SSE_DONE
+
+
+class EventStream(StreamingResponse):
+    """An SSE response that aborts its engine requests however it ends (finished, error, or client gone)."""
+
+    def __init__(self, events: AsyncIterator[bytes], gen: Generation):
+        super().__init__(events, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.gen = gen
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            if not self.gen.done and not self.gen.failed:
+                self.gen.metrics.disconnects.inc()
+            self.gen.close()

@@ -32,7 +32,7 @@ class EngineCollector(Collector):
             "requests_running": ("requests prefilling or decoding", s.running),
             "kv_pages_used": ("KV cache pages held by requests", s.kv_pages_used),
             "kv_pages_free": ("KV cache pages free", s.kv_pages_total - s.kv_pages_used),
-            "kv_pages_reserved": ("KV pages that admitted requests reserved (used or not yet)", getattr(s, "kv_pages_reserved", 0)),
+            "kv_pages_reserved": ("KV pages that admitted requests reserved (used or not yet)", s.kv_pages_reserved),
             "kv_pages_total": ("KV cache pages in the pool", s.kv_pages_total),
             "state_slots_used": ("GDN state slots held by requests", s.state_slots_used),
             "state_slots_free": ("GDN state slots free", s.state_slots_total - s.state_slots_used),

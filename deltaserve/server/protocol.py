@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, WithJsonSchema, model_serializer
 
 from deltaserve.engine.request import SamplingParams, TokenLogprob
 
@@ -24,6 +25,10 @@ MAX_TOP_LOGPROBS = 20
 LOGPROB_FLOOR = -9999.0  # JSON has no -inf; OpenAI reports impossible tokens this way
 
 FinishReason = Literal["stop", "length"]
+TokenId = Annotated[int, Field(ge=0, le=MAX_COUNT)]
+Text = Annotated[str, Field(min_length=1)]
+# Checked in _check_common with a clearer message than pydantic's; the schema still states the rule.
+StopString = Annotated[str, WithJsonSchema({"type": "string", "minLength": 1})]
 
 
 class _Body(BaseModel):
@@ -37,8 +42,11 @@ class StreamOptions(_Body):
 
 
 class ContentPart(_Body):
-    type: str
-    text: str | None = None
+    """Only text parts are served; other types get a 400 naming the part (checked in chat_messages)."""
+
+    model_config = ConfigDict(json_schema_extra={"required": ["type", "text"]})
+    type: Annotated[str, WithJsonSchema({"type": "string", "enum": ["text"]})]
+    text: Annotated[str | None, WithJsonSchema({"type": "string"})] = None
 
 
 class ChatMessage(_Body):
@@ -60,8 +68,8 @@ class _SamplingFields(_Body):
     n: int = Field(1, ge=1, le=MAX_CHOICES)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOPS)
+    stop: StopString | list[StopString] | None = None
+    stop_token_ids: list[TokenId] | None = Field(None, max_length=MAX_STOPS)
     seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
@@ -83,10 +91,11 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: (Text | Annotated[list[Text], Field(min_length=1)] | Annotated[list[TokenId], Field(min_length=1)]
+             | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)])
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool = False
-    suffix: str | None = None
+    suffix: Annotated[str | None, WithJsonSchema({"type": "null"})] = None  # refused with a message when set
     best_of: int | None = Field(None, ge=1, le=MAX_CHOICES)
 
 
@@ -234,24 +243,44 @@ def validation_message(error: ValidationError) -> tuple[str, str | None]:
     """'messages[0].role: Input should be ... (got 'robot')' for the first problem, and its field path."""
     problems = error.errors(include_url=False)
     first = problems[0]
+    union = _union_prefix(first["loc"])
+    if union is not None:
+        # A union field fails once per alternative: name the accepted forms instead of each failure.
+        alternatives = [p for p in problems if _union_prefix(p["loc"]) == union]
+        outer = min(alternatives, key=lambda p: len(p["loc"]))
+        expected = UNION_FORMS.get(re.sub(r"\[\d+\]", "[]", union), "a value of one of the accepted forms")
+        others = len(problems) - len(alternatives)
+        more = f"; and {others} more problem(s)" if others else ""
+        return f"{union}: must be {expected} (got {_short_repr(outer.get('input'))}){more}", union
     param = _field_path(first["loc"])
-    # A union field fails once per alternative: say them together.
-    same = [p for p in problems if _field_path(p["loc"]) == param]
-    what = " or ".join(dict.fromkeys(p["msg"] for p in same))
     got = "" if first["type"] == "missing" else f" (got {_short_repr(first.get('input'))})"
-    others = len(problems) - len(same)
-    more = f"; and {others} more problem(s)" if others else ""
+    more = f"; and {len(problems) - 1} more problem(s)" if len(problems) > 1 else ""
     where = f"{param}: " if param else "request body: "
-    return f"{where}{what}{got}{more}", param
+    return f"{where}{first['msg']}{got}{more}", param
+
+
+UNION_FORMS = {
+    "prompt": "a non-empty string, a list of non-empty strings, a list of token ids, or a list of lists of token ids",
+    "stop": "a string or a list of strings",
+    "messages[].content": "a string, a list of content parts, or null",
+}
+_UNION_TAG = re.compile(r"^(str|int|float|bool|list|dict|none)$|^(constrained-|function-|json-or-python)|\[")
+
+
+def _union_prefix(loc: tuple) -> str | None:
+    """The path of the union field a loc runs through ('prompt' for ('prompt', 'list[int]', 0)), else None."""
+    for i, part in enumerate(loc):
+        if isinstance(part, str) and _UNION_TAG.search(part):
+            return _field_path(loc[:i])
+    return None
 
 
 def _field_path(loc: tuple) -> str | None:
-    # Union members show up in loc as type names ('str', 'list[int]'); they are not fields.
     path = ""
     for part in loc:
         if isinstance(part, int):
             path += f"[{part}]"
-        elif "[" in part or part in ("str", "int", "float", "bool", "list", "dict", "function-after"):
+        elif _UNION_TAG.search(part):
             continue
         else:
             path += f".{part}" if path else part
@@ -284,8 +313,6 @@ def _check_common(req: _SamplingFields) -> None:
                                 "best_of")
         if req.echo and req.logprobs is not None:
             raise ProtocolError("echo: echo with logprobs (prompt log-probabilities) is not supported", "echo")
-        if isinstance(req.prompt, list) and not req.prompt:
-            raise ProtocolError("prompt: must not be an empty list", "prompt")
 
 
 def stop_strings(req: _SamplingFields) -> tuple[str, ...]:
@@ -300,6 +327,7 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict]:
     out = []
     for i, message in enumerate(req.messages):
         item = message.model_dump(exclude_none=True)
+        item.setdefault("content", "")  # templates read message.content even where the API allows null
         if isinstance(message.content, list):
             texts = []
             for j, part in enumerate(message.content):
@@ -408,7 +436,8 @@ def chat_completion(meta: ResponseMeta, choices: list[ChoiceResult], totals: Usa
                     token_bytes: Callable[[int], bytes]) -> dict:
     """The non-streamed chat body."""
     return ChatCompletion(id=meta.id, created=meta.created, model=meta.model, usage=totals, choices=[
-        ChatChoice(index=c.index, message=AssistantMessage(content=c.text), finish_reason=finish_reason(c.finish_reason),
+        ChatChoice(index=c.index, message=AssistantMessage(content=c.text),
+                   finish_reason=finish_reason(c.finish_reason),
                    logprobs=None if c.logprobs is None else chat_logprobs(c.logprobs, token_bytes))
         for c in choices]).model_dump()
 
@@ -452,6 +481,16 @@ def completion_usage_chunk(meta: ResponseMeta, totals: Usage) -> bytes:
 def model_list(names: list[str], created: int, context_length: int) -> dict:
     return ModelList(data=[ModelCard(id=name, created=created, max_model_len=context_length)
                            for name in names]).model_dump()
+
+
+ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
+               405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
+               500: "server_error", 503: "service_unavailable"}
+
+
+def error_type(status: int) -> str:
+    """OpenAI's error `type` for an HTTP status."""
+    return ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
 
 
 def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import socket
 import sys
+from pathlib import Path
 
 import uvicorn
 
@@ -41,6 +42,8 @@ def bind(host: str, port: int) -> socket.socket:
 def run(args: argparse.Namespace) -> int:
     """Serve until interrupted; a model that fails to load stops the server and its error is raised here."""
     config = EngineConfig.from_args(args)
+    if config.model is not None and not Path(config.model).exists():
+        raise ConfigError(f"--model {config.model}: no such file or folder")  # before the port, not after loading
     sock = bind(config.host, config.port)
     host, port = sock.getsockname()[:2]
     load_errors: list[BaseException] = []
@@ -65,9 +68,10 @@ def _expected_errors() -> tuple[type[Exception], ...]:
     """Bad settings or a bad checkpoint: one line on stderr, exit code 2 (as the `deltaserve` CLI does)."""
     from deltaserve.budget import BudgetError
     from deltaserve.models import UnsupportedModelError
+    from deltaserve.models.spec import SpecError
     from deltaserve.weights import CheckpointError
 
-    return ConfigError, BudgetError, UnsupportedModelError, CheckpointError
+    return ConfigError, BudgetError, UnsupportedModelError, CheckpointError, SpecError
 
 
 def main(argv: list[str] | None = None) -> int:

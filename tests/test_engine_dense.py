@@ -1,0 +1,185 @@
+"""The engine on SmolLM2 (the built-in GGUF): transformers as the oracle, batched == alone, chunked == unchunked,
+seeded sampling across batch compositions, aborts that return every page, stop strings across tokens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deltaserve.engine.request import SamplingParams
+from test_engine_support import engine, run_all, text_of, tokens_of
+
+TEXT = ("The history of the city begins with a small fishing village on the river. Over the centuries it grew "
+        "into a trading port, then a capital, and its markets drew merchants from across the sea. Today the old "
+        "town keeps its narrow streets, its stone bridges and a cathedral whose bells ring every hour. ")
+GREEDY = dict(temperature=0, ignore_eos=True)
+CHUNK_PARAMS = SamplingParams(max_tokens=3, logprobs=0, **GREEDY)
+
+
+@pytest.fixture(scope="module")
+def eng():
+    return engine(None, max_running_requests=8, max_total_tokens=8192)
+
+
+@pytest.fixture(scope="module")
+def long_ids(eng):
+    return eng.tokenizer.encode(TEXT * 12)
+
+
+def reset_chunk(eng, tokens: int) -> None:
+    eng.scheduler.prefill_chunk_tokens = tokens
+
+
+def assert_pools_empty(eng) -> None:
+    eng.scheduler.check()
+    stats = eng.stats()
+    assert (stats.kv_pages_used, stats.state_slots_used, stats.running, stats.waiting) == (0, 0, 0, 0)
+
+
+def transformers_twin(eng):
+    """transformers' own Llama holding the engine's weights (the GGUF reader is checked in test_models_dense)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = {k: v for k, v in eng.loaded.config.items() if k not in ("architectures", "model_type")}
+    hf = LlamaForCausalLM(LlamaConfig(**config)).eval()
+    hf.load_state_dict(eng.runner.model.state_dict(), strict=True)
+    return hf
+
+
+def test_greedy_and_logprobs_match_transformers(eng, long_ids):
+    hf = transformers_twin(eng)
+    prompts = [long_ids[:21], long_ids[:150]]
+    reset_chunk(eng, 64)  # the 150-token prompt is read over three steps, beside the other's decode
+    outs = run_all(eng, [(p, SamplingParams(max_tokens=6, logprobs=2, **GREEDY)) for p in prompts])
+    for prompt, out in zip(prompts, outs):
+        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False, output_logits=True,
+                          return_dict_in_generate=True, eos_token_id=None)
+        assert tokens_of(out) == ref.sequences[0, len(prompt):].tolist()
+        ref_logprobs = torch.stack(ref.logits).log_softmax(-1)[:, 0]
+        ours = [lp for o in out for lp in o.logprobs]
+        for step, lp in enumerate(ours):
+            assert lp.logprob == pytest.approx(ref_logprobs[step, lp.token_id].item(), abs=2e-3)
+            top_ids = [t for t, _, _ in lp.top]
+            assert top_ids == ref_logprobs[step].topk(2).indices.tolist()
+    assert_pools_empty(eng)
+
+
+def test_eight_prompts_together_equal_each_alone(eng, long_ids):
+    reset_chunk(eng, 512)
+    lengths = [2, 9, 17, 33, 48, 64, 65, 100]
+    prompts = [long_ids[i * 7: i * 7 + n] for i, n in enumerate(lengths)]
+    params = SamplingParams(max_tokens=6, **GREEDY)
+    alone = [tokens_of(run_all(eng, [(p, params)])[0]) for p in prompts]
+    together = [tokens_of(out) for out in run_all(eng, [(p, params) for p in prompts])]
+    assert together == alone
+    assert all(len(t) == 6 for t in together)
+    assert_pools_empty(eng)
+
+
+@pytest.fixture(scope="module")
+def unchunked(eng, long_ids):
+    # 1,020 prompt tokens in all, so even chunks of 1000 split the second prompt.
+    prompts = [long_ids[:560], long_ids[5:465]]
+    reset_chunk(eng, 4096)
+    return prompts, run_all(eng, [(p, CHUNK_PARAMS) for p in prompts])
+
+
+@pytest.mark.parametrize("chunk", [64, 100, 1000])
+def test_chunked_prefill_equals_unchunked(eng, unchunked, chunk):
+    prompts, whole = unchunked
+    params = CHUNK_PARAMS
+    reset_chunk(eng, chunk)
+    chunked = run_all(eng, [(p, params) for p in prompts])
+    reset_chunk(eng, 512)
+    for a, b in zip(whole, chunked):
+        assert tokens_of(a) == tokens_of(b)
+        la = [lp.logprob for o in a for lp in o.logprobs]
+        lb = [lp.logprob for o in b for lp in o.logprobs]
+        assert la == pytest.approx(lb, abs=1e-3)
+    assert_pools_empty(eng)
+
+
+def test_seeded_sampling_is_the_same_in_any_batch(eng, long_ids):
+    seeded = SamplingParams(max_tokens=8, temperature=0.9, top_p=0.95, top_k=40, seed=1234, ignore_eos=True)
+    prompt = long_ids[:30]
+    alone = tokens_of(run_all(eng, [(prompt, seeded)])[0])
+    others = [(long_ids[50:50 + n], SamplingParams(max_tokens=n // 8 + 2, temperature=1.0, seed=n, ignore_eos=True))
+              for n in (12, 30, 60)]
+    mixed = run_all(eng, others[:2] + [(prompt, seeded)] + others[2:])
+    assert tokens_of(mixed[2]) == alone
+    other_seed = tokens_of(run_all(eng, [(prompt, SamplingParams(**{**seeded.__dict__, "seed": 99}))])[0])
+    assert other_seed != alone  # the draw really depends on the seed
+    assert_pools_empty(eng)
+
+
+def test_abort_mid_prefill_and_mid_decode_returns_everything(eng, long_ids):
+    reset_chunk(eng, 64)
+    params = SamplingParams(max_tokens=50, **GREEDY)
+    a = eng.submit(long_ids[:400], params, request_id="prefilling")
+    b = eng.submit(long_ids[:20], params, request_id="decoding")
+    c = eng.submit(long_ids[:30], params, request_id="waiting-or-running")
+    for _ in range(3):
+        eng.step()
+    assert eng.stats().kv_pages_used > 0
+    eng.abort("prefilling")  # still reading its prompt: 400 tokens take 7 chunks of 64
+    eng.step()
+    while not any(o.token_ids for o in b.drain()):
+        eng.step()
+    eng.abort("decoding")
+    eng.abort("waiting-or-running")
+    eng.abort("no-such-request")  # unknown ids are ignored
+    reset_chunk(eng, 512)
+    for stream in (a, b, c):
+        assert stream.finished and stream.drain()[-1].finish_reason == "abort"
+    assert_pools_empty(eng)
+    assert eng.stats().finished.get("abort", 0) >= 3
+
+
+def test_stop_string_across_token_boundaries(eng, long_ids):
+    prompt = long_ids[:60]
+    free = run_all(eng, [(prompt, SamplingParams(max_tokens=24, **GREEDY))])[0]
+    ids = tokens_of(free)
+    text = text_of(free)
+    assert text == eng.tokenizer.decode(ids)  # streamed deltas add up to the whole text
+    pieces = [eng.tokenizer.decode(ids[:i]) for i in range(len(ids) + 1)]
+    # A stop string made of the end of one token and the start of the next, well inside the text.
+    boundary = next(len(pieces[i]) for i in range(4, len(ids)) if len(pieces[i]) - len(pieces[i - 1]) >= 2
+                    and len(pieces[i + 1]) - len(pieces[i]) >= 2)
+    stop = text[boundary - 2: boundary + 2]
+    expected = text[: text.find(stop)]
+    stopped = run_all(eng, [(prompt, SamplingParams(max_tokens=24, stop=("never-there", stop), **GREEDY))])[0]
+    assert text_of(stopped) == expected
+    assert stopped[-1].finish_reason == "stop"
+    assert len(tokens_of(stopped)) < len(ids)
+    assert_pools_empty(eng)
+
+
+def test_eos_stops_unless_ignored_and_stop_token_ids(eng, long_ids):
+    eos = next(iter(eng.eos_token_ids))
+    chat = eng.tokenizer.encode_chat([{"role": "user", "content": "Say hi."}])
+    out = run_all(eng, [(chat, SamplingParams(max_tokens=64, temperature=0))])[0]
+    assert out[-1].finish_reason == "stop" and tokens_of(out)[-1] == eos
+    assert eng.tokenizer.token_str(eos) not in text_of(out)
+    free = tokens_of(run_all(eng, [(long_ids[:40], SamplingParams(max_tokens=8, **GREEDY))])[0])
+    cut = run_all(eng, [(long_ids[:40], SamplingParams(max_tokens=8, stop_token_ids=(free[3],), **GREEDY))])[0]
+    assert tokens_of(cut) == free[: free.index(free[3]) + 1] and cut[-1].finish_reason == "stop"
+
+
+def test_utf8_split_across_tokens_streams_whole_characters(eng):
+    # Forced through a request's own detokenizer: CJK and emoji are several byte tokens each in SmolLM2.
+    from deltaserve.engine.engine import RequestStream
+    from deltaserve.engine.request import Request
+
+    text = "日本語のテキスト 😀 and 🎉🎉 done"
+    ids = eng.tokenizer.encode(text)
+    assert len(ids) > len(text.split())  # several tokens per character somewhere
+    request = Request("utf8", [1, 2, 3], SamplingParams(max_tokens=len(ids), stop=("🎉 d",)), len(ids), 100,
+                      RequestStream("utf8"), eng.tokenizer, frozenset(), torch.Generator(), 0.0)
+    deltas = []
+    for token_id in ids:
+        deltas.append(request.append_token(token_id, None))
+        if deltas[-1].finished:
+            break
+    assert all("\ufffd" not in d.text for d in deltas)
+    assert "".join(d.text for d in deltas) == text[: text.find("🎉 d")]
+    assert request.finish_reason == "stop"
