@@ -51,6 +51,23 @@ def test_cpu_weights_line_matches_transformers_fp32_load(smollm2):
     assert budget.kv_bytes_per_token == 30 * 2 * 3 * 64 * 4
 
 
+def test_cpu_weights_line_with_packed_int4_matches_what_the_model_holds(smollm2):
+    """--no-dequantize-weights: Q4_1 matrices held as int4 codes + a bf16 scale and zero per 32, the rest as float32."""
+    from deltaserve.engine.loader import load_model
+
+    path, spec, _ = smollm2
+    config = EngineConfig(max_total_tokens=4096, dequantize_weights=False)
+    budget = plan_budget(spec, config, device_total_bytes=8 * GiB, device_kind="cpu")
+    model = load_model(path, dequantize=False).model
+    buffers = [b for name, b in model.named_buffers() if not name.endswith("inv_freq")]  # rotary: derived
+    held = {t.data_ptr(): t.nbytes for t in [*model.parameters(), *buffers]}
+    (check,) = measure_vs_predicted(budget, {"weights": sum(held.values())})
+    assert abs(check.ratio - 1) <= 0.02, str(check)
+    assert budget.line("weights").bytes < 0.4 * plan_budget(spec, EngineConfig(max_total_tokens=4096),
+                                                             device_total_bytes=8 * GiB,
+                                                             device_kind="cpu").line("weights").bytes
+
+
 def test_hybrid_gguf_metadata(tmp_path):
     """A qwen35 GGUF written with gguf's own writer: llama.cpp's ssm.* keys map to the GDN dimensions."""
     import numpy as np

@@ -81,6 +81,30 @@ def test_smollm2_gguf_greedy_generation_matches_transformers(smollm2):
     assert our_greedy(ours, ids, 32) == hf_greedy(hf, ids, 32)
 
 
+@torch.inference_mode()
+def test_smollm2_with_packed_int4_weights_stays_close_to_transformers(smollm2):
+    """--no-dequantize-weights: the Q4_1 blocks are used as stored, multiplied in bfloat16 (kernels/int4.py).
+    Not float32-exact: bf16 rounding of each matmul's input and output, as on a GPU."""
+    from deltaserve.engine.loader import load_model
+    from deltaserve.models.layers import Int4Linear
+
+    _, hf, tok = smollm2
+    packed = load_model(smollm2_path(), dequantize=False).model
+    assert isinstance(packed.model.layers[0].mlp.down_proj, Int4Linear)
+    # tied to the Q8_0 embedding: one bfloat16 matrix for both
+    assert packed.lm_head.weight is packed.model.embed_tokens.weight
+    assert packed.lm_head.weight.dtype == torch.bfloat16
+    text = ("A context length is only real if it can be filled fast, so the prompt is read in chunks; "
+            "the pool is a decision, not a measurement, and a request that does not fit waits.")
+    ids = tok.encode(text)[:48]
+    got = our_logits(packed, ids)
+    ref = hf(torch.tensor([ids])).logits[0]
+    assert (got - ref).abs().max().item() <= 0.03 * ref.abs().max().item()
+    assert (got.argmax(-1) == ref.argmax(-1)).float().mean().item() >= 0.9
+    chat = tok.encode_chat([{"role": "user", "content": "What is the capital of France?"}])
+    assert "Paris" in tok.decode(our_greedy(packed, chat, 12))
+
+
 @pytest.fixture(scope="module")
 def tiny_qwen3(tmp_path_factory):
     torch.manual_seed(0)

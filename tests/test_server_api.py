@@ -243,3 +243,5 @@ def test_metrics_report_tokens_and_latencies(server):
         assert name in text, name
     assert server.metric("deltaserve_generation_tokens_total") > 0
     assert server.metric("deltaserve_time_to_first_token_seconds_count") > 0
+    # a load tester tells a restarted server by its start time
+    assert abs(server.metric("process_start_time_seconds") - time.time()) < 3600

@@ -65,7 +65,8 @@ class Engine:
         self.budget: Budget = plan_budget(spec_from_checkpoint(path), config, device_total_bytes=total,
                                           device_kind=kind, device_free_bytes=free)
         self._log(self.budget.to_table())
-        loaded = load_model(config.model, dtype=getattr(torch, self.config.dtype), device=self.config.device)
+        loaded = load_model(config.model, dtype=getattr(torch, self.config.dtype), device=self.config.device,
+                            dequantize=self.config.dequantize_weights)
         self._setup(loaded)
 
     def _setup(self, loaded: LoadedModel) -> None:
@@ -85,7 +86,7 @@ class Engine:
         self.scheduler = Scheduler(self.kv_pool, self.state_pool, policy, prefill_chunk_tokens=c.prefill_chunk_tokens,
                                    token_names=self.tokenizer.token_str)
         self.runner = ModelRunner(loaded.model, self.kv_pool, self.state_pool, self.device)
-        self.vocab_size = int(loaded.model.lm_head.weight.shape[0])
+        self.vocab_size = int(loaded.model.lm_head.out_features)
         self._cond = threading.Condition()
         self._live: dict[str, Request] = {}
         self._seeds = random.Random(c.seed)  # seeds of requests that name none: reproducible per engine start
@@ -97,7 +98,9 @@ class Engine:
 
     def measured_bytes(self) -> dict[str, int]:
         """What the engine really holds per ledger line (torch tensor bytes)."""
-        weights = {id(p): p.numel() * p.element_size() for p in self.loaded.model.parameters()}
+        model = self.loaded.model
+        held = [*model.parameters(), *(b for n, b in model.named_buffers() if n.endswith(("packed", "scales_zeros")))]
+        weights = {t.data_ptr(): t.numel() * t.element_size() for t in held}
         return {"weights": sum(weights.values()), "kv_pool": self.kv_pool.bytes, "state_pool": self.state_pool.bytes}
 
     # -- requests ---------------------------------------------------------------------------------------------

@@ -87,6 +87,7 @@ class Scheduler:
         if refusal is not None:
             self.refused_by_reason[refusal.code] += 1
             raise RequestRefused(refusal.message, 400, refusal.code)
+        self.start_waiting()  # a request that could start now is not waiting: only the rest count against the queue
         if self.policy.queue_full(len(self.waiting)):
             self.refused_by_reason["queue_full"] += 1
             retry = self.retry_after_s()

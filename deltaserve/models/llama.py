@@ -11,7 +11,7 @@ import torch.nn as nn
 
 from deltaserve.kernels.attention import paged_attention
 from deltaserve.models.batch import ATTENTION, CacheGeometry, ForwardBatch, ModelCaches
-from deltaserve.models.layers import RMSNorm, Rotary, apply_rotary, linear, rope_parameters, silu_mul
+from deltaserve.models.layers import Int4Linear, RMSNorm, Rotary, apply_rotary, linear, rope_parameters, silu_mul
 
 
 class LlamaAttention(nn.Module):
@@ -86,7 +86,7 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(hidden, config["rms_norm_eps"])
 
     def forward(self, batch: ForwardBatch, caches: ModelCaches) -> torch.Tensor:
-        x = self.embed_tokens(batch.input_ids)
+        x = self.embed_tokens(batch.input_ids).to(self.norm.weight.dtype)  # a bf16-held vocab: back to compute
         cos_sin = self.rotary.cos_sin(batch.positions)
         for layer in self.layers:
             x = layer(x, cos_sin, batch, caches)
@@ -116,4 +116,5 @@ class LlamaForCausalLM(nn.Module):
         hidden = self.model(batch, caches)
         # Only the rows the sampler needs pass the final norm and the vocab projection.
         hidden = self.model.norm(hidden.index_select(0, batch.logits_indices))
-        return self.lm_head(hidden).float()
+        head = self.lm_head
+        return head(hidden if isinstance(head, Int4Linear) else hidden.to(head.weight.dtype)).float()

@@ -403,8 +403,9 @@ def _group_of(name: str) -> str:
 
 
 def _groups_from_tensors(tensors) -> list[WeightGroup]:
+    """Groups from (name, params, stored bytes, held as floats?[, bytes held packed]) per tensor."""
     groups: dict[str, WeightGroup] = {}
-    for name, params, nbytes, is_float in tensors:
+    for name, params, nbytes, is_float, *held in tensors:
         key = _group_of(name)
         g = groups.setdefault(key, WeightGroup(key, 0, 0, 0, 0, excluded=key in ("vision", "mtp")))
         g.params += params
@@ -412,7 +413,7 @@ def _groups_from_tensors(tensors) -> list[WeightGroup]:
         if is_float:
             g.float_params += params
         else:
-            g.quantized_bytes += nbytes
+            g.quantized_bytes += held[0] if held else nbytes
     order = ("embedding", "lm_head", "layers", "vision", "mtp")
     return [groups[k] for k in order if k in groups]
 
@@ -433,12 +434,29 @@ def _spec_from_gguf(path: Path) -> ModelMemorySpec:
         raise SpecError(f"{path}: GGUF architecture {arch!r} is not supported: supported are {', '.join(GGUF_ARCHS)}")
     names = {t.name for t in reader.tensors}
     spec, _ = _shape(gguf_config(meta, names))
-    floats = {"F32", "F16", "BF16", "F64"}
-    spec.weight_groups = _groups_from_tensors(
-        (t.name, int(t.n_elements), int(t.n_bytes), t.tensor_type.name in floats) for t in reader.tensors)
+    spec.weight_groups = _groups_from_tensors(_gguf_held(t) for t in reader.tensors)
     spec.weight_source = "checkpoint headers"
     spec.quantization = "gguf " + ", ".join(sorted({t.tensor_type.name for t in reader.tensors}))
     return spec
+
+
+GGUF_INT4_TYPES = ("Q4_0", "Q4_1")  # held packed unless dequantized (weights/gguf.py, kernels/int4.py)
+INT4_GROUP = 32
+
+
+def _gguf_held(t) -> tuple[str, int, int, bool, int]:
+    """(name, params, stored bytes, held as floats?, bytes held packed) of one GGUF tensor.
+
+    4-bit matrices are held as int4 codes plus a bfloat16 scale and zero per group of 32: 5/8 byte per weight
+    (Q4_1's own size); the embedding and a non-4-bit lm_head in bfloat16; the rest in the compute dtype."""
+    params = int(t.n_elements)
+    shape = [int(d) for d in t.shape]
+    int4 = (t.tensor_type.name in GGUF_INT4_TYPES and not t.name.startswith("token_embd") and len(shape) == 2
+            and shape[0] % INT4_GROUP == 0 and shape[1] % 16 == 0)  # GGUF order: [inputs, outputs]
+    if int4:
+        return t.name, params, int(t.n_bytes), False, params // 2 + params // INT4_GROUP * 4
+    vocab = t.name in ("token_embd.weight", "output.weight")  # held in bfloat16 beside packed int4 (models/layers)
+    return t.name, params, int(t.n_bytes), not vocab, params * 2
 
 
 def gguf_config(meta: dict, tensor_names: set[str]) -> dict:

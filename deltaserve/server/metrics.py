@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, ProcessCollector,
+                               generate_latest)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -72,6 +73,8 @@ class ServerMetrics:
         self.disconnects = Counter(f"{PREFIX}_client_disconnects", "requests aborted because the client left",
                                    registry=self.registry)
         self.registry.register(EngineCollector(stats))
+        # process_start_time_seconds: a load tester tells a restart from a slow answer by it
+        ProcessCollector(registry=self.registry)
 
     def render(self) -> tuple[bytes, str]:
         """The exposition text and its content type."""

@@ -13,6 +13,7 @@ from gguf import GGMLQuantizationType as Q
 from gguf import GGUFReader, GGUFValueType
 from gguf.quants import dequantize
 
+from deltaserve.kernels.int4 import Int4Codes, packable
 from deltaserve.weights.errors import CheckpointError
 from deltaserve.weights.gguf_tokenizer import gguf_tokenizer
 
@@ -33,6 +34,8 @@ LAYER_NAMES = {
     "ffn_down": "mlp.down_proj",
 }
 GGUF_MAGIC = b"GGUF"
+Q4_BLOCK = 32  # weights per Q4_0 / Q4_1 block
+INT4_TYPES = (Q.Q4_0, Q.Q4_1)  # blocks that are exactly Int4Codes; kept packed when asked
 
 
 class _PlainViewReader(GGUFReader):
@@ -178,8 +181,10 @@ def read_gguf_tokenizer(path: Path):
     return gguf_tokenizer(open_gguf(path), path)
 
 
-def load_gguf(path: Path, dtype: torch.dtype, skip_prefixes: tuple[str, ...]):
-    """(config, tensors, tokenizer, generation_config, skipped) of a GGUF file, tensors dequantized."""
+def load_gguf(path: Path, dtype: torch.dtype, skip_prefixes: tuple[str, ...], keep_int4: bool = False):
+    """(config, tensors, tokenizer, generation_config, skipped) of a GGUF file, tensors dequantized.
+
+    With `keep_int4`, Q4_0 / Q4_1 matrices come as Int4Codes (read from their blocks, not dequantized)."""
     reader = open_gguf(path)
     config = gguf_config(reader, path)
     tokenizer = gguf_tokenizer(reader, path)
@@ -193,10 +198,19 @@ def load_gguf(path: Path, dtype: torch.dtype, skip_prefixes: tuple[str, ...]):
         if tensor.tensor_type not in SUPPORTED_TYPES:
             raise CheckpointError(path, f"tensor {tensor.name} has GGUF type {tensor.tensor_type.name}, which we "
                                         f"cannot dequantize; supported: {', '.join(t.name for t in SUPPORTED_TYPES)}")
-        values = dequantize(tensor.data, tensor.tensor_type).reshape(tuple(int(d) for d in reversed(tensor.shape)))
+        shape = tuple(int(d) for d in reversed(tensor.shape))
         kind = tensor.name.split(".")[-2] if "." in tensor.name else ""
+        heads = None
         if config["model_type"] == "llama" and kind in ("attn_q", "attn_k"):
             heads = config["num_attention_heads" if kind == "attn_q" else "num_key_value_heads"]
+        if keep_int4 and tensor.tensor_type in INT4_TYPES and kind != "token_embd" and packable(shape, Q4_BLOCK):
+            codes = int4_codes(tensor.data, tensor.tensor_type, shape)
+            if heads is not None:
+                codes = codes.rows(torch.from_numpy(unpermute_rotary(np.arange(shape[0]), heads)))
+            tensors[name] = codes
+            continue
+        values = dequantize(tensor.data, tensor.tensor_type).reshape(shape)
+        if heads is not None:
             values = unpermute_rotary(values, heads)
         tensors[name] = torch.from_numpy(np.array(values, dtype=np.float32)).to(dtype)
     eos = tokenizer.eos_token_ids
@@ -209,3 +223,20 @@ def unpermute_rotary(rows: np.ndarray, heads: int) -> np.ndarray:
     """Undo llama.cpp's `permute` of q/k rows: per head, (2, dim/2) interleaved back to halves."""
     half = rows.shape[0] // heads // 2
     return rows.reshape(heads, half, 2, *rows.shape[1:]).swapaxes(2, 1).reshape(rows.shape)
+
+
+def int4_codes(data: np.ndarray, kind: Q, shape: tuple[int, int]) -> Int4Codes:
+    """The codes, scales and offsets of a Q4_0 / Q4_1 matrix, straight from its blocks.
+
+    Q4_0 block: float16 scale d, 16 bytes of codes, w = d * (q - 8). Q4_1 block: float16 d and m, 16 bytes of
+    codes, w = d * q + m. Byte j holds code j in its low nibble and code j + 16 in its high nibble."""
+    head = 2 if kind == Q.Q4_0 else 4
+    blocks = np.ascontiguousarray(data).view(np.uint8).reshape(-1, head + Q4_BLOCK // 2)
+    scales = blocks[:, 0:2].copy().view(np.float16)[:, 0]
+    offsets = -8 * scales.astype(np.float32) if kind == Q.Q4_0 else blocks[:, 2:4].copy().view(np.float16)[:, 0]
+    qs = blocks[:, head:]
+    codes = np.concatenate([qs & 0x0F, qs >> 4], axis=1)
+    rows, groups = shape[0], shape[1] // Q4_BLOCK
+    return Int4Codes(torch.from_numpy(codes.reshape(shape)),
+                     torch.from_numpy(scales.astype(np.float32).reshape(rows, groups)),
+                     torch.from_numpy(np.asarray(offsets, dtype=np.float32).reshape(rows, groups)), Q4_BLOCK)
