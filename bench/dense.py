@@ -3,7 +3,8 @@
 transformers reads the file dequantized to float32. deltaserve runs through its Engine (the path `serve` takes:
 scheduler, paged KV pool, sampler), one request at a time, twice: "fp32" holds the weights dequantized to float32
 (`--dequantize-weights`, the CPU default, logits within 1e-3 of transformers) and "int4" keeps the file's 4-bit
-blocks packed (`--no-dequantize-weights`, kernels/int4.py). transformers runs `forward` and `generate`.
+blocks packed (`--no-dequantize-weights`, kernels/int4.py). transformers runs `forward` and `generate`. With
+`--llama-cpp DIR` (bench/llamacpp.py), llama.cpp's llama-bench runs the same Q4_1 file too (pp N and tg N).
 - prefill tok/s: prompt tokens / time to the first token of one request (the whole prompt in one chunk);
 - decode tok/s: (new tokens - 1) / (time from the first to the last token), batch 1, greedy, EOS ignored.
 
@@ -95,6 +96,7 @@ def main(argv=None) -> int:
     parser.add_argument("--decode-prompt", type=int, default=16, help="prompt tokens before the decode run")
     parser.add_argument("--repeats", type=int, default=3, help="best of this many runs per cell")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--llama-cpp", help="a llama.cpp tree with build/bin/llama-bench (or LLAMA_CPP_DIR)")
     args = parser.parse_args(argv)
     try:
         lengths = [int(x) for x in args.prefill.split(",")]
@@ -104,9 +106,14 @@ def main(argv=None) -> int:
         print("error: --prefill must be positive ints, --decode >= 2, --repeats >= 1", file=sys.stderr)
         return 2
     torch.set_num_threads(args.threads)
+    import llamacpp
+
     from deltaserve.engine.loader import default_model_path
 
     path = default_model_path()
+    peer = llamacpp.tree(args.llama_cpp)
+    peer_rates = (llamacpp.run_bench(peer, path, prompts=lengths, gen=args.decode, threads=args.threads,
+                                     repeats=args.repeats) if peer else {})
     longest = max(lengths + [args.decode_prompt + args.decode])
     sides = {"transformers": Theirs(path), "deltaserve fp32": Ours(str(path), longest, True),
              "deltaserve int4": Ours(str(path), longest, False)}
@@ -116,18 +123,21 @@ def main(argv=None) -> int:
     print(f"{path.name}, {torch.get_num_threads()} threads, best of {args.repeats}; tok/s, and the ratio to "
           f"transformers")
     print(f"{'what':<22}" + "".join(f"{name:>17}" for name in sides) + "".join(f"{'ratio ' + n[-4:]:>11}"
-                                                                                for n in list(sides)[1:]))
-    cells = [(f"prefill {n} tokens", n, lambda side, ids: side.prefill(ids), prompt(n, n)) for n in lengths]
+                                                                                for n in list(sides)[1:])
+          + f"{'llama.cpp':>11}")
+    cells = [(f"prefill {n} tokens", n, lambda side, ids: side.prefill(ids), prompt(n, n), f"pp{n}")
+             for n in lengths]
     cells.append((f"decode {args.decode} (batch 1)", args.decode - 1,
-                  lambda side, ids: side.decode(ids, args.decode), prompt(args.decode_prompt, 1)))
-    for label, tokens, run, ids in cells:
+                  lambda side, ids: side.decode(ids, args.decode), prompt(args.decode_prompt, 1), f"tg{args.decode}"))
+    for label, tokens, run, ids, peer_key in cells:
         best = {name: float("inf") for name in sides}
         for _ in range(args.repeats):  # alternate the sides so all see the same machine load
             for name, side in sides.items():
                 best[name] = min(best[name], run(side, ids))
         rates = [tokens / best[name] for name in sides]
         print(f"{label:<22}" + "".join(f"{r:>17.1f}" for r in rates)
-              + "".join(f"{r / rates[0]:>10.2f}x" for r in rates[1:]), flush=True)
+              + "".join(f"{r / rates[0]:>10.2f}x" for r in rates[1:])
+              + (f"{peer_rates[peer_key]:>11.1f}" if peer_key in peer_rates else f"{'-':>11}"), flush=True)
     return 0
 
 

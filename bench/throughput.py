@@ -9,7 +9,8 @@ lengths uniform in [--output-min, --output-max], greedy, EOS ignored so both sid
 Models: SmolLM2-135M (the built-in GGUF, dequantized to fp32 on both sides) and the tiny hybrid of
 bench/hybrid_prefill.py (Qwen3.5-style, hidden 512, 8 layers 3:1, vocab 49152, random weights).
 
-The roofline: useful FLOPs / wall time / --peak-gflops (96 = this 2-core CPU's fp32 matmul peak). Useful FLOPs
+The roofline: useful FLOPs / wall time / --peak-gflops (default: a decoder-shaped fp32 sgemm measured at start,
+as bench/hybrid_prefill.py does). Useful FLOPs
 = 2 * decoder parameters per fed token + 2 * vocab * hidden per output token + causal attention (4 * heads *
 head_dim per token per context position per attention layer); GDN state FLOPs are left out (an upper bound).
 
@@ -181,17 +182,21 @@ def main(argv=None) -> int:
     parser.add_argument("--prefill-chunk-tokens", type=int, default=None, help="default: the engine's (512 CPU)")
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--peak-gflops", type=float, default=96.0, help="fp32 FLOP rate of the roofline")
+    parser.add_argument("--peak-gflops", type=float, default=0.0,
+                        help="fp32 FLOP rate of the roofline (default: measured here at start)")
     parser.add_argument("--json", help="also write the numbers to this file")
     args = parser.parse_args(argv)
     if args.prompt_min > args.prompt_max or args.output_min > args.output_max or args.requests < 1:
         parser.error("need --requests >= 1, --prompt-min <= --prompt-max and --output-min <= --output-max")
     torch.set_num_threads(args.threads)
+    from hybrid_prefill import measured_sgemm_gflops
+
+    args.peak_gflops = args.peak_gflops or measured_sgemm_gflops()
     work = workload(args)
     print(f"{args.requests} requests, prompts {args.prompt_min}-{args.prompt_max}, outputs {args.output_min}-"
           f"{args.output_max} (seed {args.seed}): {sum(len(i) for i, _ in work):,} prompt + "
           f"{sum(o for _, o in work):,} output tokens; {args.threads} threads, transformers batches of "
-          f"{args.hf_batch_size}")
+          f"{args.hf_batch_size}; roofline {args.peak_gflops:.0f} GFLOP/s")
     lines = [f"{'model':<10} {'engine':<13} {'out tok/s':>10} {'TTFT p50':>9} {'TTFT p95':>9} {'wall s':>8} "
              f"{'GFLOP/s':>7} {'roofline':>8}"]
     results = {}

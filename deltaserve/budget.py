@@ -363,10 +363,11 @@ def _attention_line(spec: ModelMemorySpec, c: EngineConfig, context: int) -> tup
         return PAGED_ATTENTION_WORKSPACE_BYTES, "paged kernel reads KV pages in place; split-KV scratch"
     cb, kvb = DTYPE_BYTES[c.dtype], DTYPE_BYTES[c.kv_dtype]
     row = spec.num_kv_heads * spec.head_dim * 2 * (cb + (kvb if kvb != cb else 0))  # gathered K,V (+ cast copy)
-    decode = c.max_running_requests * context * (row + spec.num_attention_heads * 4 + 1)
+    # one sequence at a time (kernels/attention.py): its K,V gathered, plus its scores (decode: one row per head)
+    decode = context * (row + spec.num_attention_heads * 4)
     prefill = context * row + c.prefill_chunk_tokens * context * (spec.num_attention_heads * 4 + 1)
-    return max(decode, prefill), (f"portable path, one layer: K,V gathered for {c.max_running_requests} x context "
-                                  f"{context:,} (decode padded to the longest) or masked scores of one chunk")
+    return max(decode, prefill), (f"portable path, one layer, one sequence at a time: K,V of a context of "
+                                  f"{context:,} gathered, and the masked scores of one chunk")
 
 
 def _cuda_graph_line(spec: ModelMemorySpec, c: EngineConfig, kind: str) -> tuple[int, str]:

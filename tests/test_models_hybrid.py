@@ -135,6 +135,18 @@ def test_prefill_logits_match_transformers(pair, length):
     assert rel_error(prefill_logits(ours, ids), expected) <= LOGITS_RTOL
 
 
+def test_mlp_in_row_blocks_matches_transformers(pair, monkeypatch):
+    """A long prompt's MLP runs MLP_ROW_BLOCK rows at a time; shrink the block so a short prompt takes that path."""
+    import deltaserve.models.layers as layers
+
+    monkeypatch.setattr(layers, "MLP_ROW_BLOCK", 16)
+    ref, ours = pair
+    ids = prompt(101, seed=3)
+    with torch.no_grad():
+        expected = ref(torch.tensor([ids])).logits[0]
+    assert rel_error(prefill_logits(ours, ids), expected) <= LOGITS_RTOL
+
+
 def test_greedy_generation_matches_transformers(pair):
     ref, ours = pair
     ids = prompt(37, seed=7)

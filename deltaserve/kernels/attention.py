@@ -1,7 +1,7 @@
 """Attention over the paged KV cache: write the new K/V rows, then attend to each sequence's whole context.
 
-Portable PyTorch path (gather + scaled_dot_product_attention). Decode sequences are attended in one batched call
-with a padding mask; prefill chunks one sequence at a time with a causal mask offset by what is already cached.
+Portable PyTorch path (gather + scaled_dot_product_attention), one sequence at a time over exactly its context:
+decode rows with no mask, prefill chunks with a causal mask offset by what is already cached.
 """
 
 from __future__ import annotations
@@ -61,13 +61,16 @@ def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cached
 
 def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       context_slots: torch.Tensor, context_lens: list[int], scale: float) -> torch.Tensor:
-    """B single-token queries q [B, Hq, D], each over its own context of context_lens[b] cached rows."""
-    max_len = max(context_lens)
-    slots = context_slots[:, :max_len]
-    kh = k_cache[slots].to(q.dtype).transpose(1, 2)  # [B, Hkv, L, D]
-    vh = v_cache[slots].to(q.dtype).transpose(1, 2)
-    lens = torch.tensor(context_lens, device=q.device).unsqueeze(1)
-    mask = (torch.arange(max_len, device=q.device).unsqueeze(0) < lens)[:, None, None, :]  # [B, 1, 1, L]
-    gqa = q.shape[1] != kh.shape[1]
-    o = F.scaled_dot_product_attention(q.unsqueeze(2), kh, vh, attn_mask=mask, scale=scale, enable_gqa=gqa)
-    return o.squeeze(2)
+    """B single-token queries q [B, Hq, D], each over its own context of context_lens[b] cached rows.
+
+    One SDPA call per sequence over exactly its rows: padding a batch to its longest context and masking gathered
+    and scored every padded row too (64 decodes of 200..1500 tokens: 3x slower on this CPU)."""
+    out = torch.empty_like(q)
+    gqa = q.shape[1] != k_cache.shape[1]
+    for b, length in enumerate(context_lens):
+        slots = context_slots[b, :length]
+        kh = k_cache[slots].to(q.dtype).transpose(0, 1)[None]  # [1, Hkv, L, D]
+        vh = v_cache[slots].to(q.dtype).transpose(0, 1)[None]
+        o = F.scaled_dot_product_attention(q[b, None, :, None], kh, vh, scale=scale, enable_gqa=gqa)
+        out[b] = o[0, :, 0]
+    return out

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from deltaserve.kernels import conv_decode, conv_prefill, gated_delta_decode, gated_delta_prefill
 from deltaserve.kernels.attention import paged_attention, write_kv
 from deltaserve.models.batch import ATTENTION, GDN, CacheGeometry, ForwardBatch, ModelCaches
-from deltaserve.models.layers import Rotary, apply_rotary, linear, rope_parameters
+from deltaserve.models.layers import Rotary, apply_rotary, by_row_blocks, linear, rope_parameters
 
 log = logging.getLogger(__name__)
 
@@ -251,6 +251,9 @@ class SwiGLU(nn.Module):
         self.down_proj = linear(intermediate, hidden)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return by_row_blocks(self._rows, x)
+
+    def _rows(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x), inplace=True).mul_(self.up_proj(x)))
 
 

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from deltaserve.kernels.attention import paged_attention
 from deltaserve.models.batch import ATTENTION, CacheGeometry, ForwardBatch, ModelCaches
-from deltaserve.models.layers import Int4Linear, RMSNorm, Rotary, apply_rotary, linear, rope_parameters, silu_mul
+from deltaserve.models.layers import (Int4Linear, RMSNorm, Rotary, apply_rotary, by_row_blocks, linear,
+                                     rope_parameters)
 
 
 class LlamaAttention(nn.Module):
@@ -55,7 +57,10 @@ class LlamaMLP(nn.Module):
         self.down_proj = linear(intermediate, hidden)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))
+        return by_row_blocks(self._rows, x)
+
+    def _rows(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x), inplace=True).mul_(self.up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):

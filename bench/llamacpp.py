@@ -1,0 +1,52 @@
+"""llama.cpp as a peer in the bench scripts: its own converter and its own `llama-bench`, from a llama.cpp source
+tree you built yourself (nothing of it is part of deltaserve). Give the tree with `--llama-cpp DIR` (or the
+environment variable LLAMA_CPP_DIR); the scripts run without it and print "-" in its column.
+
+    cmake -S DIR -B DIR/build -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF
+    cmake --build DIR/build --target llama-bench -j
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+
+def tree(given: str | None) -> Path | None:
+    """The llama.cpp source tree with a built llama-bench, or None (then the peer is skipped)."""
+    root = given or os.environ.get("LLAMA_CPP_DIR")
+    if not root:
+        return None
+    root = Path(root)
+    if not bench_binary(root).exists():
+        raise SystemExit(f"error: {root} has no build/bin/llama-bench: build it first (see bench/llamacpp.py)")
+    return root
+
+
+def bench_binary(root: Path) -> Path:
+    return root / "build" / "bin" / "llama-bench"
+
+
+def convert(root: Path, hf_folder: Path, out: Path, outtype: str = "f32") -> Path:
+    """An HF checkpoint to GGUF with llama.cpp's own converter (MTP heads left out)."""
+    env = {**os.environ, "PYTHONPATH": str(root / "gguf-py")}
+    subprocess.run([sys.executable, str(root / "convert_hf_to_gguf.py"), str(hf_folder), "--outfile", str(out),
+                    "--outtype", outtype, "--no-mtp"], check=True, env=env, stdout=subprocess.DEVNULL,
+                   stderr=subprocess.PIPE)
+    return out
+
+
+def run_bench(root: Path, gguf: Path, *, prompts: list[int] = (), gen: int = 0, threads: int = 2,
+              repeats: int = 2) -> dict[str, float]:
+    """tokens/s per test from llama-bench: {"pp512": ..., "tg128": ...}."""
+    args = [str(bench_binary(root)), "-m", str(gguf), "-t", str(threads), "-r", str(repeats), "-o", "json"]
+    args += ["-p", ",".join(map(str, prompts)) if prompts else "0", "-n", str(gen)]
+    done = subprocess.run(args, check=True, capture_output=True, text=True)
+    rates = {}
+    for row in json.loads(done.stdout):
+        name = f"pp{row['n_prompt']}" if row["n_prompt"] else f"tg{row['n_gen']}"
+        rates[name] = float(row["avg_ts"])
+    return rates
