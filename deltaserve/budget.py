@@ -359,8 +359,9 @@ def _gdn_workspace_line(spec: ModelMemorySpec, rows: int) -> tuple[int, str]:
 def _attention_line(spec: ModelMemorySpec, c: EngineConfig, context: int) -> tuple[int, str]:
     if not spec.attention_layers:
         return 0, "no attention layers"
-    if c.attention_backend == "paged":
+    if c.attention_backend == "paged" and c.device.startswith("cuda"):
         return PAGED_ATTENTION_WORKSPACE_BYTES, "paged kernel reads KV pages in place; split-KV scratch"
+    # CPU: decode reads pages in place (kernels/paged_cpu.py) or gathers one sequence; prefill gathers and masks
     cb, kvb = DTYPE_BYTES[c.dtype], DTYPE_BYTES[c.kv_dtype]
     row = spec.num_kv_heads * spec.head_dim * 2 * (cb + (kvb if kvb != cb else 0))  # gathered K,V (+ cast copy)
     # one sequence at a time (kernels/attention.py): its K,V gathered, plus its scores (decode: one row per head)
@@ -420,7 +421,8 @@ def _fixes(spec: ModelMemorySpec, d: _Draft, kind: str, ok) -> str:
                                with_context))
     candidates.append(("--max-running-requests {}", "max_running_requests",
                        range(c.max_running_requests - 1, 0, -1), _none))
-    if c.attention_backend == "portable" and spec.attention_layers and not context_problem:
+    portable_workspace = c.attention_backend == "portable" or not c.device.startswith("cuda")
+    if portable_workspace and spec.attention_layers and not context_problem:
         candidates.append(("--context-length {}", "context_length", _descending(d.context, 1024), with_cap))
     if c.headroom:
         candidates.append(("--headroom {}", "headroom", [0], _none))

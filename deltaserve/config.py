@@ -102,7 +102,7 @@ class EngineConfig:
     served_model_name: str | None = None
     max_body_bytes: int = 8 * MiB  # a 100K-token prompt is ~0.5 MB of JSON; escaping can multiply it
     seed: int = 0
-    attention_backend: str = "auto"  # auto: paged kernel on CUDA, portable gather + SDPA on CPU
+    attention_backend: str = "auto"  # auto = paged: decode reads the KV pages in place (CPU: a kernel built at start)
     dequantize_weights: bool | None = None  # None: True on CPU (portable path), False on CUDA (packed kernels)
     cuda_graph_reserve: int | None = None  # bytes; None: estimated from the decode batch
 
@@ -128,8 +128,7 @@ class EngineConfig:
             or (GPU_PREFILL_CHUNK_TOKENS if gpu else CPU_PREFILL_CHUNK_TOKENS),
             kv_dtype=self.kv_dtype if self.kv_dtype != "auto" else dtype,
             state_dtype=self.state_dtype if self.state_dtype != "auto" else ("bfloat16" if gpu else "float32"),
-            attention_backend=self.attention_backend if self.attention_backend != "auto"
-            else ("paged" if gpu else "portable"),
+            attention_backend=self.attention_backend if self.attention_backend != "auto" else "paged",
             dequantize_weights=self.dequantize_weights if self.dequantize_weights is not None else not gpu,
         )
 
@@ -234,7 +233,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--served-model-name", help="model name reported by the API")
     g.add_argument("--max-body-bytes", help="largest request body (8MiB)")
     g.add_argument("--seed", type=int, help="default sampling seed (0)")
-    g.add_argument("--attention-backend", help="auto (paged on CUDA, portable on CPU), portable, paged")
+    g.add_argument("--attention-backend", help="auto (= paged: decode reads KV pages in place; on CPU a C++ kernel built at start), "
+                   "portable (gather + SDPA)")
     g.add_argument("--dequantize-weights", action=argparse.BooleanOptionalAction, default=None,
                    help="hold quantized weights dequantized in the compute dtype (default: on CPU)")
     g.add_argument("--cuda-graph-reserve", help="bytes reserved for CUDA graphs (default: estimated)")

@@ -27,6 +27,7 @@ from deltaserve.engine.request import Request, RequestStream, SamplingParams, To
 from deltaserve.engine.runner import ModelRunner
 from deltaserve.engine.sampler import sample
 from deltaserve.engine.scheduler import QueueFull, RequestRefused, Scheduler
+from deltaserve.kernels import paged_cpu
 from deltaserve.models.spec import spec_from_checkpoint
 
 __all__ = ["Completion", "Engine", "EngineStats", "LLM", "QueueFull", "RequestRefused"]
@@ -86,6 +87,8 @@ class Engine:
         self.scheduler = Scheduler(self.kv_pool, self.state_pool, policy, prefill_chunk_tokens=c.prefill_chunk_tokens,
                                    token_names=self.tokenizer.token_str)
         self.runner = ModelRunner(loaded.model, self.kv_pool, self.state_pool, self.device)
+        if self.device.type == "cpu" and c.attention_backend == "paged":
+            paged_cpu.load(self._log)  # built once per machine (~1 min), then loaded from torch's cache
         self.vocab_size = int(loaded.model.lm_head.out_features)
         self._cond = threading.Condition()
         self._live: dict[str, Request] = {}

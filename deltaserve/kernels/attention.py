@@ -1,13 +1,16 @@
 """Attention over the paged KV cache: write the new K/V rows, then attend to each sequence's whole context.
 
-Portable PyTorch path (gather + scaled_dot_product_attention), one sequence at a time over exactly its context:
-decode rows with no mask, prefill chunks with a causal mask offset by what is already cached.
+Decode rows on CPU read the pages in place (kernels/paged_cpu.py) once the engine has built that kernel. The
+portable PyTorch path (gather + scaled_dot_product_attention) serves everything else, one sequence at a time over
+exactly its context: decode rows with no mask, prefill chunks with a causal mask offset by what is cached.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from deltaserve.kernels import paged_cpu
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
@@ -29,8 +32,14 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     cu = batch.cu_q.tolist()
     nd = batch.num_decode
     if nd:
-        out[:nd] = _decode_attention(q[:nd], k_cache, v_cache, batch.context_slots[:nd],
-                                     batch.context_lens[:nd], scale)
+        in_place = paged_cpu.ready() if _paged_cpu_inputs(q, k_cache) else None
+        if in_place is not None:
+            lens = torch.tensor(batch.context_lens[:nd], dtype=torch.long)
+            out[:nd] = paged_cpu.paged_decode_attention(q[:nd], k_cache, v_cache, batch.context_slots[:nd], lens,
+                                                        scale)
+        else:
+            out[:nd] = _decode_attention(q[:nd], k_cache, v_cache, batch.context_slots[:nd],
+                                         batch.context_lens[:nd], scale)
     for b in range(nd, batch.num_seqs):
         lo, hi = cu[b], cu[b + 1]
         cached = batch.cached_lens[b]
@@ -42,6 +51,10 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
             out[lo:hi] = _prefill_attention(q[lo:hi], k_cache[slots].to(q.dtype), v_cache[slots].to(q.dtype),
                                             cached, scale)
     return out
+
+
+def _paged_cpu_inputs(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    return k_cache.device.type == "cpu" and k_cache.dtype == q.dtype == torch.float32 and k_cache.is_contiguous()
 
 
 def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cached: int, scale: float) -> torch.Tensor:
