@@ -11,6 +11,8 @@ caller keeps the portable path.
 
 from __future__ import annotations
 
+import os
+import shutil
 import threading
 
 import torch
@@ -98,6 +100,8 @@ def load(log=None):
             try:
                 from torch.utils.cpp_extension import load_inline
 
+                _ninja_on_path()
+
                 _module = load_inline("deltaserve_paged_cpu", cpp_sources=[_SOURCE], functions=["paged_decode"],
                                       extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
                                       extra_ldflags=["-fopenmp"], verbose=False)
@@ -106,6 +110,16 @@ def load(log=None):
                 if log:
                     log(f"paged CPU decode attention unavailable ({_error}); using the portable gather + SDPA path")
         return _module
+
+
+def _ninja_on_path() -> None:
+    """torch runs `ninja` from PATH; the pip package's binary sits in the venv's bin, which PATH may lack."""
+    if shutil.which("ninja") is None:
+        try:
+            import ninja
+        except ImportError:
+            return
+        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
 
 
 def ready():
