@@ -359,7 +359,7 @@ def _gdn_workspace_line(spec: ModelMemorySpec, rows: int) -> tuple[int, str]:
 def _attention_line(spec: ModelMemorySpec, c: EngineConfig, context: int) -> tuple[int, str]:
     if not spec.attention_layers:
         return 0, "no attention layers"
-    if c.attention_backend == "paged" and c.device.startswith("cuda"):
+    if _cuda_paged(c):
         return PAGED_ATTENTION_WORKSPACE_BYTES, "paged kernel reads KV pages in place; split-KV scratch"
     # CPU: decode reads pages in place (kernels/paged_cpu.py) or gathers one sequence; prefill gathers and masks
     cb, kvb = DTYPE_BYTES[c.dtype], DTYPE_BYTES[c.kv_dtype]
@@ -369,6 +369,11 @@ def _attention_line(spec: ModelMemorySpec, c: EngineConfig, context: int) -> tup
     prefill = context * row + c.prefill_chunk_tokens * context * (spec.num_attention_heads * 4 + 1)
     return max(decode, prefill), (f"portable path, one layer, one sequence at a time: K,V of a context of "
                                   f"{context:,} gathered, and the masked scores of one chunk")
+
+
+def _cuda_paged(c: EngineConfig) -> bool:
+    """The CUDA paged kernel: a fixed scratch. Otherwise attention gathers a context, which grows with it."""
+    return c.attention_backend == "paged" and c.device.startswith("cuda")
 
 
 def _cuda_graph_line(spec: ModelMemorySpec, c: EngineConfig, kind: str) -> tuple[int, str]:
@@ -421,8 +426,7 @@ def _fixes(spec: ModelMemorySpec, d: _Draft, kind: str, ok) -> str:
                                with_context))
     candidates.append(("--max-running-requests {}", "max_running_requests",
                        range(c.max_running_requests - 1, 0, -1), _none))
-    portable_workspace = c.attention_backend == "portable" or not c.device.startswith("cuda")
-    if portable_workspace and spec.attention_layers and not context_problem:
+    if not _cuda_paged(c) and spec.attention_layers and not context_problem:
         candidates.append(("--context-length {}", "context_length", _descending(d.context, 1024), with_cap))
     if c.headroom:
         candidates.append(("--headroom {}", "headroom", [0], _none))

@@ -101,9 +101,8 @@ class Engine:
 
     def measured_bytes(self) -> dict[str, int]:
         """What the engine really holds per ledger line (torch tensor bytes)."""
-        model = self.loaded.model
-        held = [*model.parameters(), *(b for n, b in model.named_buffers() if n.endswith(("packed", "scales_zeros")))]
-        weights = {t.data_ptr(): t.numel() * t.element_size() for t in held}
+        # the state dict: parameters and persistent buffers (packed int4 weights), not derived ones (rotary)
+        weights = {t.data_ptr(): t.numel() * t.element_size() for t in self.loaded.model.state_dict().values()}
         return {"weights": sum(weights.values()), "kv_pool": self.kv_pool.bytes, "state_pool": self.state_pool.bytes}
 
     # -- requests ---------------------------------------------------------------------------------------------

@@ -32,8 +32,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     cu = batch.cu_q.tolist()
     nd = batch.num_decode
     if nd:
-        in_place = paged_cpu.ready() if _paged_cpu_inputs(q, k_cache) else None
-        if in_place is not None:
+        if _paged_cpu_inputs(q, k_cache) and paged_cpu.ready() is not None:
             lens = torch.tensor(batch.context_lens[:nd], dtype=torch.long)
             out[:nd] = paged_cpu.paged_decode_attention(q[:nd], k_cache, v_cache, batch.context_slots[:nd], lens,
                                                         scale)

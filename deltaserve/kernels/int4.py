@@ -53,6 +53,11 @@ def packable(shape: tuple[int, ...], group_size: int) -> bool:
             and group_size in (32, 64, 128, 256))
 
 
+def held_bytes(params: int, group_size: int) -> int:
+    """Bytes `pack_int4` holds for `params` weights: half a byte each, plus a bf16 scale and zero per group."""
+    return params // 2 + params // group_size * 2 * INT4_COMPUTE_DTYPE.itemsize
+
+
 def pack_int4(w: Int4Codes) -> tuple[torch.Tensor, torch.Tensor]:
     """(packed codes, scales_and_zeros [K / group, N, 2]) in the CPU kernel's layout."""
     if not packable(w.shape, w.group_size):

@@ -1,12 +1,11 @@
-"""Decode attention that reads the paged KV cache in place, on CPU: a small C++ kernel built on first use.
+"""Decode attention that reads the paged KV cache in place, on CPU: a small C++ kernel the engine builds at start.
 
 The portable path gathers every decode sequence's K and V rows into fresh tensors before SDPA reads them again,
 so each cached byte crosses memory three times per step; at 64 decodes of ~800 tokens that is most of a step.
 This kernel walks each sequence's slots and reads each K and V row once, for all the query heads that share it
 (grouped-query attention), with a two-pass softmax in float32 (-ffast-math lets the compiler vectorize the dot
-products). It is compiled with torch's cpp_extension
-(ninja + the system C++ compiler) into torch's extension cache; where that fails, `load()` returns None and the
-caller keeps the portable path.
+products). It is compiled with torch's cpp_extension (ninja + the system C++ compiler) into torch's extension
+cache; where that fails, `load()` returns None and the caller keeps the portable path.
 """
 
 from __future__ import annotations
@@ -101,7 +100,6 @@ def load(log=None):
                 from torch.utils.cpp_extension import load_inline
 
                 _ninja_on_path()
-
                 _module = load_inline("deltaserve_paged_cpu", cpp_sources=[_SOURCE], functions=["paged_decode"],
                                       extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
                                       extra_ldflags=["-fopenmp"], verbose=False)

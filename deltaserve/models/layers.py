@@ -124,13 +124,12 @@ class Int4Linear(nn.Module):
 MLP_ROW_BLOCK = 2048  # rows per MLP pass: the [rows, intermediate] temporaries of a long prompt stay in cache
 
 
-def by_row_blocks(fn, x: torch.Tensor, block: int | None = None) -> torch.Tensor:
-    """fn(x) for a row-wise fn, computed `block` (MLP_ROW_BLOCK) rows at a time: the same result, and on a
-    16K-token prompt the elementwise work between the matmuls reads cache instead of memory."""
-    block = block or MLP_ROW_BLOCK
-    if x.shape[0] <= block:
+def by_row_blocks(fn, x: torch.Tensor) -> torch.Tensor:
+    """fn(x) for a row-wise fn, computed MLP_ROW_BLOCK rows at a time: the same result, and on a 16K-token
+    prompt the elementwise work between the matmuls reads cache instead of memory."""
+    if x.shape[0] <= MLP_ROW_BLOCK:
         return fn(x)
-    return torch.cat([fn(part) for part in x.split(block)])
+    return torch.cat([fn(part) for part in x.split(MLP_ROW_BLOCK)])
 
 
 def load_weights(module: nn.Module, tensors: dict[str, torch.Tensor], *, dtype: torch.dtype,

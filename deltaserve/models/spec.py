@@ -440,22 +440,18 @@ def _spec_from_gguf(path: Path) -> ModelMemorySpec:
     return spec
 
 
-GGUF_INT4_TYPES = ("Q4_0", "Q4_1")  # held packed unless dequantized (weights/gguf.py, kernels/int4.py)
-INT4_GROUP = 32
-
-
 def _gguf_held(t) -> tuple[str, int, int, bool, int]:
     """(name, params, stored bytes, held as floats?, bytes held packed) of one GGUF tensor.
 
-    4-bit matrices are held as int4 codes plus a bfloat16 scale and zero per group of 32: 5/8 byte per weight
-    (Q4_1's own size); the embedding and a non-4-bit lm_head in bfloat16; the rest in the compute dtype."""
+    What weights/gguf.py keeps packed (int4 codes + a bfloat16 scale and zero per 32 weights) is counted at that
+    size; the embedding and a non-4-bit lm_head in bfloat16 (models/layers.vocab_in_bfloat16); the rest in the
+    compute dtype."""
+    from deltaserve.weights.gguf import int4_held_bytes, kept_int4
+
     params = int(t.n_elements)
-    shape = [int(d) for d in t.shape]
-    int4 = (t.tensor_type.name in GGUF_INT4_TYPES and not t.name.startswith("token_embd") and len(shape) == 2
-            and shape[0] % INT4_GROUP == 0 and shape[1] % 16 == 0)  # GGUF order: [inputs, outputs]
-    if int4:
-        return t.name, params, int(t.n_bytes), False, params // 2 + params // INT4_GROUP * 4
-    vocab = t.name in ("token_embd.weight", "output.weight")  # held in bfloat16 beside packed int4 (models/layers)
+    if kept_int4(t.tensor_type, t.name, tuple(int(d) for d in reversed(t.shape))):
+        return t.name, params, int(t.n_bytes), False, int4_held_bytes(params)
+    vocab = t.name in ("token_embd.weight", "output.weight")
     return t.name, params, int(t.n_bytes), not vocab, params * 2
 
 

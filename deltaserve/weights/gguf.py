@@ -13,7 +13,7 @@ from gguf import GGMLQuantizationType as Q
 from gguf import GGUFReader, GGUFValueType
 from gguf.quants import dequantize
 
-from deltaserve.kernels.int4 import Int4Codes, packable
+from deltaserve.kernels.int4 import Int4Codes, held_bytes, packable
 from deltaserve.weights.errors import CheckpointError
 from deltaserve.weights.gguf_tokenizer import gguf_tokenizer
 
@@ -203,7 +203,7 @@ def load_gguf(path: Path, dtype: torch.dtype, skip_prefixes: tuple[str, ...], ke
         heads = None
         if config["model_type"] == "llama" and kind in ("attn_q", "attn_k"):
             heads = config["num_attention_heads" if kind == "attn_q" else "num_key_value_heads"]
-        if keep_int4 and tensor.tensor_type in INT4_TYPES and kind != "token_embd" and packable(shape, Q4_BLOCK):
+        if keep_int4 and kept_int4(tensor.tensor_type, tensor.name, shape):
             codes = int4_codes(tensor.data, tensor.tensor_type, shape)
             if heads is not None:
                 codes = codes.rows(torch.from_numpy(unpermute_rotary(np.arange(shape[0]), heads)))
@@ -223,6 +223,17 @@ def unpermute_rotary(rows: np.ndarray, heads: int) -> np.ndarray:
     """Undo llama.cpp's `permute` of q/k rows: per head, (2, dim/2) interleaved back to halves."""
     half = rows.shape[0] // heads // 2
     return rows.reshape(heads, half, 2, *rows.shape[1:]).swapaxes(2, 1).reshape(rows.shape)
+
+
+def kept_int4(kind: Q, gguf_name: str, shape: tuple[int, ...]) -> bool:
+    """Whether loading with `keep_int4` holds this tensor (HF-order `shape`) packed: a Q4_0 / Q4_1 matrix the CPU
+    kernel takes, other than the embedding (looked up by row, so held as floats)."""
+    return kind in INT4_TYPES and not gguf_name.startswith("token_embd") and packable(shape, Q4_BLOCK)
+
+
+def int4_held_bytes(params: int) -> int:
+    """Bytes a kept Q4_0 / Q4_1 tensor of `params` weights holds once packed (Q4_1's own size)."""
+    return held_bytes(params, Q4_BLOCK)
 
 
 def int4_codes(data: np.ndarray, kind: Q, shape: tuple[int, int]) -> Int4Codes:
