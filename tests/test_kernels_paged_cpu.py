@@ -28,10 +28,15 @@ def reference(q, k_cache, v_cache, slots, lens, scale):
     return out
 
 
-@pytest.mark.parametrize("heads,kv_heads,lens", [(9, 3, [1, 17, 300, 64]), (4, 4, [5]), (8, 1, [129, 2])])
-def test_paged_decode_matches_float64_attention(kernel, heads, kv_heads, lens):
-    g = torch.Generator().manual_seed(len(lens) * heads)
-    d, pool = 64, 1024
+# Head sizes 64 / 128 / 256 take the vector path, 40 and groups above 16 the plain loop; lengths cross the kernel's
+# 32-row tiles (31, 32, 33, 300) and stay inside one (1, 5, 17).
+@pytest.mark.parametrize("heads,kv_heads,d,lens", [
+    (9, 3, 64, [1, 17, 300, 64]), (4, 4, 64, [5]), (8, 1, 64, [129, 2]), (6, 2, 128, [31, 32, 33]),
+    (2, 1, 256, [70]), (4, 2, 40, [3, 65]), (17, 1, 64, [40]),
+])
+def test_paged_decode_matches_float64_attention(kernel, heads, kv_heads, d, lens):
+    g = torch.Generator().manual_seed(len(lens) * heads + d)
+    pool = 1024
     k_cache, v_cache = torch.randn(pool, kv_heads, d, generator=g), torch.randn(pool, kv_heads, d, generator=g)
     order = torch.randperm(pool, generator=g)  # a sequence's rows lie anywhere in the pool, as pages do
     slots = torch.zeros(len(lens), max(lens), dtype=torch.long)

