@@ -41,7 +41,7 @@ inline float hsum(f16v x) {
 }
 
 // One (sequence, kv head): its G query heads over L cached rows, softmax kept online over tiles of rows.
-// D = 16 * V channels per head; the G accumulators live in registers while a tile's V rows stream past.
+// D = 16 * V channels per head; a query head's accumulator sits in registers while the tile's V rows stream past.
 template <int V>
 void attend(const float* __restrict qh, const float* __restrict kp, const float* __restrict vp,
             const int64_t* __restrict row_slots, int64_t L, int64_t Hkv, int64_t h, int64_t G, float scale,
