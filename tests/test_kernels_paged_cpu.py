@@ -1,5 +1,5 @@
-"""The CPU decode kernel that reads the paged KV cache in place, against a float64 softmax attention written here,
-and the engine choosing it (or the portable path) by setting."""
+"""The CPU decode kernel that reads the paged KV cache in place, and the portable gather + SDPA path beside it,
+against a float64 softmax attention written here."""
 
 import pytest
 import torch

@@ -33,9 +33,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     nd = batch.num_decode
     if nd:
         if _paged_cpu_inputs(q, k_cache) and paged_cpu.ready() is not None:
-            lens = torch.tensor(batch.context_lens[:nd], dtype=torch.long)
-            out[:nd] = paged_cpu.paged_decode_attention(q[:nd], k_cache, v_cache, batch.context_slots[:nd], lens,
-                                                        scale)
+            out[:nd] = paged_cpu.paged_decode_attention(q[:nd], k_cache, v_cache, batch.context_slots[:nd],
+                                                        batch.decode_context_lens, scale)
         else:
             out[:nd] = _decode_attention(q[:nd], k_cache, v_cache, batch.context_slots[:nd],
                                          batch.context_lens[:nd], scale)

@@ -10,6 +10,7 @@ a long one), packed one after another.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -75,6 +76,11 @@ class ForwardBatch:
     @property
     def context_lens(self) -> list[int]:
         return [c + q for c, q in zip(self.cached_lens, self.q_lens)]
+
+    @cached_property
+    def decode_context_lens(self) -> torch.Tensor:
+        """[num_decode] int64 context lengths of the decode sequences, built once per step for every layer."""
+        return torch.tensor(self.context_lens[: self.num_decode], dtype=torch.long)
 
 
 def single_sequence_batch(
