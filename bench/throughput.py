@@ -2,7 +2,8 @@
 
 Workload (seeded): --requests requests, prompt lengths uniform in [--prompt-min, --prompt-max] tokens, output
 lengths uniform in [--output-min, --output-max], greedy, EOS ignored so both sides make exactly those tokens.
-- deltaserve: every request submitted at t=0 to one Engine (continuous batching, chunked prefill, paged KV).
+- deltaserve: every request submitted at t=0 to one Engine (continuous batching, chunked prefill, paged KV); one
+  run per --kv-dtypes entry (float32, the default, and float16: storage only, the arithmetic stays float32).
 - transformers: `generate` on left-padded batches of --hf-batch-size in arrival order; a batch runs until its
   longest output, and only each request's own tokens count. TTFT of a request = when its batch's first token
   came (batches run one after another, all requests waiting from t=0).
@@ -64,7 +65,7 @@ def percentile(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(round(q * (len(values) - 1))))]
 
 
-def run_deltaserve(model_path: str, work, args) -> dict:
+def run_deltaserve(model_path: str, work, args, kv_dtype: str = "auto") -> dict:
     from deltaserve.config import EngineConfig
     from deltaserve.engine.engine import Engine
     from deltaserve.engine.request import SamplingParams
@@ -72,7 +73,7 @@ def run_deltaserve(model_path: str, work, args) -> dict:
     pages = sum(-(-(len(ids) + o) // 16) for ids, o in work)
     config = EngineConfig(model=model_path, device="cpu", max_running_requests=args.max_running_requests,
                           max_total_tokens=pages * 16, max_queue=len(work), seed=args.seed,
-                          prefill_chunk_tokens=args.prefill_chunk_tokens)
+                          prefill_chunk_tokens=args.prefill_chunk_tokens, kv_dtype=kv_dtype)
     engine = Engine(config, log=None)
     start = time.perf_counter()
     streams = [engine.submit(ids, SamplingParams(max_tokens=o, temperature=0, ignore_eos=True)) for ids, o in work]
@@ -152,19 +153,22 @@ def tiny_hybrid(folder: Path):
     return str(folder), ref
 
 
-def report(name: str, ours: dict, theirs: dict | None, flops: float, peak_gflops: float) -> list[str]:
+def report(name: str, ours: dict[str, dict], theirs: dict | None, flops: float, peak_gflops: float) -> list[str]:
+    """One row per deltaserve run (by KV cache dtype) and transformers; each run's ratio to transformers."""
     rows = []
-    for side, r in (("deltaserve", ours), ("transformers", theirs)):
+    sides = [(f"deltaserve {kv}", r) for kv, r in ours.items()] + [("transformers", theirs)]
+    for side, r in sides:
         if r is None:
             continue
         tps = r["output_tokens"] / r["wall_s"]
         gflops = flops / r["wall_s"] / 1e9
-        rows.append(f"{name:<10} {side:<13} {tps:>10.1f} {percentile(r['ttft'], 0.5):>9.1f} "
+        rows.append(f"{name:<8} {side:<19} {tps:>10.1f} {percentile(r['ttft'], 0.5):>9.1f} "
                     f"{percentile(r['ttft'], 0.95):>9.1f} {r['wall_s']:>8.1f} {gflops:>7.1f} "
                     f"{gflops / peak_gflops:>8.1%}")
     if theirs is not None:
-        ratio = (ours["output_tokens"] / ours["wall_s"]) / (theirs["output_tokens"] / theirs["wall_s"])
-        rows.append(f"{name:<10} {'ratio':<13} {ratio:>9.2f}x")
+        for kv, r in ours.items():
+            ratio = (r["output_tokens"] / r["wall_s"]) / (theirs["output_tokens"] / theirs["wall_s"])
+            rows.append(f"{name:<8} {'ratio ' + kv:<19} {ratio:>9.2f}x")
     return rows
 
 
@@ -180,6 +184,9 @@ def main(argv=None) -> int:
     parser.add_argument("--hf-batch-size", type=int, default=8, help="transformers' padded batch size")
     parser.add_argument("--max-running-requests", type=int, default=64)
     parser.add_argument("--prefill-chunk-tokens", type=int, default=None, help="default: the engine's (512 CPU)")
+    parser.add_argument("--kv-dtypes", default="float32,float16",
+                        help="comma-separated KV cache dtypes, one deltaserve run each (float32 is the default; "
+                             "float16 halves the cache's bytes, as llama.cpp's default f16 cache does)")
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--peak-gflops", type=float, default=0.0,
@@ -197,19 +204,23 @@ def main(argv=None) -> int:
           f"{args.output_max} (seed {args.seed}): {sum(len(i) for i, _ in work):,} prompt + "
           f"{sum(o for _, o in work):,} output tokens; {args.threads} threads, transformers batches of "
           f"{args.hf_batch_size}; roofline {args.peak_gflops:.0f} GFLOP/s")
-    lines = [f"{'model':<10} {'engine':<13} {'out tok/s':>10} {'TTFT p50':>9} {'TTFT p95':>9} {'wall s':>8} "
+    lines = [f"{'model':<8} {'engine (KV dtype)':<19} {'out tok/s':>10} {'TTFT p50':>9} {'TTFT p95':>9} {'wall s':>8} "
              f"{'GFLOP/s':>7} {'roofline':>8}"]
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.models.split(","):
             path, ref = smollm2() if name == "smollm2" else tiny_hybrid(Path(tmp) / "hybrid")
-            ours = run_deltaserve(path, work, args)
-            flops = useful_flops(ours["config"], ours.pop("model"), work)
-            ours.pop("config")
+            ours, flops = {}, 0.0
+            for kv in args.kv_dtypes.split(","):
+                ours[kv] = run_deltaserve(path, work, args, kv_dtype=kv)
+                flops = useful_flops(ours[kv].pop("config"), ours[kv].pop("model"), work)
+                print(f"{name} deltaserve (KV {kv}): {ours[kv]['output_tokens'] / ours[kv]['wall_s']:.1f} "
+                      f"output tok/s, {ours[kv]['wall_s']:.1f} s", flush=True)
             theirs = None if args.skip_transformers else run_transformers(ref, work, args)
             del ref
-            lines += report(name, ours, theirs, flops, args.peak_gflops)
-            print("\n".join(lines[-3:]), flush=True)
+            rows = report(name, ours, theirs, flops, args.peak_gflops)
+            lines += rows
+            print("\n".join([lines[0]] + rows), flush=True)
             results[name] = {"deltaserve": ours, "transformers": theirs, "useful_gflop": flops / 1e9}
     print("\n" + "\n".join(lines))
     if args.json:

@@ -52,8 +52,36 @@ def test_paged_decode_matches_float64_attention(kernel, heads, kv_heads, d, lens
     assert (portable.double() - want).abs().max().item() <= 1e-5
 
 
+# --kv-dtype bfloat16 / float16: the kernel widens each row on load and computes in float32, so it must equal a
+# float64 attention over the very values stored (the rounding to 16 bits happened when the rows were written).
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("heads,kv_heads,d,lens", [
+    (9, 3, 64, [1, 17, 300, 64]), (6, 2, 128, [31, 32, 33]), (2, 1, 256, [70]), (4, 2, 40, [3, 65]),
+])
+def test_paged_decode_reads_16_bit_caches(kernel, dtype, heads, kv_heads, d, lens):
+    g = torch.Generator().manual_seed(7 * heads + d)
+    pool = 1024
+    k_cache = torch.randn(pool, kv_heads, d, generator=g).to(dtype)
+    v_cache = torch.randn(pool, kv_heads, d, generator=g).to(dtype)
+    slots = torch.zeros(len(lens), max(lens), dtype=torch.long)
+    order, start = torch.randperm(pool, generator=g), 0
+    for b, length in enumerate(lens):
+        slots[b, :length] = order[start:start + length]
+        start += length
+    q = torch.randn(len(lens), heads, d, generator=g)
+    got = paged_cpu.paged_decode_attention(q, k_cache, v_cache, slots, torch.tensor(lens), d ** -0.5)
+    assert got.dtype == torch.float32
+    want = reference(q, k_cache, v_cache, slots, lens, d ** -0.5)
+    assert (got.double() - want).abs().max().item() <= 1e-5
+    portable = _decode_attention(q, k_cache, v_cache, slots, lens, d ** -0.5)
+    assert (portable.double() - want).abs().max().item() <= 1e-5
+
+
 def test_rejects_what_it_cannot_read(kernel):
     q, cache = torch.randn(1, 2, 8), torch.randn(4, 2, 8)
-    with pytest.raises(RuntimeError, match="float32 tensors only"):
+    with pytest.raises(RuntimeError, match="float32, bfloat16 or float16 caches only"):
+        paged_cpu.paged_decode_attention(q, cache.half(), cache.bfloat16(), torch.zeros(1, 1, dtype=torch.long),
+                                         torch.ones(1, dtype=torch.long), 1.0)
+    with pytest.raises(RuntimeError, match="float32, bfloat16 or float16 caches only"):
         paged_cpu.paged_decode_attention(q.double(), cache.double(), cache.double(), torch.zeros(1, 1,
                                          dtype=torch.long), torch.ones(1, dtype=torch.long), 1.0)
