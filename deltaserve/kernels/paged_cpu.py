@@ -7,8 +7,9 @@ This kernel walks each sequence's slots and reads each K and V row once, for all
 256 run on 16-float vectors (AVX-512 here: 64 decodes of 700 tokens, 10 -> 4.8 ms per layer), others on a plain
 loop. The cache may be float32 or, with `--kv-dtype float16` / `bfloat16`, 16-bit: rows are widened to float32 as
 a tile is staged and all arithmetic stays float32; half the bytes to stream (64 decodes of 800 tokens, 30 cold
-layers: ~6-7 ms float32, ~4 ms float16 per layer). It is compiled with torch's cpp_extension (ninja + the system C++ compiler) into torch's extension
-cache; where that fails, `load()` returns None and the caller keeps the portable path.
+layers: ~6-7 ms float32, ~4 ms float16 per layer). It needs GCC >= 12 or Clang (vector extensions and
+__builtin_shufflevector) and is compiled with torch's cpp_extension (ninja + the system C++ compiler) into torch's
+extension cache; where that fails, `load()` returns None and the caller keeps the portable path.
 """
 
 from __future__ import annotations
