@@ -7,9 +7,9 @@ This kernel walks each sequence's slots and reads each K and V row once, for all
 256 run on 16-float vectors (AVX-512 here: 64 decodes of 700 tokens, 10 -> 4.8 ms per layer), others on a plain
 loop. The cache may be float32 or, with `--kv-dtype float16` / `bfloat16`, 16-bit: rows are widened to float32 as
 a tile is staged and all arithmetic stays float32; half the bytes to stream (64 decodes of 800 tokens, 30 cold
-layers: ~6-7 ms float32, ~4 ms float16 per layer). It needs GCC >= 12 or Clang (vector extensions and
-__builtin_shufflevector) and is compiled with torch's cpp_extension (ninja + the system C++ compiler) into torch's
-extension cache; where that fails, `load()` returns None and the caller keeps the portable path.
+layers: ~6-7 ms float32, ~4 ms float16 per layer). It needs GCC or Clang (vector extensions) and is compiled
+with torch's cpp_extension (ninja + the system C++ compiler) into torch's extension cache; where that fails,
+`load()` returns None and the caller keeps the portable path.
 """
 
 from __future__ import annotations
@@ -70,21 +70,30 @@ inline f16v load16(const at::Half* p) {
 #endif
 }
 inline void store16(float* p, f16v x) { *reinterpret_cast<f16v_u*>(p) = x; }
+// Two-input shuffles: Clang spells them __builtin_shufflevector, GCC (any version with vector extensions, 11 on
+// Ubuntu 22.04 included) __builtin_shuffle with a mask vector.
+typedef int32_t i16v __attribute__((vector_size(64)));
+#if defined(__clang__)
+#define SHUFFLE(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else
+#define SHUFFLE(a, b, ...) __builtin_shuffle(a, b, i16v{__VA_ARGS__})
+#endif
+
 // Lane i of the result is the sum of x[i]'s 16 lanes: a transpose-and-add tree, 15 adds for 16 row scores
 // where 16 separate horizontal sums would take 64.
 inline f16v sum16(const f16v* x) {
   f16v b[8], c[4], d[2];
   for (int j = 0; j < 8; ++j)
-    b[j] = __builtin_shufflevector(x[2 * j], x[2 * j + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
-           __builtin_shufflevector(x[2 * j], x[2 * j + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    b[j] = SHUFFLE(x[2 * j], x[2 * j + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+           SHUFFLE(x[2 * j], x[2 * j + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
   for (int j = 0; j < 4; ++j)
-    c[j] = __builtin_shufflevector(b[2 * j], b[2 * j + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
-           __builtin_shufflevector(b[2 * j], b[2 * j + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+    c[j] = SHUFFLE(b[2 * j], b[2 * j + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+           SHUFFLE(b[2 * j], b[2 * j + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
   for (int j = 0; j < 2; ++j)
-    d[j] = __builtin_shufflevector(c[2 * j], c[2 * j + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
-           __builtin_shufflevector(c[2 * j], c[2 * j + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
-  return __builtin_shufflevector(d[0], d[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
-         __builtin_shufflevector(d[0], d[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+    d[j] = SHUFFLE(c[2 * j], c[2 * j + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+           SHUFFLE(c[2 * j], c[2 * j + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+  return SHUFFLE(d[0], d[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+         SHUFFLE(d[0], d[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
 }
 
 // One (sequence, kv head): its G query heads over L cached rows, softmax kept online over tiles of rows.
