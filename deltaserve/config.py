@@ -220,7 +220,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--context-length", type=int, help="longest request, prompt + completion (default: the model's)")
     g.add_argument("--max-running-requests", type=int, help="requests decoded at once = GDN state slots (16)")
     g.add_argument("--prefill-chunk-tokens", type=int, help="prompt tokens read per step (512 CPU, 2048 GPU)")
-    g.add_argument("--kv-dtype", help="KV cache dtype: auto (= compute dtype), float32, bfloat16, float16, fp8")
+    g.add_argument("--kv-dtype", help="KV cache dtype: auto (= compute dtype), float32, bfloat16, float16, fp8; "
+                   "16-bit halves the cache (storage only: on CPU the arithmetic stays float32)")
     g.add_argument("--state-dtype", help="GDN state dtype: auto (float32 CPU, bfloat16 GPU), float32, bfloat16")
     g.add_argument("--max-new-tokens-cap", type=int, help=f"most new tokens one request may reserve "
                    f"({DEFAULT_MAX_NEW_TOKENS_CAP}, at most the context)")

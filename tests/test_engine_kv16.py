@@ -59,3 +59,18 @@ def test_eight_prompts_together_equal_each_alone(eng):
     together = [tokens_of(out) for out in run_all(eng, [(p, params) for p in prompts])]
     assert together == alone
     assert_pools_empty(eng)
+
+
+def test_hybrid_over_a_float16_cache_follows_transformers(tmp_path):
+    """The tiny Qwen3.5 hybrid: its attention layers' KV in float16 pages, GDN state in float32 slots."""
+    from test_engine_hybrid import prompt, reference_greedy
+    from test_engine_support import make_hybrid_checkpoint
+
+    ref = make_hybrid_checkpoint(tmp_path)
+    eng = engine(str(tmp_path), max_running_requests=8, max_total_tokens=4096, kv_dtype="float16")
+    prompts = [prompt(9, 1), prompt(130, 2), prompt(70, 3)]
+    params = SamplingParams(max_tokens=12, **GREEDY)
+    together = [tokens_of(out) for out in run_all(eng, [(p, params) for p in prompts])]
+    assert together == [reference_greedy(ref, p, 12) for p in prompts]
+    assert together == [tokens_of(run_all(eng, [(p, params)])[0]) for p in prompts]
+    assert eng.kv_pool.used_pages == 0 and eng.state_pool.used_slots == 0
