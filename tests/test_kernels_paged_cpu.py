@@ -85,3 +85,24 @@ def test_rejects_what_it_cannot_read(kernel):
     with pytest.raises(RuntimeError, match="float32, bfloat16 or float16 caches only"):
         paged_cpu.paged_decode_attention(q.double(), cache.double(), cache.double(), torch.zeros(1, 1,
                                          dtype=torch.long), torch.ones(1, dtype=torch.long), 1.0)
+
+
+@pytest.mark.parametrize("backend,uses_kernel", [("paged", True), ("portable", False)])
+def test_engine_takes_the_kernel_only_when_its_backend_says_so(kernel, monkeypatch, backend, uses_kernel):
+    """--attention-backend portable keeps decode on gather + SDPA even when this process has the kernel loaded."""
+    from deltaserve.engine.request import SamplingParams
+    from test_engine_support import engine, run_all, tokens_of
+
+    calls = []
+    real = paged_cpu.paged_decode_attention
+
+    def counted(*args):
+        calls.append(args[0].shape[0])
+        return real(*args)
+
+    monkeypatch.setattr(paged_cpu, "paged_decode_attention", counted)
+    eng = engine(None, max_running_requests=2, max_total_tokens=1024, attention_backend=backend)
+    ids = eng.tokenizer.encode("The capital of France is")
+    out = run_all(eng, [(ids, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))])[0]
+    assert len(tokens_of(out)) == 4
+    assert bool(calls) == uses_kernel  # 3 decode steps x 30 layers when it does

@@ -86,7 +86,8 @@ class Engine:
         policy = AdmissionPolicy.from_budget(budget, c.max_queue)
         self.scheduler = Scheduler(self.kv_pool, self.state_pool, policy, prefill_chunk_tokens=c.prefill_chunk_tokens,
                                    token_names=self.tokenizer.token_str)
-        self.runner = ModelRunner(loaded.model, self.kv_pool, self.state_pool, self.device)
+        self.runner = ModelRunner(loaded.model, self.kv_pool, self.state_pool, self.device,
+                                  paged_kernel=c.attention_backend == "paged")
         if self.device.type == "cpu" and c.attention_backend == "paged":
             paged_cpu.load(self._log)  # built once per machine (~1 min), then loaded from torch's cache
         self.vocab_size = int(loaded.model.lm_head.out_features)

@@ -17,8 +17,10 @@ from deltaserve.models.batch import ForwardBatch, ModelCaches
 class ModelRunner:
     """Holds the model and the pools' views; `forward(plan)` returns the logits rows of `plan.sampling`."""
 
-    def __init__(self, model, kv_pool: KVPool, state_pool: StatePool, device: torch.device | str = "cpu"):
+    def __init__(self, model, kv_pool: KVPool, state_pool: StatePool, device: torch.device | str = "cpu", *,
+                 paged_kernel: bool = True):
         self.model = model
+        self.paged_kernel = paged_kernel  # False: --attention-backend portable
         self.kv_pool = kv_pool
         self.state_pool = state_pool
         self.device = torch.device(device)
@@ -62,6 +64,7 @@ class ModelRunner:
             context_slots=torch.nn.utils.rnn.pad_sequence(contexts, batch_first=True).to(to),
             state_slots=torch.tensor(state_slots, dtype=torch.long).to(to),
             logits_indices=torch.tensor(rows, dtype=torch.long).to(to),
+            paged_kernel=self.paged_kernel,
         )
 
     @torch.inference_mode()

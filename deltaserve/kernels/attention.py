@@ -32,7 +32,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     cu = batch.cu_q.tolist()
     nd = batch.num_decode
     if nd:
-        if _paged_cpu_inputs(q, k_cache) and paged_cpu.ready() is not None:
+        if batch.paged_kernel and _paged_cpu_inputs(q, k_cache) and paged_cpu.ready() is not None:
             out[:nd] = paged_cpu.paged_decode_attention(q[:nd], k_cache, v_cache, batch.context_slots[:nd],
                                                         batch.decode_context_lens, scale)
         else:

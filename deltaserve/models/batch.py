@@ -68,6 +68,9 @@ class ForwardBatch:
     context_slots: torch.Tensor  # [B, max_context] int64 flat KV slots of each sequence's whole context, padded
     state_slots: torch.Tensor  # [B] int64 GDN state slot of each sequence
     logits_indices: torch.Tensor  # [R] int64 rows of the packed tokens whose logits are returned
+    # Decode rows may use a paged fast path (CPU: kernels/paged_cpu.py, once built); False: --attention-backend
+    # portable, gather + SDPA whatever else the process has loaded.
+    paged_kernel: bool = True
 
     @property
     def num_seqs(self) -> int:

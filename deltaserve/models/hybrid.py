@@ -129,7 +129,7 @@ def rows_as_decode(batch: ForwardBatch, rows: torch.Tensor) -> ForwardBatch:
         input_ids=batch.input_ids[rows], positions=positions, q_lens=[1] * len(rows),
         cached_lens=positions.tolist(), num_decode=len(rows), cu_q=torch.arange(len(rows) + 1),
         slot_mapping=batch.slot_mapping[rows], context_slots=batch.context_slots[seq],
-        state_slots=batch.state_slots[seq], logits_indices=torch.arange(len(rows)),
+        state_slots=batch.state_slots[seq], logits_indices=torch.arange(len(rows)), paged_kernel=batch.paged_kernel,
     )
 
 
