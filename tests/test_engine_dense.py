@@ -46,16 +46,21 @@ def transformers_twin(eng):
     return hf
 
 
+def transformers_greedy(hf, prompt: list[int], steps: int) -> tuple[list[int], torch.Tensor]:
+    """transformers' greedy continuation of a prompt and its log-probabilities per step, [steps, vocab]."""
+    ref = hf.generate(torch.tensor([prompt]), max_new_tokens=steps, do_sample=False, output_logits=True,
+                      return_dict_in_generate=True, eos_token_id=None)
+    return ref.sequences[0, len(prompt):].tolist(), torch.stack(ref.logits).log_softmax(-1)[:, 0]
+
+
 def test_greedy_and_logprobs_match_transformers(eng, long_ids):
     hf = transformers_twin(eng)
     prompts = [long_ids[:21], long_ids[:150]]
     reset_chunk(eng, 64)  # the 150-token prompt is read over three steps, beside the other's decode
     outs = run_all(eng, [(p, SamplingParams(max_tokens=6, logprobs=2, **GREEDY)) for p in prompts])
     for prompt, out in zip(prompts, outs):
-        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False, output_logits=True,
-                          return_dict_in_generate=True, eos_token_id=None)
-        assert tokens_of(out) == ref.sequences[0, len(prompt):].tolist()
-        ref_logprobs = torch.stack(ref.logits).log_softmax(-1)[:, 0]
+        ref_tokens, ref_logprobs = transformers_greedy(hf, prompt, 6)
+        assert tokens_of(out) == ref_tokens
         ours = [lp for o in out for lp in o.logprobs]
         for step, lp in enumerate(ours):
             assert lp.logprob == pytest.approx(ref_logprobs[step, lp.token_id].item(), abs=2e-3)

@@ -11,7 +11,7 @@ import torch
 
 from deltaserve.engine.request import SamplingParams
 from deltaserve.kernels import paged_cpu
-from test_engine_dense import TEXT, assert_pools_empty, transformers_twin
+from test_engine_dense import TEXT, assert_pools_empty, transformers_greedy, transformers_twin
 from test_engine_support import engine, run_all, tokens_of
 
 GREEDY = dict(temperature=0, ignore_eos=True)
@@ -41,10 +41,8 @@ def test_decode_over_a_16_bit_cache_follows_transformers(eng):
     # bfloat16 keeps 8 significant bits, float16 11: the chosen tokens' log-probabilities move by about that much.
     tolerance = 0.03 if eng.config.kv_dtype == "bfloat16" else 0.005  # measured: 0.0085 and 0.0016
     for prompt, out in zip(prompts, outs):
-        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, output_logits=True,
-                          return_dict_in_generate=True, eos_token_id=None)
-        assert tokens_of(out) == ref.sequences[0, len(prompt):].tolist()
-        ref_logprobs = torch.stack(ref.logits).log_softmax(-1)[:, 0]
+        ref_tokens, ref_logprobs = transformers_greedy(hf, prompt, 12)
+        assert tokens_of(out) == ref_tokens
         ours = [lp for o in out for lp in o.logprobs]
         worst = max(abs(lp.logprob - ref_logprobs[step, lp.token_id].item()) for step, lp in enumerate(ours))
         assert worst <= tolerance

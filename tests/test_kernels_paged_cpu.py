@@ -28,6 +28,21 @@ def reference(q, k_cache, v_cache, slots, lens, scale):
     return out
 
 
+def scattered_case(seed, heads, kv_heads, d, lens, dtype, pool=1024):
+    """Random queries [B, heads, d] and caches [pool, kv_heads, d] of `dtype`; sequence b's lens[b] rows lie at
+    random slots of the pool, as pages do. Returns (q, k_cache, v_cache, slots [B, max(lens)])."""
+    g = torch.Generator().manual_seed(seed)
+    k_cache = torch.randn(pool, kv_heads, d, generator=g).to(dtype)
+    v_cache = torch.randn(pool, kv_heads, d, generator=g).to(dtype)
+    order = torch.randperm(pool, generator=g)
+    slots = torch.zeros(len(lens), max(lens), dtype=torch.long)
+    start = 0
+    for b, length in enumerate(lens):
+        slots[b, :length] = order[start:start + length]
+        start += length
+    return torch.randn(len(lens), heads, d, generator=g), k_cache, v_cache, slots
+
+
 # Head sizes 64 / 128 / 256 take the vector path, 40 and groups above 16 the plain loop; lengths cross the kernel's
 # 32-row tiles (31, 32, 33, 300) and stay inside one (1, 5, 17).
 @pytest.mark.parametrize("heads,kv_heads,d,lens", [
@@ -35,16 +50,7 @@ def reference(q, k_cache, v_cache, slots, lens, scale):
     (2, 1, 256, [70]), (4, 2, 40, [3, 65]), (17, 1, 64, [40]),
 ])
 def test_paged_decode_matches_float64_attention(kernel, heads, kv_heads, d, lens):
-    g = torch.Generator().manual_seed(len(lens) * heads + d)
-    pool = 1024
-    k_cache, v_cache = torch.randn(pool, kv_heads, d, generator=g), torch.randn(pool, kv_heads, d, generator=g)
-    order = torch.randperm(pool, generator=g)  # a sequence's rows lie anywhere in the pool, as pages do
-    slots = torch.zeros(len(lens), max(lens), dtype=torch.long)
-    start = 0
-    for b, length in enumerate(lens):
-        slots[b, :length] = order[start:start + length]
-        start += length
-    q = torch.randn(len(lens), heads, d, generator=g)
+    q, k_cache, v_cache, slots = scattered_case(len(lens) * heads + d, heads, kv_heads, d, lens, torch.float32)
     got = paged_cpu.paged_decode_attention(q, k_cache, v_cache, slots, torch.tensor(lens), d ** -0.5)
     want = reference(q, k_cache, v_cache, slots, lens, d ** -0.5)
     assert (got.double() - want).abs().max().item() <= 1e-5
@@ -59,16 +65,7 @@ def test_paged_decode_matches_float64_attention(kernel, heads, kv_heads, d, lens
     (9, 3, 64, [1, 17, 300, 64]), (6, 2, 128, [31, 32, 33]), (2, 1, 256, [70]), (4, 2, 40, [3, 65]),
 ])
 def test_paged_decode_reads_16_bit_caches(kernel, dtype, heads, kv_heads, d, lens):
-    g = torch.Generator().manual_seed(7 * heads + d)
-    pool = 1024
-    k_cache = torch.randn(pool, kv_heads, d, generator=g).to(dtype)
-    v_cache = torch.randn(pool, kv_heads, d, generator=g).to(dtype)
-    slots = torch.zeros(len(lens), max(lens), dtype=torch.long)
-    order, start = torch.randperm(pool, generator=g), 0
-    for b, length in enumerate(lens):
-        slots[b, :length] = order[start:start + length]
-        start += length
-    q = torch.randn(len(lens), heads, d, generator=g)
+    q, k_cache, v_cache, slots = scattered_case(7 * heads + d, heads, kv_heads, d, lens, dtype)
     got = paged_cpu.paged_decode_attention(q, k_cache, v_cache, slots, torch.tensor(lens), d ** -0.5)
     assert got.dtype == torch.float32
     want = reference(q, k_cache, v_cache, slots, lens, d ** -0.5)

@@ -53,7 +53,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
 
 def _paged_cpu_inputs(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     return (k_cache.device.type == "cpu" and q.dtype == torch.float32 and k_cache.is_contiguous()
-            and k_cache.dtype in (torch.float32, torch.bfloat16, torch.float16))
+            and k_cache.dtype in paged_cpu.CACHE_DTYPES)
 
 
 def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cached: int, scale: float) -> torch.Tensor:

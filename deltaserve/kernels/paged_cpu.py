@@ -245,6 +245,9 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
 }
 """
 
+# The cache dtypes paged_decode reads (its TORCH_CHECK says the same); queries are always float32.
+CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
 _lock = threading.Lock()
 _module = None
 _error: str | None = None
