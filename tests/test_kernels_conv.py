@@ -1,11 +1,28 @@
-"""Causal depthwise conv1d against torch's conv1d (groups=C, padding W-1) and transformers' GDN conv."""
+"""Causal depthwise conv1d against torch's conv1d (groups=C, padding W-1) and transformers' GDN conv.
+
+The prefill tests run on both CPU paths: the portable PyTorch one and the fused C++ one (kernels/fused_cpu.py).
+"""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from deltaserve.kernels import conv_decode, conv_prefill
-from deltaserve.kernels.conv import causal_conv1d, causal_conv1d_step
+from deltaserve.kernels import conv_decode, conv_prefill, fused_cpu
+from deltaserve.kernels.conv import causal_conv1d as portable_conv1d
+from deltaserve.kernels.conv import causal_conv1d_step
+
+
+def fused_conv1d(x, weight, bias=None, *, cu_seqlens=None, initial_state=None, activation="silu"):
+    return fused_cpu.causal_conv1d(x, weight, bias, cu_seqlens, initial_state, activation)
+
+
+@pytest.fixture(params=["portable", "fused"])
+def causal_conv1d(request):
+    """The prefill conv under test, with conv.causal_conv1d's signature."""
+    if request.param == "portable":
+        return portable_conv1d
+    assert fused_cpu.load() is not None  # this machine builds it; where none could, the engine keeps portable
+    return fused_conv1d
 
 
 def reference(x, weight, bias, initial_state=None, activation="silu"):
@@ -31,7 +48,7 @@ def make(tokens, channels=24, width=4, seed=0):
 @pytest.mark.parametrize("width", [2, 4])
 @pytest.mark.parametrize("use_bias", [False, True])
 @pytest.mark.parametrize("activation", ["silu", None])
-def test_single_sequence_matches_conv1d(width, use_bias, activation):
+def test_single_sequence_matches_conv1d(causal_conv1d, width, use_bias, activation):
     x, weight, bias = make(50, width=width)
     bias = bias if use_bias else None
     y, final = causal_conv1d(x, weight, bias, activation=activation)
@@ -39,7 +56,7 @@ def test_single_sequence_matches_conv1d(width, use_bias, activation):
     assert torch.equal(final[0], x[-(width - 1):].T)
 
 
-def test_packed_sequences_with_states():
+def test_packed_sequences_with_states(causal_conv1d):
     lengths = [7, 1, 2, 30, 0]
     x, weight, bias = make(sum(lengths), seed=1)
     state = torch.randn(len(lengths), 24, 3)
@@ -55,7 +72,7 @@ def test_packed_sequences_with_states():
 
 
 @pytest.mark.parametrize("split", [1, 2, 3, 17, 39])
-def test_split_invariance(split):
+def test_split_invariance(causal_conv1d, split):
     x, weight, bias = make(40, seed=2)
     whole, s_whole = causal_conv1d(x, weight, bias)
     first, s_mid = causal_conv1d(x[:split], weight, bias)
@@ -64,7 +81,7 @@ def test_split_invariance(split):
     assert torch.equal(s_end, s_whole)
 
 
-def test_prefill_then_steps_equals_whole():
+def test_prefill_then_steps_equals_whole(causal_conv1d):
     x, weight, bias = make(30, seed=3)
     whole, s_whole = causal_conv1d(x, weight, bias)
     y, state = causal_conv1d(x[:20], weight, bias)
@@ -79,7 +96,7 @@ def test_prefill_then_steps_equals_whole():
     assert torch.equal(state, s_whole)
 
 
-def test_matches_transformers_gdn_conv():
+def test_matches_transformers_gdn_conv(causal_conv1d):
     """Same weight layout ([C, W], squeezed from nn.Conv1d) and state convention as the Qwen3.5 layer."""
     from transformers.models.qwen3_5.modeling_qwen3_5 import causal_conv1d_fn, causal_conv1d_update
     x, weight, _ = make(25, seed=4)
@@ -94,22 +111,38 @@ def test_matches_transformers_gdn_conv():
     assert torch.equal(new_state, hf_state)
 
 
-def test_dispatch_on_cpu_is_portable_path():
+@pytest.mark.parametrize("built", [False, True])
+def test_dispatch_on_cpu(built, monkeypatch):
+    """CPU float32 takes the fused kernel once built (prefill and the one-token step), else the portable path."""
+    assert fused_cpu.load() is not None
+    if not built:
+        monkeypatch.setattr(fused_cpu._KERNELS, "module", None)
     x, weight, bias = make(9, seed=5)
-    state = torch.randn(1, 24, 3)
-    assert all(torch.equal(a, b) for a, b in zip(conv_prefill(x, weight, bias, initial_state=state),
-                                                 causal_conv1d(x, weight, bias, initial_state=state)))
-    assert all(torch.equal(a, b) for a, b in zip(conv_decode(x[:1], weight, bias, state),
-                                                 causal_conv1d_step(x[:1], weight, bias, state)))
+    state = torch.randn(2, 24, 3)
+    cu = torch.tensor([0, 4, 9])
+    prefill = fused_conv1d if built else portable_conv1d
+    assert all(torch.equal(a, b) for a, b in zip(conv_prefill(x, weight, bias, cu_seqlens=cu, initial_state=state),
+                                                 prefill(x, weight, bias, cu_seqlens=cu, initial_state=state)))
+    y, new_state = conv_decode(x[:2], weight, bias, state)
+    y_ref, state_ref = causal_conv1d_step(x[:2], weight, bias, state)
+    torch.testing.assert_close(y, y_ref, rtol=1e-6, atol=1e-6)
+    assert torch.equal(new_state, state_ref)
+    if built:  # the step really ran the fused kernel: it equals a packed prefill of one-token sequences
+        assert torch.equal(y, fused_conv1d(x[:2], weight, bias, cu_seqlens=torch.arange(3), initial_state=state)[0])
 
 
 def test_bad_input_names_the_limit():
     x, weight, bias = make(9)
     with pytest.raises(ValueError, match="weight"):
-        causal_conv1d(x, weight[:5], bias)
+        portable_conv1d(x, weight[:5], bias)
     with pytest.raises(ValueError, match="initial_state"):
-        causal_conv1d(x, weight, bias, initial_state=torch.zeros(1, 24, 2))
+        portable_conv1d(x, weight, bias, initial_state=torch.zeros(1, 24, 2))
     with pytest.raises(ValueError, match="activation"):
-        causal_conv1d(x, weight, bias, activation="gelu")
+        portable_conv1d(x, weight, bias, activation="gelu")
+    assert fused_cpu.load() is not None
+    with pytest.raises(RuntimeError, match="initial_state must be"):
+        fused_conv1d(x, weight, bias, initial_state=torch.zeros(1, 24, 2))
+    with pytest.raises(RuntimeError, match="weight must be"):
+        fused_conv1d(x, weight[:5], bias)
     with pytest.raises(ValueError, match="state"):
         causal_conv1d_step(x[:1], weight, bias, torch.zeros(2, 24, 3))

@@ -53,7 +53,7 @@ def rel_err(actual, expected):
 @pytest.mark.parametrize("tokens", [1, 63, 64, 65, 1000, 4097])
 @pytest.mark.parametrize("with_state", [False, True])
 @pytest.mark.parametrize("chunk_size", [64, CPU_CHUNK_SIZE])
-def test_chunked_matches_token_loop(tokens, with_state, chunk_size):
+def test_chunked_matches_token_loop(tokens, with_state, chunk_size, cpu_kernels):
     q, k, v, g, beta = make_inputs(tokens, seed=tokens)
     h0 = random_state(1) if with_state else None
     o, final = chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, chunk_size=chunk_size)
@@ -64,7 +64,7 @@ def test_chunked_matches_token_loop(tokens, with_state, chunk_size):
 
 
 @pytest.mark.parametrize("key_heads,value_heads", [(4, 4), (2, 4), (1, 3)])
-def test_grouped_value_heads(key_heads, value_heads):
+def test_grouped_value_heads(key_heads, value_heads, cpu_kernels):
     q, k, v, g, beta = make_inputs(150, key_heads, value_heads, key_dim=16, value_dim=24, seed=7)
     h0 = torch.randn(1, value_heads, 16, 24)
     o, final = chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0)
@@ -73,7 +73,7 @@ def test_grouped_value_heads(key_heads, value_heads):
 
 
 @pytest.mark.parametrize("chunk_size", [16, 32, 48, 128])
-def test_chunk_sizes(chunk_size):
+def test_chunk_sizes(chunk_size, cpu_kernels):
     q, k, v, g, beta = make_inputs(300, seed=3)
     o, final = chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=chunk_size)
     o_ref, s_ref = reference(q, k, v, g, beta)
@@ -91,7 +91,7 @@ def test_l2norm_epsilon_convention():
     assert rel_err(o_step, o_ref[:1]) <= TOL
 
 
-def test_strong_decay_stays_finite():
+def test_strong_decay_stays_finite(cpu_kernels):
     """Cumulative log decays of thousands within a chunk: exp only of masked differences, no inf/nan."""
     q, k, v, g, beta = make_inputs(200, seed=4, decay_scale=40.0)
     o, final = chunk_gated_delta_rule(q, k, v, g, beta)
@@ -101,7 +101,7 @@ def test_strong_decay_stays_finite():
 
 
 @pytest.mark.parametrize("lengths", [[70, 1, 200], [64, 128, 5], [0, 33, 0]])
-def test_packed_sequences(lengths):
+def test_packed_sequences(lengths, cpu_kernels):
     total = sum(lengths)
     q, k, v, g, beta = make_inputs(total, seed=5)
     h0 = random_state(len(lengths), seed=6)
@@ -116,7 +116,7 @@ def test_packed_sequences(lengths):
 
 
 @pytest.mark.parametrize("block_chunks", [1, 3])
-def test_many_blocks(block_chunks, monkeypatch):
+def test_many_blocks(block_chunks, monkeypatch, cpu_kernels):
     """A workspace that holds only a few chunks: the state crosses many blocks."""
     chunk_bytes = gated_delta._Workspace.chunk_bytes(2, 2, 64, 32, 32)
     monkeypatch.setattr(gated_delta, "WORKSPACE_BYTES", block_chunks * chunk_bytes)
@@ -127,7 +127,7 @@ def test_many_blocks(block_chunks, monkeypatch):
     assert rel_err(o, o_ref) <= TOL and rel_err(final[0], s_ref) <= TOL
 
 
-def test_many_sequences_wider_than_a_block(monkeypatch):
+def test_many_sequences_wider_than_a_block(monkeypatch, cpu_kernels):
     """More sequences alive at one step than a block holds, lengths spread over several chunk counts."""
     monkeypatch.setattr(gated_delta, "WORKSPACE_BYTES", 8 * gated_delta._Workspace.chunk_bytes(2, 2, 16, 32, 32))
     lengths = [(7 * i) % 45 + 1 for i in range(20)]
@@ -142,7 +142,7 @@ def test_many_sequences_wider_than_a_block(monkeypatch):
 
 
 @pytest.mark.parametrize("split", [1, 37, 64, 100, 128, 299])
-def test_split_invariance(split):
+def test_split_invariance(split, cpu_kernels):
     q, k, v, g, beta = make_inputs(300, seed=8)
     whole, s_whole = chunk_gated_delta_rule(q, k, v, g, beta)
     first, s_mid = chunk_gated_delta_rule(q[:split], k[:split], v[:split], g[:split], beta[:split])

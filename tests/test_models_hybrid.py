@@ -127,7 +127,7 @@ def greedy(model, ids: list[int], steps: int) -> list[int]:
 
 
 @pytest.mark.parametrize("length", [37, 101, 200])
-def test_prefill_logits_match_transformers(pair, length):
+def test_prefill_logits_match_transformers(pair, length, cpu_kernels):
     ref, ours = pair
     ids = prompt(length, seed=length)
     with torch.no_grad():
@@ -147,7 +147,7 @@ def test_mlp_in_row_blocks_matches_transformers(pair, monkeypatch):
     assert rel_error(prefill_logits(ours, ids), expected) <= LOGITS_RTOL
 
 
-def test_greedy_generation_matches_transformers(pair):
+def test_greedy_generation_matches_transformers(pair, cpu_kernels):
     ref, ours = pair
     ids = prompt(37, seed=7)
     with torch.no_grad():
@@ -158,7 +158,7 @@ def test_greedy_generation_matches_transformers(pair):
 
 
 @pytest.mark.parametrize("splits", [(50,), (1, 64), (63, 64, 65)])
-def test_chunked_prefill_equals_one_shot(pair, splits):
+def test_chunked_prefill_equals_one_shot(pair, splits, cpu_kernels):
     """Reading a prompt in chunks carries both the GDN states and the KV cache across steps."""
     _, ours = pair
     ids = prompt(101, seed=3)

@@ -27,7 +27,7 @@ from deltaserve.engine.request import Request, RequestStream, SamplingParams, To
 from deltaserve.engine.runner import ModelRunner
 from deltaserve.engine.sampler import sample
 from deltaserve.engine.scheduler import QueueFull, RequestRefused, Scheduler
-from deltaserve.kernels import paged_cpu
+from deltaserve.kernels import fused_cpu, paged_cpu
 from deltaserve.models.spec import spec_from_checkpoint
 
 __all__ = ["Completion", "Engine", "EngineStats", "LLM", "QueueFull", "RequestRefused"]
@@ -88,8 +88,10 @@ class Engine:
                                    token_names=self.tokenizer.token_str)
         self.runner = ModelRunner(loaded.model, self.kv_pool, self.state_pool, self.device,
                                   paged_kernel=c.attention_backend == "paged")
-        if self.device.type == "cpu" and c.attention_backend == "paged":
-            paged_cpu.load(self._log)  # built once per machine (~1 min), then loaded from torch's cache
+        if self.device.type == "cpu":
+            fused_cpu.load(self._log)  # each built once per machine (~1 min), then loaded from torch's cache
+            if c.attention_backend == "paged":
+                paged_cpu.load(self._log)
         self.vocab_size = int(loaded.model.lm_head.out_features)
         self._cond = threading.Condition()
         self._live: dict[str, Request] = {}

@@ -1,5 +1,6 @@
 """Kernels: pure tensor functions. Each entry point takes a fast path (flash-linear-attention, causal-conv1d)
-only for CUDA tensors when that package imports, and the portable PyTorch path otherwise.
+only for CUDA tensors when that package imports, the fused C++ conv (fused_cpu.py) for float32 CPU tensors once
+the engine has built it, and the portable PyTorch path otherwise.
 
 The fast-path glue keeps our conventions: q/k are l2-normalised here (eps 1e-6, as transformers does) rather
 than by fla's in-kernel norm, and key heads are repeated to value heads (value head j reads key head
@@ -11,7 +12,8 @@ import importlib
 
 import torch
 
-from deltaserve.kernels.conv import causal_conv1d, causal_conv1d_step
+from deltaserve.kernels import fused_cpu
+from deltaserve.kernels.conv import ACTIVATIONS, causal_conv1d, causal_conv1d_step
 from deltaserve.kernels.gated_delta import (CPU_CHUNK_SIZE, chunk_gated_delta_rule, l2norm,
                                             recurrent_gated_delta_rule_step)
 
@@ -76,6 +78,8 @@ def gated_delta_decode(q, k, v, g, beta, state, *, use_qk_l2norm=True, scale=Non
 
 def conv_prefill(x, weight, bias=None, *, cu_seqlens=None, initial_state=None, activation="silu"):
     """Causal depthwise conv + activation; same contract as `conv.causal_conv1d` (packed [T, C] input)."""
+    if activation in ACTIVATIONS and fused_cpu.serves(x, weight):
+        return fused_cpu.causal_conv1d(x, weight, bias, cu_seqlens, initial_state, activation)
     fast = None
     if x.is_cuda and weight.shape[1] <= FAST_CONV_MAX_WIDTH and activation in ("silu", None):
         fast = _optional("causal_conv1d")
@@ -102,6 +106,10 @@ def conv_prefill(x, weight, bias=None, *, cu_seqlens=None, initial_state=None, a
 
 def conv_decode(x, weight, bias, state, activation="silu"):
     """One token per sequence; same contract as `conv.causal_conv1d_step` ([B, C] input, state not modified)."""
+    if activation in ACTIVATIONS and fused_cpu.serves(x, weight) and state.shape == (*x.shape, weight.shape[1] - 1):
+        # one token per sequence is a packed prefill of length-1 sequences from their states
+        y, new_state = fused_cpu.causal_conv1d(x, weight, bias, torch.arange(x.shape[0] + 1), state, activation)
+        return y, new_state.to(state.dtype)
     fast = None
     if x.is_cuda and weight.shape[1] <= FAST_CONV_MAX_WIDTH and activation in ("silu", None):
         fast = _optional("causal_conv1d")

@@ -19,6 +19,8 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from deltaserve.kernels import fused_cpu
+
 L2NORM_EPS = 1e-6
 # Workspace for the chunk-local tensors of one block of chunks, reused block after block: ~256 tokens at the
 # 27B shape (48 value heads x 128 x 128), the measured sweet spot; small shapes get proportionally more tokens.
@@ -270,6 +272,13 @@ def chunk_gated_delta_rule(q, k, v, g, beta, *, cu_seqlens=None, initial_state=N
     if initial_state is not None and tuple(initial_state.shape) != state_shape:
         raise ValueError(f"initial_state must be [N, Hv, Dk, Dv] = {state_shape}; got {tuple(initial_state.shape)}")
 
+    scale = key_dim ** -0.5 if scale is None else scale
+    if fused_cpu.serves(q, k, v) and value_dim in fused_cpu.GDN_VALUE_DIMS and q.stride(-1) == v.stride(-1) == 1:
+        # CPU: the same arithmetic per (sequence, value head) in C++, each chunk's matrices in L1 (fused_cpu.py)
+        state = (torch.zeros(state_shape, dtype=torch.float32) if initial_state is None
+                 else initial_state.to(torch.float32, copy=True).contiguous())
+        out = fused_cpu.gdn_prefill(q, k, v, g, beta, cu_seqlens.tolist(), state, chunk_size, scale, use_qk_l2norm)
+        return out, state if output_final_state else None
     order, rows_all, valid, step_starts = _chunk_plan(cu_seqlens, total, chunk_size)
     if initial_state is None:
         state = torch.zeros(state_shape, dtype=torch.float32, device=q.device)
@@ -278,7 +287,6 @@ def chunk_gated_delta_rule(q, k, v, g, beta, *, cu_seqlens=None, initial_state=N
     out = torch.empty(total, value_heads, value_dim, dtype=v.dtype, device=v.device)
     block_chunks = max(1, WORKSPACE_BYTES // _Workspace.chunk_bytes(key_heads, ratio, chunk_size, key_dim, value_dim))
     workspace = None
-    scale = key_dim ** -0.5 if scale is None else scale
     step, n_steps = 0, len(step_starts) - 1
     while step < n_steps:
         end = step + 1          # whole steps per block: at least one, more while they fit the workspace

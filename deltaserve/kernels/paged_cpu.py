@@ -7,18 +7,15 @@ This kernel walks each sequence's slots and reads each K and V row once, for all
 256 run on 16-float vectors (AVX-512 here: 64 decodes of 700 tokens, 10 -> 4.8 ms per layer), others on a plain
 loop. The cache may be float32 or, with `--kv-dtype float16` / `bfloat16`, 16-bit: rows are widened to float32 as
 a tile is staged and all arithmetic stays float32; half the bytes to stream (64 decodes of 800 tokens, 30 cold
-layers: ~6-7 ms float32, ~4 ms float16 per layer). It needs GCC or Clang (vector extensions) and is compiled
-with torch's cpp_extension (ninja + the system C++ compiler) into torch's extension cache; where that fails,
-`load()` returns None and the caller keeps the portable path.
+layers: ~6-7 ms float32, ~4 ms float16 per layer). It needs GCC or Clang (vector extensions) and is built by
+kernels/cpp_build.py; where that fails, `load()` returns None and the caller keeps the portable path.
 """
 
 from __future__ import annotations
 
-import os
-import shutil
-import threading
-
 import torch
+
+from deltaserve.kernels.cpp_build import CompiledKernels
 
 _SOURCE = r"""
 #include <torch/extension.h>
@@ -248,47 +245,22 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
 # The cache dtypes paged_decode reads (its TORCH_CHECK says the same); queries are always float32.
 CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
-_lock = threading.Lock()
-_module = None
-_error: str | None = None
+_KERNELS = CompiledKernels("deltaserve_paged_cpu", _SOURCE, ["paged_decode"], "paged CPU decode attention",
+                           "the portable gather + SDPA path")
 
 
 def load(log=None):
     """The compiled module (built once per machine, cached by torch), or None when it cannot be built here."""
-    global _module, _error
-    with _lock:
-        if _module is None and _error is None:
-            try:
-                from torch.utils.cpp_extension import load_inline
-
-                _ninja_on_path()
-                _module = load_inline("deltaserve_paged_cpu", cpp_sources=[_SOURCE], functions=["paged_decode"],
-                                      extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
-                                      extra_ldflags=["-fopenmp"], verbose=False)
-            except Exception as e:  # no compiler, no ninja, no headers: the portable path serves instead
-                _error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-                if log:
-                    log(f"paged CPU decode attention unavailable ({_error}); using the portable gather + SDPA path")
-        return _module
-
-
-def _ninja_on_path() -> None:
-    """torch runs `ninja` from PATH; the pip package's binary sits in the venv's bin, which PATH may lack."""
-    if shutil.which("ninja") is None:
-        try:
-            import ninja
-        except ImportError:
-            return
-        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+    return _KERNELS.load(log)
 
 
 def ready():
     """The module if `load()` built it already, else None: a forward step never waits for a compiler."""
-    return _module
+    return _KERNELS.module
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            context_slots: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
     """q [B, Hq, D] over each sequence's cached rows context_slots[b, :context_lens[b]]; [B, Hq, D] float32."""
-    return _module.paged_decode(q.contiguous(), k_cache, v_cache, context_slots.contiguous(),
-                                context_lens.contiguous(), scale)
+    return _KERNELS.module.paged_decode(q.contiguous(), k_cache, v_cache, context_slots.contiguous(),
+                                        context_lens.contiguous(), scale)

@@ -16,10 +16,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from deltaserve.kernels import conv_decode, conv_prefill, gated_delta_decode, gated_delta_prefill
+from deltaserve.kernels import conv_decode, conv_prefill, fused_cpu, gated_delta_decode, gated_delta_prefill
 from deltaserve.kernels.attention import paged_attention, write_kv
 from deltaserve.models.batch import ATTENTION, GDN, CacheGeometry, ForwardBatch, ModelCaches
-from deltaserve.models.layers import Rotary, apply_rotary, by_row_blocks, linear, rope_parameters
+from deltaserve.models.layers import Rotary, add_then_norm, apply_rotary, by_row_blocks, linear, rope_parameters
 
 log = logging.getLogger(__name__)
 
@@ -61,9 +61,15 @@ class ZeroCentredRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if fused_cpu.serves(x, self.weight):
+            return fused_cpu.rms_norm(x, self.weight, self.eps, 1.0)
         xf = x.float()
         normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return normed.mul_(1.0 + self.weight.float()).to(x.dtype)
+
+    def after_add(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual): the residual stream's add and this norm, in one pass where fused."""
+        return add_then_norm(self, x, residual, 1.0)
 
 
 class GatedRMSNorm(nn.Module):
@@ -75,6 +81,8 @@ class GatedRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        if fused_cpu.serves(x, gate, self.weight):
+            return fused_cpu.rms_norm(x, self.weight, self.eps, gate=gate)
         xf = x.float()
         normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
         return (normed.mul_(self.weight) * F.silu(gate.float())).to(x.dtype)
@@ -310,8 +318,8 @@ class HybridDecoderLayer(nn.Module):
                 h = h[rows]
         else:
             h = self.self_attn(h, cos_sin, batch, caches, rows)
-        x = (x if rows is None else x[rows]) + h
-        return x + self.mlp(self.post_attention_layernorm(x))
+        normed, x = self.post_attention_layernorm.after_add(h, x if rows is None else x[rows])
+        return x + self.mlp(normed)
 
 
 class HybridModel(nn.Module):

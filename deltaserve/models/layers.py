@@ -8,6 +8,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from deltaserve.kernels import fused_cpu
 from deltaserve.kernels.int4 import Int4Codes, int4_linear, pack_int4
 
 
@@ -20,11 +21,26 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if fused_cpu.serves(x, self.weight):
+            return fused_cpu.rms_norm(x, self.weight, self.eps)
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)  # one op: a decode step has 61 of them
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return (xf * self.weight.float()).to(x.dtype)
+
+    def after_add(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual): the residual stream's add and this norm, in one pass where fused."""
+        return add_then_norm(self, x, residual, 0.0)
+
+
+def add_then_norm(norm: nn.Module, x: torch.Tensor, residual: torch.Tensor,
+                  offset: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(norm(x + residual), x + residual) for an RMSNorm whose scale is offset + weight."""
+    if x.dim() == 2 and fused_cpu.serves(x, residual, norm.weight):
+        return fused_cpu.add_rms_norm(x, residual, norm.weight, norm.eps, offset)
+    total = x + residual
+    return norm(total), total
 
 
 def rope_parameters(config: dict) -> dict:

@@ -73,8 +73,9 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(config["hidden_size"], config["intermediate_size"])
 
     def forward(self, x, cos_sin, batch, caches):
-        x = x + self.self_attn(self.input_layernorm(x), cos_sin, batch, caches)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h = self.self_attn(self.input_layernorm(x), cos_sin, batch, caches)
+        normed, x = self.post_attention_layernorm.after_add(h, x)
+        return x + self.mlp(normed)
 
 
 class LlamaModel(nn.Module):

@@ -1,0 +1,370 @@
+"""Row-wise CPU kernels fused into one pass each: the causal conv (+ SiLU) of GDN layers and RMSNorm (plain,
+zero-centred, gated by SiLU(z), or after the residual add).
+
+Each PyTorch op between two matmuls reads and writes its whole tensor, and on CPU a fresh output of a long prompt
+is also page-faulted in: a 16K-token prefill of the tiny hybrid spent ~0.7 s in the conv (an index_put, four
+multiply-adds, a gather, a SiLU: ~8 passes over 64 MB per layer) and ~0.6 s in norms (four ops each). Here each
+output row is computed once, in L1, from its inputs. float32 only, as the CPU computes; the engine builds the
+module at start (kernels/cpp_build.py) and the portable PyTorch code serves wherever it is not built, or for
+other devices and dtypes. Same functions as conv.causal_conv1d and the norms in models/, to float32 rounding.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from deltaserve.kernels.cpp_build import CompiledKernels
+
+_SOURCE = r"""
+#include <torch/extension.h>
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+namespace {
+
+constexpr int64_t CONV_ROWS = 64;  // output rows per work item
+
+inline float silu(float a) { return a / (1.0f + std::exp(-a)); }
+
+// out = bias + sum_w weight_t[w] * src[w], then SiLU: one row of C channels, accumulated in place in L1.
+inline void conv_row(float* __restrict out, const float* const* src, const float* __restrict weight_t,
+                     const float* __restrict bias, int64_t W, int64_t C, bool act) {
+  if (bias) std::copy(bias, bias + C, out); else std::fill(out, out + C, 0.0f);
+  for (int64_t w = 0; w < W; ++w) {
+    const float* __restrict s = src[w];
+    const float* __restrict k = weight_t + w * C;
+    #pragma omp simd
+    for (int64_t c = 0; c < C; ++c) out[c] += k[c] * s[c];
+  }
+  if (act) {
+    #pragma omp simd
+    for (int64_t c = 0; c < C; ++c) out[c] = silu(out[c]);
+  }
+}
+
+}  // namespace
+
+// x [T, C] packed sequences (cu_seqlens [N+1]); weight [C, W]; initial_state [N, C, W-1] or None (zeros).
+// Returns y [T, C] and the final states [N, C, W-1] (the last W-1 inputs of each sequence, its history included).
+std::vector<torch::Tensor> causal_conv1d(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias,
+                                         torch::Tensor cu_seqlens, c10::optional<torch::Tensor> initial_state,
+                                         bool act) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(),
+              "causal_conv1d: x must be contiguous float32 [T, C]");
+  const int64_t C = x.size(1);
+  TORCH_CHECK(weight.dim() == 2 && weight.size(0) == C && weight.size(1) >= 1 &&
+              weight.scalar_type() == torch::kFloat32, "causal_conv1d: weight must be float32 [C, W]");
+  const int64_t W = weight.size(1), H = W - 1, HR = std::max<int64_t>(H, 1);
+  auto cu = cu_seqlens.to(torch::kInt64).contiguous();
+  const int64_t N = cu.numel() - 1;
+  const int64_t* cp = cu.data_ptr<int64_t>();
+  TORCH_CHECK(N >= 0 && (N == 0 || (cp[0] == 0 && cp[N] == x.size(0))), "causal_conv1d: bad cu_seqlens");
+  auto weight_t = weight.t().contiguous();
+  torch::Tensor b;
+  if (bias && bias->defined()) b = bias->to(torch::kFloat32).contiguous();
+  auto hist = torch::zeros({N, HR, C}, x.options());  // each sequence's history as rows (the state is [C, W-1])
+  if (initial_state && initial_state->defined()) {
+    TORCH_CHECK(initial_state->dim() == 3 && initial_state->size(0) == N && initial_state->size(1) == C &&
+                initial_state->size(2) == H, "causal_conv1d: initial_state must be [N, C, W-1]");
+    if (H) hist.copy_(initial_state->to(torch::kFloat32).transpose(1, 2));
+  }
+  auto y = torch::empty_like(x);
+  auto fin = torch::empty({N, C, H}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const float* wp = weight_t.data_ptr<float>();
+  const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
+  const float* hp = hist.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  float* fp = fin.data_ptr<float>();
+  // Input row j of sequence n; j < 0 reads its history.
+  auto row = [&](int64_t n, int64_t j) { return j >= 0 ? xp + (cp[n] + j) * C : hp + (n * HR + H + j) * C; };
+  std::vector<int64_t> item_seq, item_lo;
+  for (int64_t n = 0; n < N; ++n) {
+    TORCH_CHECK(cp[n + 1] >= cp[n], "causal_conv1d: cu_seqlens must not decrease");
+    for (int64_t lo = 0; lo < cp[n + 1] - cp[n]; lo += CONV_ROWS) { item_seq.push_back(n); item_lo.push_back(lo); }
+  }
+  const int64_t items = static_cast<int64_t>(item_seq.size());
+  #pragma omp parallel for schedule(static) if (items > 1)
+  for (int64_t it = 0; it < items; ++it) {
+    const int64_t n = item_seq[it], hi = std::min(cp[n + 1] - cp[n], item_lo[it] + CONV_ROWS);
+    std::vector<const float*> src(W);
+    for (int64_t r = item_lo[it]; r < hi; ++r) {
+      for (int64_t w = 0; w < W; ++w) src[w] = row(n, r - H + w);
+      conv_row(yp + (cp[n] + r) * C, src.data(), wp, bp, W, C, act);
+    }
+  }
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t h = 0; h < H; ++h) {
+      const float* r = row(n, cp[n + 1] - cp[n] - H + h);
+      for (int64_t c = 0; c < C; ++c) fp[(n * C + c) * H + h] = r[c];
+    }
+  return {y, fin};
+}
+
+// 16 floats as one value: one AVX-512 register (two AVX2 ones); V of them hold a row of Dv = 16 * V values.
+typedef float f16v __attribute__((vector_size(64)));
+typedef float f16v_u __attribute__((vector_size(64), aligned(4)));
+inline f16v load16(const float* p) { return *reinterpret_cast<const f16v_u*>(p); }
+inline void store16(float* p, f16v x) { *reinterpret_cast<f16v_u*>(p) = x; }
+
+inline float dot(const float* __restrict a, const float* __restrict b, int64_t n) {
+  float s = 0.0f;
+  #pragma omp simd reduction(+:s)
+  for (int64_t d = 0; d < n; ++d) s += a[d] * b[d];
+  return s;
+}
+
+struct GdnInputs {
+  const float *q, *k, *v, *g, *beta;
+  int64_t qk_token, qk_head, v_token, v_head;  // strides (the last dim is contiguous)
+  int64_t Hv, ratio, Dk, C;
+  float scale;
+  bool l2norm;
+};
+
+// The chunked gated delta rule (kernels/gated_delta.py) for one sequence and one value head, chunk after chunk,
+// with every chunk-local matrix in L1. With D_ij = exp(G_i - G_j) (j <= i):
+//   A = strict_lower(beta_i (k_i . k_j) D_ij), P = lower((q_i . k_j) D_ij)
+//   (I + A) U = beta V and (I + A) W = beta exp(G) K, by forward substitution
+//   V_new = U - W S,   O = exp(G) Q S + P V_new,   S = exp(G_last) S + (exp(G_last - G) K)^T V_new
+// Rows of K K^T, Q K^T and D are computed C at a time (vectorised over j, exp included) from K transposed.
+template <int V>
+void gdn_sequence_head(const GdnInputs& in, float* __restrict out, float* __restrict S, int64_t lo, int64_t len,
+                       int64_t h) {
+  constexpr int64_t Dv = 16 * V;
+  const int64_t Dk = in.Dk, C = in.C, Hv = in.Hv, hk = h / in.ratio;
+  std::vector<float> buf(4 * C * Dk + 2 * C * C + C * Dv + 4 * C + 2 * C);
+  float *Qn = buf.data(), *Kn = Qn + C * Dk, *KT = Kn + C * Dk, *W = KT + C * Dk, *A = W + C * Dk, *P = A + C * C;
+  float *U = P + C * C, *G = U + C * Dv, *B = G + C, *E = B + C, *tail = E + C, *kk = tail + C, *qk = kk + C;
+  for (int64_t c0 = 0; c0 < len; c0 += C) {
+    const int64_t L = std::min(C, len - c0);
+    float cum = 0.0f;
+    for (int64_t i = 0; i < C; ++i) {
+      if (i >= L) {  // past the sequence's end: no key, no decay
+        for (int64_t d = 0; d < Dk; ++d) KT[d * C + i] = 0.0f;
+        G[i] = cum;
+        continue;
+      }
+      const int64_t t = lo + c0 + i;
+      const float* qr = in.q + t * in.qk_token + hk * in.qk_head;
+      const float* kr = in.k + t * in.qk_token + hk * in.qk_head;
+      const float fq = in.l2norm ? in.scale / std::sqrt(dot(qr, qr, Dk) + 1e-6f) : in.scale;
+      const float fk = in.l2norm ? 1.0f / std::sqrt(dot(kr, kr, Dk) + 1e-6f) : 1.0f;
+      for (int64_t d = 0; d < Dk; ++d) {
+        Qn[i * Dk + d] = qr[d] * fq;
+        Kn[i * Dk + d] = KT[d * C + i] = kr[d] * fk;
+      }
+      cum += in.g[t * Hv + h];
+      G[i] = cum;
+      B[i] = in.beta[t * Hv + h];
+      E[i] = std::exp(cum);
+    }
+    for (int64_t i = 0; i < L; ++i) {  // rows i of A and P
+      #pragma omp simd
+      for (int64_t j = 0; j < C; ++j) { kk[j] = 0.0f; qk[j] = 0.0f; }
+      for (int64_t d = 0; d < Dk; ++d) {
+        const float a = Kn[i * Dk + d], b = Qn[i * Dk + d];
+        const float* __restrict kt = KT + d * C;
+        #pragma omp simd
+        for (int64_t j = 0; j < C; ++j) { kk[j] += a * kt[j]; qk[j] += b * kt[j]; }
+      }
+      const float gi = G[i], bi = B[i];
+      #pragma omp simd
+      for (int64_t j = 0; j < C; ++j) {
+        const float dec = std::exp(std::min(gi - G[j], 0.0f));  // masked below where j > i
+        A[i * C + j] = j < i ? bi * kk[j] * dec : 0.0f;
+        P[i * C + j] = j <= i ? qk[j] * dec : 0.0f;
+      }
+    }
+    for (int64_t i = 0; i < L; ++i) {  // forward substitution: row i of U and W
+      const float* vr = in.v + (lo + c0 + i) * in.v_token + h * in.v_head;
+      f16v acc[V];
+      for (int v = 0; v < V; ++v) acc[v] = B[i] * load16(vr + 16 * v);
+      for (int64_t m = 0; m < i; ++m)
+        for (int v = 0; v < V; ++v) acc[v] -= A[i * C + m] * load16(U + m * Dv + 16 * v);
+      for (int v = 0; v < V; ++v) store16(U + i * Dv + 16 * v, acc[v]);
+      float* __restrict wr = W + i * Dk;
+      const float bk = B[i] * E[i];
+      #pragma omp simd
+      for (int64_t d = 0; d < Dk; ++d) wr[d] = bk * Kn[i * Dk + d];
+      for (int64_t m = 0; m < i; ++m) {
+        const float a = A[i * C + m];
+        const float* __restrict wm = W + m * Dk;
+        #pragma omp simd
+        for (int64_t d = 0; d < Dk; ++d) wr[d] -= a * wm[d];
+      }
+    }
+    for (int64_t i = 0; i < L; ++i) {  // V_new = U - W S (in place of U), then O
+      f16v nv[V], o[V];
+      for (int v = 0; v < V; ++v) { nv[v] = load16(U + i * Dv + 16 * v); o[v] = f16v{}; }
+      for (int64_t d = 0; d < Dk; ++d) {
+        const float a = W[i * Dk + d], b = Qn[i * Dk + d];
+        for (int v = 0; v < V; ++v) {
+          const f16v s = load16(S + d * Dv + 16 * v);
+          nv[v] -= a * s;
+          o[v] += b * s;
+        }
+      }
+      for (int v = 0; v < V; ++v) { store16(U + i * Dv + 16 * v, nv[v]); o[v] *= E[i]; }
+      for (int64_t j = 0; j <= i; ++j)  // row j's V_new is final for j <= i
+        for (int v = 0; v < V; ++v) o[v] += P[i * C + j] * load16(U + j * Dv + 16 * v);
+      float* orow = out + (lo + c0 + i) * Hv * Dv + h * Dv;
+      for (int v = 0; v < V; ++v) store16(orow + 16 * v, o[v]);
+    }
+    const float last = G[L - 1], decay = std::exp(last);
+    #pragma omp simd
+    for (int64_t i = 0; i < L; ++i) tail[i] = std::exp(last - G[i]);
+    for (int64_t d = 0; d < Dk; ++d) {  // S = exp(G_last) S + (exp(G_last - G) K)^T V_new, row d of S
+      f16v acc[V];
+      for (int v = 0; v < V; ++v) acc[v] = decay * load16(S + d * Dv + 16 * v);
+      for (int64_t i = 0; i < L; ++i) {
+        const float a = tail[i] * KT[d * C + i];
+        for (int v = 0; v < V; ++v) acc[v] += a * load16(U + i * Dv + 16 * v);
+      }
+      for (int v = 0; v < V; ++v) store16(S + d * Dv + 16 * v, acc[v]);
+    }
+  }
+}
+
+// q, k [T, Hk, Dk] and v [T, Hv, Dv] (strided rows, contiguous last dim), g and beta [T, Hv], packed sequences
+// cu_seqlens [N+1], state [N, Hv, Dk, Dv] (updated in place). Returns o [T, Hv, Dv] float32.
+torch::Tensor gdn_prefill(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor g, torch::Tensor beta,
+                          std::vector<int64_t> cu, torch::Tensor state, int64_t chunk, double scale, bool l2norm) {
+  for (const auto& t : {q, k, v, g, beta, state})
+    TORCH_CHECK(t.scalar_type() == torch::kFloat32 && t.stride(-1) == 1, "gdn_prefill: float32, contiguous last dim");
+  TORCH_CHECK(g.is_contiguous() && beta.is_contiguous() && state.is_contiguous(), "gdn_prefill: contiguous g, beta, state");
+  const int64_t T = v.size(0), Hv = v.size(1), Dv = v.size(2), Hk = q.size(1), Dk = q.size(2);
+  const int64_t N = static_cast<int64_t>(cu.size()) - 1;
+  TORCH_CHECK(Dv == 16 || Dv == 32 || Dv == 64 || Dv == 128, "gdn_prefill: value head size 16, 32, 64 or 128 only");
+  TORCH_CHECK(k.sizes() == q.sizes() && k.strides() == q.strides() && Hv % Hk == 0 && chunk >= 1 && N >= 1 &&
+              cu[0] == 0 && cu[N] == T && state.size(0) == N && state.size(1) == Hv && state.size(2) == Dk &&
+              state.size(3) == Dv, "gdn_prefill: shapes do not match");
+  auto out = torch::empty({T, Hv, Dv}, v.options().memory_format(at::MemoryFormat::Contiguous));
+  const GdnInputs in{q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), g.data_ptr<float>(),
+                     beta.data_ptr<float>(), q.stride(0), q.stride(1), v.stride(0), v.stride(1), Hv, Hv / Hk, Dk,
+                     chunk, static_cast<float>(scale), l2norm};
+  float* op = out.data_ptr<float>();
+  float* sp = state.data_ptr<float>();
+  const int64_t pairs = N * Hv;
+  #pragma omp parallel for schedule(dynamic, 1) if (pairs > 1)
+  for (int64_t p = 0; p < pairs; ++p) {
+    const int64_t n = p / Hv, h = p % Hv, lo = cu[n], len = cu[n + 1] - cu[n];
+    float* S = sp + p * Dk * Dv;
+    switch (Dv / 16) {
+      case 1: gdn_sequence_head<1>(in, op, S, lo, len, h); break;
+      case 2: gdn_sequence_head<2>(in, op, S, lo, len, h); break;
+      case 4: gdn_sequence_head<4>(in, op, S, lo, len, h); break;
+      default: gdn_sequence_head<8>(in, op, S, lo, len, h); break;
+    }
+  }
+  return out;
+}
+
+// Rows of x [R, D] (row stride free, channels contiguous): y = x / rms(x) * (offset + weight), times SiLU(gate)
+// when a gate is given. With a residual, s = x + residual is what is normed, and s is returned after y.
+std::vector<torch::Tensor> rms_norm(torch::Tensor x, torch::Tensor weight, double eps, double offset,
+                                    c10::optional<torch::Tensor> gate, c10::optional<torch::Tensor> residual) {
+  auto rows_ok = [&](const torch::Tensor& t) {
+    return t.dim() == 2 && t.scalar_type() == torch::kFloat32 && t.stride(1) == 1;
+  };
+  TORCH_CHECK(rows_ok(x), "rms_norm: x must be float32 [R, D] with contiguous rows");
+  const int64_t R = x.size(0), D = x.size(1);
+  TORCH_CHECK(weight.numel() == D && weight.scalar_type() == torch::kFloat32, "rms_norm: weight must be float32 [D]");
+  const bool gated = gate && gate->defined(), add = residual && residual->defined();
+  TORCH_CHECK(!gated || (rows_ok(*gate) && gate->sizes() == x.sizes()), "rms_norm: gate must be shaped like x");
+  TORCH_CHECK(!add || (rows_ok(*residual) && residual->sizes() == x.sizes()),
+              "rms_norm: residual must be shaped like x");
+  auto wc = weight.contiguous();
+  auto y = torch::empty({R, D}, x.options());
+  auto sum = add ? torch::empty({R, D}, x.options()) : torch::Tensor();
+  const float* xp = x.data_ptr<float>();
+  const float* wp = wc.data_ptr<float>();
+  const float* gp = gated ? gate->data_ptr<float>() : nullptr;
+  const float* rp = add ? residual->data_ptr<float>() : nullptr;
+  const int64_t xs = x.stride(0), gs = gated ? gate->stride(0) : 0, rs = add ? residual->stride(0) : 0;
+  float* sp = add ? sum.data_ptr<float>() : nullptr;
+  float* yp = y.data_ptr<float>();
+  const float off = static_cast<float>(offset), e = static_cast<float>(eps);
+  #pragma omp parallel for schedule(static) if (R * D >= 65536)
+  for (int64_t r = 0; r < R; ++r) {
+    const float* __restrict in = xp + r * xs;
+    if (add) {
+      float* __restrict s = sp + r * D;
+      const float* __restrict res = rp + r * rs;
+      #pragma omp simd
+      for (int64_t d = 0; d < D; ++d) s[d] = in[d] + res[d];
+      in = s;
+    }
+    float ss = 0.0f;
+    #pragma omp simd reduction(+:ss)
+    for (int64_t d = 0; d < D; ++d) ss += in[d] * in[d];
+    const float inv = 1.0f / std::sqrt(ss / static_cast<float>(D) + e);
+    float* __restrict out = yp + r * D;
+    if (gated) {
+      const float* __restrict g = gp + r * gs;
+      #pragma omp simd
+      for (int64_t d = 0; d < D; ++d) out[d] = in[d] * inv * (off + wp[d]) * silu(g[d]);
+    } else {
+      #pragma omp simd
+      for (int64_t d = 0; d < D; ++d) out[d] = in[d] * inv * (off + wp[d]);
+    }
+  }
+  if (add) return {y, sum};
+  return {y};
+}
+"""
+
+_KERNELS = CompiledKernels("deltaserve_fused_cpu", _SOURCE, ["causal_conv1d", "rms_norm", "gdn_prefill"],
+                           "fused CPU conv / RMSNorm kernels", "the portable PyTorch ops")
+
+
+def load(log=None):
+    """The compiled module (built once per machine, cached by torch), or None when it cannot be built here."""
+    return _KERNELS.load(log)
+
+
+def ready():
+    """The module if `load()` built it already, else None: a forward step never waits for a compiler."""
+    return _KERNELS.module
+
+
+def serves(*tensors: torch.Tensor) -> bool:
+    """Whether the built kernels take these inputs: all float32 on CPU."""
+    return _KERNELS.module is not None and all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
+
+
+def causal_conv1d(x, weight, bias, cu_seqlens, initial_state, activation):
+    """conv.causal_conv1d's contract (x [T, C], weight [C, W], cu_seqlens [N+1]) in one pass over the rows."""
+    if cu_seqlens is None:
+        cu_seqlens = torch.tensor([0, x.shape[0]])
+    return tuple(_KERNELS.module.causal_conv1d(x.contiguous(), weight, bias, cu_seqlens.cpu(), initial_state,
+                                               activation == "silu"))
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0,
+             gate: torch.Tensor | None = None) -> torch.Tensor:
+    """x / rms(x) * (offset + weight) [* silu(gate)] over the last dim, for x of any leading shape."""
+    d = x.shape[-1]
+    rows = x.reshape(-1, d)
+    gate_rows = None if gate is None else gate.reshape(-1, d)
+    return _KERNELS.module.rms_norm(rows, weight, eps, offset, gate_rows, None)[0].view(x.shape)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                 offset: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual), x + residual) in one pass; x and residual [R, D]."""
+    normed, total = _KERNELS.module.rms_norm(x, weight, eps, offset, None, residual)
+    return normed, total
+
+
+GDN_VALUE_DIMS = (16, 32, 64, 128)  # the value head sizes gdn_prefill is compiled for (its TORCH_CHECK says the same)
+
+
+def gdn_prefill(q, k, v, g, beta, cu_seqlens: list[int], state, chunk_size: int, scale: float,
+                use_qk_l2norm: bool) -> torch.Tensor:
+    """chunk_gated_delta_rule's arithmetic, one (sequence, value head) per task: o [T, Hv, Dv] float32; `state`
+    [N, Hv, Dk, Dv] (float32, contiguous) enters as the initial states and leaves as the final ones."""
+    return _KERNELS.module.gdn_prefill(q, k, v, g.float().contiguous(), beta.float().contiguous(), cu_seqlens, state,
+                                       chunk_size, scale, use_qk_l2norm)

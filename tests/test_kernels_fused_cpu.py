@@ -1,0 +1,79 @@
+"""The fused CPU RMSNorm kernel (kernels/fused_cpu.py) against the formula in float64, and the model norms that
+call it against their portable PyTorch paths. The fused conv is tested with the portable one (test_kernels_conv)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from deltaserve.kernels import fused_cpu
+from deltaserve.models.hybrid import GatedRMSNorm, ZeroCentredRMSNorm
+from deltaserve.models.layers import RMSNorm
+
+EPS = 1e-6
+
+
+@pytest.fixture(autouse=True, scope="module")
+def built():
+    assert fused_cpu.load() is not None  # this machine builds it; where none could, the engine keeps portable
+
+
+def reference(x, weight, offset, gate=None, residual=None):
+    x = x.double() if residual is None else x.double() + residual.double()
+    y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + EPS) * (offset + weight.double())
+    return y if gate is None else y * F.silu(gate.double())
+
+
+@pytest.mark.parametrize("dim", [64, 40, 33, 1])
+@pytest.mark.parametrize("offset", [0.0, 1.0])
+def test_rms_norm_matches_formula(dim, offset):
+    gen = torch.Generator().manual_seed(dim)
+    x, gate, residual = (torch.randn(300, dim, generator=gen) * 3 for _ in range(3))
+    weight = torch.randn(dim, generator=gen)
+    tol = dict(rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(fused_cpu.rms_norm(x, weight, EPS, offset).double(), reference(x, weight, offset), **tol)
+    torch.testing.assert_close(fused_cpu.rms_norm(x, weight, EPS, offset, gate=gate).double(),
+                               reference(x, weight, offset, gate), **tol)
+    normed, total = fused_cpu.add_rms_norm(x, residual, weight, EPS, offset)
+    torch.testing.assert_close(normed.double(), reference(x, weight, offset, residual=residual), **tol)
+    assert torch.equal(total, x + residual)
+
+
+def test_rows_with_a_stride_and_leading_dims():
+    """q of a gated attention layer: [T, H, D] views of a [T, H, 2D] projection (rows 2D apart), and empty input."""
+    gen = torch.Generator().manual_seed(1)
+    qg = torch.randn(7, 4, 32, generator=gen)
+    q = qg[..., :16]
+    weight = torch.randn(16, generator=gen)
+    got = fused_cpu.rms_norm(q, weight, EPS, 1.0)
+    assert got.shape == q.shape
+    torch.testing.assert_close(got.double(), reference(q, weight, 1.0), rtol=1e-5, atol=1e-5)
+    assert fused_cpu.rms_norm(torch.empty(0, 16), weight, EPS).shape == (0, 16)
+
+
+def test_bad_input_names_the_limit():
+    x = torch.randn(4, 8)
+    with pytest.raises(RuntimeError, match="weight must be"):
+        fused_cpu.rms_norm(x, torch.ones(7), EPS)
+    with pytest.raises(RuntimeError, match="gate must be shaped like x"):
+        fused_cpu.rms_norm(x, torch.ones(8), EPS, gate=torch.randn(3, 8))
+    with pytest.raises(RuntimeError, match="residual must be shaped like x"):
+        fused_cpu.add_rms_norm(x, torch.randn(3, 8), torch.ones(8), EPS)
+
+
+@pytest.mark.parametrize("norm_cls", [RMSNorm, ZeroCentredRMSNorm, GatedRMSNorm])
+def test_model_norms_equal_their_portable_paths(norm_cls, monkeypatch):
+    gen = torch.Generator().manual_seed(2)
+    norm = norm_cls(48, EPS)
+    norm.weight = torch.nn.Parameter(torch.randn(48, generator=gen), requires_grad=False)
+    x, other = torch.randn(2, 9, 48, generator=gen), torch.randn(2, 9, 48, generator=gen)
+
+    def outputs():
+        if norm_cls is GatedRMSNorm:
+            return (norm(x, other),)
+        return (norm(x), *norm.after_add(x[0], other[0]))
+
+    fused = outputs()
+    monkeypatch.setattr(fused_cpu._KERNELS, "module", None)
+    portable = outputs()
+    for a, b in zip(fused, portable):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
