@@ -1,6 +1,9 @@
 """GDN-layer prefill throughput: our chunked gated delta rule vs our token-by-token loop vs transformers'
 torch_chunk_gated_delta_rule, in one run, with ratios and long-prompt retention.
 
+"chunked" is what the model calls on this CPU: the fused C++ kernel (kernels/fused_cpu.py, built here as the engine
+builds it at start); "portable" is the same arithmetic as PyTorch ops (what runs where the C++ cannot be built).
+
     OMP_NUM_THREADS=2 .venv/bin/python bench/gdn_prefill.py --lengths 1024,4096,16384,32768 --shapes 27b,tiny
 
 A cell of a slow baseline whose estimated time exceeds --max-seconds (or memory --max-gib) prints "skipped".
@@ -15,7 +18,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from deltaserve.kernels import gated_delta_prefill
+from deltaserve.kernels import fused_cpu, gated_delta_prefill
 from deltaserve.kernels.gated_delta import CPU_CHUNK_SIZE, chunk_gated_delta_rule, recurrent_gated_delta_rule_step
 
 # (key heads, value heads, key dim, value dim) per GDN layer
@@ -45,6 +48,11 @@ def run_chunked(q, k, v, g, beta, chunk_size):
         chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=chunk_size)
     else:
         gated_delta_prefill(q, k, v, g, beta)                      # what the model calls
+
+
+def run_portable(q, k, v, g, beta, chunk_size):
+    with fused_cpu.disabled():
+        run_chunked(q, k, v, g, beta, chunk_size)
 
 
 def run_token_loop(q, k, v, g, beta):
@@ -107,16 +115,18 @@ def main(argv=None):
             print("error: --tune-malloc needs glibc's mallopt", file=sys.stderr)
             return 2
 
+    fused = fused_cpu.load(print) is not None
+
     from transformers import Qwen3_5TextConfig
     cfg = Qwen3_5TextConfig()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, float32, "
-          f"chunk {args.chunk_size or CPU_CHUNK_SIZE}, malloc tuned: {args.tune_malloc}")
+          f"chunk {args.chunk_size or CPU_CHUNK_SIZE}, malloc tuned: {args.tune_malloc}, fused C++ kernel: {fused}")
     print(f"Qwen3_5TextConfig() defaults: linear_num_key_heads={cfg.linear_num_key_heads} "
           f"linear_num_value_heads={cfg.linear_num_value_heads} linear_key_head_dim={cfg.linear_key_head_dim} "
           f"linear_value_head_dim={cfg.linear_value_head_dim} linear_conv_kernel_dim={cfg.linear_conv_kernel_dim}")
     for name in shapes:
         print(f"shape {name}: key heads, value heads, Dk, Dv = {SHAPES[name]}")
-    print(f"{'shape':>5} {'tokens':>7} {'chunked':>10} {'token-loop':>11} {'hf-chunk':>10} "
+    print(f"{'shape':>5} {'tokens':>7} {'chunked':>10} {'portable':>9} {'token-loop':>11} {'hf-chunk':>10} "
           f"{'chunk/loop':>11} {'chunk/hf':>9}   (tok/s)")
 
     for name in shapes:
@@ -131,6 +141,7 @@ def main(argv=None):
             inputs = make_inputs(tokens, shape)
             chunked_rate[tokens] = tokens / best_seconds(lambda *x: run_chunked(*x, args.chunk_size), inputs,
                                                          args.repeats)
+            portable_rate = tokens / best_seconds(lambda *x: run_portable(*x, args.chunk_size), inputs, args.repeats)
             loop_rate = hf_rate = None
             # estimates come from the probe, then from the longest cell measured so far
             if loop_per_token * tokens <= args.max_seconds:
@@ -140,7 +151,7 @@ def main(argv=None):
                 hf_rate = tokens / best_seconds(run_transformers, inputs, args.repeats)
                 hf_per_token = 1 / hf_rate
             del inputs
-            cells = [f"{chunked_rate[tokens]:10.0f}"]
+            cells = [f"{chunked_rate[tokens]:10.0f}", f"{portable_rate:9.0f}"]
             cells += [f"{r:{w}.0f}" if r else f"{'skipped':>{w}}" for r, w in ((loop_rate, 11), (hf_rate, 10))]
             cells += [f"{chunked_rate[tokens] / r:{w}.2f}x" if r else f"{'-':>{w + 1}}"
                       for r, w in ((loop_rate, 10), (hf_rate, 8))]

@@ -11,6 +11,8 @@ other devices and dtypes. Same functions as conv.causal_conv1d and the norms in 
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from deltaserve.kernels.cpp_build import CompiledKernels
@@ -328,6 +330,16 @@ def load(log=None):
 def ready():
     """The module if `load()` built it already, else None: a forward step never waits for a compiler."""
     return _KERNELS.module
+
+
+@contextlib.contextmanager
+def disabled():
+    """Inside the block every caller takes its portable PyTorch path (the built module is kept); for comparisons."""
+    module, _KERNELS.module = _KERNELS.module, None
+    try:
+        yield
+    finally:
+        _KERNELS.module = module
 
 
 def serves(*tensors: torch.Tensor) -> bool:
