@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from deltaserve.kernels import gated_delta, gated_delta_decode, gated_delta_prefill
+from deltaserve.kernels import gated_delta, gated_delta_decode, gated_delta_decode_in_place, gated_delta_prefill
 from deltaserve.kernels.gated_delta import CPU_CHUNK_SIZE, chunk_gated_delta_rule, recurrent_gated_delta_rule_step
 
 TOL = 1e-4   # max abs error relative to the output's scale (max |o_ref|)
@@ -166,6 +166,23 @@ def test_recurrent_step_matches_reference():
         o_ref, s_ref = reference(*inputs[b], state[b])
         assert rel_err(torch.stack([o[b] for o in outs]), o_ref) <= TOL
         assert rel_err(s[b], s_ref) <= TOL
+
+
+@pytest.mark.parametrize("value_dim", [32, 24])  # 24: a head size the fused kernel leaves to the portable path
+def test_decode_in_place_steps_only_the_named_slots(value_dim, cpu_kernels):
+    """The engine's decode: each sequence's state read and written where it lies in the pool (no gather/scatter)."""
+    slots = torch.tensor([6, 1, 3, 0])
+    states = random_state(8, value_dim=value_dim, seed=20)
+    q, k, v, g, beta = make_inputs(len(slots), value_dim=value_dim, seed=21)
+    pool = states.clone()
+    for step in range(3):  # the same tokens again: the states must carry from step to step
+        o = gated_delta_decode_in_place(q, k, v, g, beta, pool, slots)
+        for b, slot in enumerate(slots.tolist()):
+            o_ref, s_ref = reference(*(x[b:b + 1].repeat(step + 1, *[1] * (x.dim() - 1)) for x in (q, k, v, g, beta)),
+                                     states[slot])
+            assert rel_err(o[b], o_ref[-1]) <= TOL and rel_err(pool[slot], s_ref) <= TOL
+    untouched = [s for s in range(8) if s not in slots.tolist()]
+    assert torch.equal(pool[untouched], states[untouched])
 
 
 def test_prefill_then_steps_equals_prefill_of_whole():

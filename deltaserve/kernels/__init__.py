@@ -14,12 +14,12 @@ import torch
 
 from deltaserve.kernels import fused_cpu
 from deltaserve.kernels.conv import ACTIVATIONS, causal_conv1d, causal_conv1d_step
-from deltaserve.kernels.gated_delta import (CPU_CHUNK_SIZE, chunk_gated_delta_rule, l2norm,
+from deltaserve.kernels.gated_delta import (CPU_CHUNK_SIZE, check_heads, chunk_gated_delta_rule, l2norm,
                                             recurrent_gated_delta_rule_step)
 
 __all__ = [
     "causal_conv1d", "causal_conv1d_step", "chunk_gated_delta_rule", "recurrent_gated_delta_rule_step", "l2norm",
-    "gated_delta_prefill", "gated_delta_decode", "conv_prefill", "conv_decode",
+    "gated_delta_prefill", "gated_delta_decode", "gated_delta_decode_in_place", "conv_prefill", "conv_decode",
 ]
 
 FAST_CONV_MAX_WIDTH = 4     # causal-conv1d's CUDA kernels handle widths 2..4
@@ -74,6 +74,22 @@ def gated_delta_decode(q, k, v, g, beta, state, *, use_qk_l2norm=True, scale=Non
         scale=q.shape[-1] ** -0.5 if scale is None else scale, initial_state=state.float(),
         output_final_state=True, use_qk_l2norm_in_kernel=False)
     return o[:, 0], new_state.float()
+
+
+def gated_delta_decode_in_place(q, k, v, g, beta, states, slots, *, use_qk_l2norm=True, scale=None):
+    """One token per sequence whose state is states[slots[b]], updated in place; returns o [B, Hv, Dv] in v's dtype.
+
+    On CPU in float32 the fused kernel updates each state where it lies; elsewhere the states are gathered, stepped
+    (gated_delta_decode) and written back."""
+    value_dim = v.shape[-1]
+    if (fused_cpu.serves(q, k, v, states) and states.is_contiguous() and value_dim in fused_cpu.GDN_VALUE_DIMS
+            and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1 and q.stride() == k.stride()):
+        check_heads(q, k, v, g, beta)
+        return fused_cpu.gdn_decode(q, k, v, g, beta, states, slots,
+                                    q.shape[-1] ** -0.5 if scale is None else scale, use_qk_l2norm)
+    o, new_states = gated_delta_decode(q, k, v, g, beta, states[slots], use_qk_l2norm=use_qk_l2norm, scale=scale)
+    states.index_copy_(0, slots, new_states.to(states.dtype))
+    return o
 
 
 def conv_prefill(x, weight, bias=None, *, cu_seqlens=None, initial_state=None, activation="silu"):

@@ -264,6 +264,76 @@ torch::Tensor gdn_prefill(torch::Tensor q, torch::Tensor k, torch::Tensor v, tor
   return out;
 }
 
+// One decode token per sequence, on its state in place: S = exp(g) S; delta = beta (v - k S); S += k^T delta;
+// o = q S = q S_decayed + (q . k) delta. Two passes over S, rows of Dv = 16 * V values in registers.
+template <int V>
+void gdn_step_head(const float* __restrict qr, const float* __restrict kr, const float* __restrict vr, float g,
+                   float beta, float* __restrict S, float* __restrict orow, int64_t Dk, float scale, bool l2norm) {
+  constexpr int64_t Dv = 16 * V;
+  const float fq = l2norm ? scale / std::sqrt(dot(qr, qr, Dk) + 1e-6f) : scale;
+  const float fk = l2norm ? 1.0f / std::sqrt(dot(kr, kr, Dk) + 1e-6f) : 1.0f;
+  const float decay = std::exp(g), qk = dot(qr, kr, Dk) * fq * fk;
+  f16v ks[V], qs[V];
+  for (int v = 0; v < V; ++v) { ks[v] = f16v{}; qs[v] = f16v{}; }
+  for (int64_t d = 0; d < Dk; ++d) {
+    const float a = kr[d] * fk, b = qr[d] * fq;
+    for (int v = 0; v < V; ++v) {
+      const f16v s = decay * load16(S + d * Dv + 16 * v);
+      store16(S + d * Dv + 16 * v, s);
+      ks[v] += a * s;
+      qs[v] += b * s;
+    }
+  }
+  f16v delta[V];
+  for (int v = 0; v < V; ++v) {
+    delta[v] = beta * (load16(vr + 16 * v) - ks[v]);
+    store16(orow + 16 * v, qs[v] + qk * delta[v]);
+  }
+  for (int64_t d = 0; d < Dk; ++d) {
+    const float a = kr[d] * fk;
+    for (int v = 0; v < V; ++v) store16(S + d * Dv + 16 * v, load16(S + d * Dv + 16 * v) + a * delta[v]);
+  }
+}
+
+// q, k [B, Hk, Dk], v [B, Hv, Dv] (contiguous last dims), g and beta [B, Hv]; the states of sequence b are
+// states[slots[b]] ([S, Hv, Dk, Dv] float32), updated in place. Returns o [B, Hv, Dv] float32.
+torch::Tensor gdn_decode(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor g, torch::Tensor beta,
+                         torch::Tensor states, torch::Tensor slots, double scale, bool l2norm) {
+  for (const auto& t : {q, k, v, g, beta, states})
+    TORCH_CHECK(t.scalar_type() == torch::kFloat32 && t.stride(-1) == 1, "gdn_decode: float32, contiguous last dim");
+  TORCH_CHECK(g.is_contiguous() && beta.is_contiguous() && states.is_contiguous() &&
+              slots.scalar_type() == torch::kInt64 && slots.is_contiguous(), "gdn_decode: contiguous g, beta, states");
+  const int64_t B = v.size(0), Hv = v.size(1), Dv = v.size(2), Hk = q.size(1), Dk = q.size(2);
+  TORCH_CHECK(Dv == 16 || Dv == 32 || Dv == 64 || Dv == 128, "gdn_decode: value head size 16, 32, 64 or 128 only");
+  TORCH_CHECK(k.sizes() == q.sizes() && k.strides() == q.strides() && Hv % Hk == 0 && slots.numel() == B &&
+              states.size(1) == Hv && states.size(2) == Dk && states.size(3) == Dv, "gdn_decode: shapes do not match");
+  const int64_t* sl = slots.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b)
+    TORCH_CHECK(sl[b] >= 0 && sl[b] < states.size(0), "gdn_decode: state slot out of range");
+  auto out = torch::empty({B, Hv, Dv}, v.options().memory_format(at::MemoryFormat::Contiguous));
+  const float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
+  const float *gp = g.data_ptr<float>(), *bp = beta.data_ptr<float>();
+  float *sp = states.data_ptr<float>(), *op = out.data_ptr<float>();
+  const int64_t ratio = Hv / Hk, pairs = B * Hv;
+  const float sc = static_cast<float>(scale);
+  #pragma omp parallel for schedule(static) if (pairs * Dk * Dv >= 65536)
+  for (int64_t p = 0; p < pairs; ++p) {
+    const int64_t b = p / Hv, h = p % Hv, hk = h / ratio;
+    const float* qr = qp + b * q.stride(0) + hk * q.stride(1);
+    const float* kr = kp + b * k.stride(0) + hk * k.stride(1);
+    const float* vr = vp + b * v.stride(0) + h * v.stride(1);
+    float* S = sp + (sl[b] * Hv + h) * Dk * Dv;
+    float* orow = op + p * Dv;
+    switch (Dv / 16) {
+      case 1: gdn_step_head<1>(qr, kr, vr, gp[p], bp[p], S, orow, Dk, sc, l2norm); break;
+      case 2: gdn_step_head<2>(qr, kr, vr, gp[p], bp[p], S, orow, Dk, sc, l2norm); break;
+      case 4: gdn_step_head<4>(qr, kr, vr, gp[p], bp[p], S, orow, Dk, sc, l2norm); break;
+      default: gdn_step_head<8>(qr, kr, vr, gp[p], bp[p], S, orow, Dk, sc, l2norm); break;
+    }
+  }
+  return out;
+}
+
 // Rows of x [R, D] (row stride free, channels contiguous): y = x / rms(x) * (offset + weight), times SiLU(gate)
 // when a gate is given. With a residual, s = x + residual is what is normed, and s is returned after y.
 std::vector<torch::Tensor> rms_norm(torch::Tensor x, torch::Tensor weight, double eps, double offset,
@@ -318,7 +388,7 @@ std::vector<torch::Tensor> rms_norm(torch::Tensor x, torch::Tensor weight, doubl
 }
 """
 
-_KERNELS = CompiledKernels("deltaserve_fused_cpu", _SOURCE, ["causal_conv1d", "rms_norm", "gdn_prefill"],
+_KERNELS = CompiledKernels("deltaserve_fused_cpu", _SOURCE, ["causal_conv1d", "rms_norm", "gdn_prefill", "gdn_decode"],
                            "fused CPU conv / RMSNorm kernels", "the portable PyTorch ops")
 
 
@@ -380,3 +450,11 @@ def gdn_prefill(q, k, v, g, beta, cu_seqlens: list[int], state, chunk_size: int,
     [N, Hv, Dk, Dv] (float32, contiguous) enters as the initial states and leaves as the final ones."""
     return _KERNELS.module.gdn_prefill(q, k, v, g.float().contiguous(), beta.float().contiguous(), cu_seqlens, state,
                                        chunk_size, scale, use_qk_l2norm)
+
+
+def gdn_decode(q, k, v, g, beta, states: torch.Tensor, slots: torch.Tensor, scale: float,
+               use_qk_l2norm: bool) -> torch.Tensor:
+    """One token per sequence (recurrent_gated_delta_rule_step's arithmetic) on states[slots[b]] in place, with no
+    gather or scatter of the states: o [B, Hv, Dv] float32. `states` [S, Hv, Dk, Dv] float32, contiguous."""
+    return _KERNELS.module.gdn_decode(q, k, v, g.float().contiguous(), beta.float().contiguous(), states,
+                                      slots.long().contiguous(), scale, use_qk_l2norm)

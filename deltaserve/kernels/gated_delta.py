@@ -36,7 +36,7 @@ def l2norm(x: torch.Tensor, eps: float = L2NORM_EPS) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
 
 
-def _check_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor) -> int:
+def check_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor) -> int:
     """Validates [*, H, D] shapes shared by prefill and decode; returns the GQA ratio Hv // Hk."""
     if q.dim() != 3 or q.shape != k.shape:
         raise ValueError(f"q and k must both be [tokens, key_heads, key_dim]; "
@@ -66,7 +66,7 @@ def recurrent_gated_delta_rule_step(q, k, v, g, beta, state, *, use_qk_l2norm=Tr
     q, k [B, Hk, Dk]; v [B, Hv, Dv]; g (log decay), beta [B, Hv]; state [B, Hv, Dk, Dv].
     Returns (o [B, Hv, Dv] in v's dtype, new_state [B, Hv, Dk, Dv] float32); `state` is not modified.
     """
-    ratio = _check_heads(q, k, v, g, beta)
+    ratio = check_heads(q, k, v, g, beta)
     batch, _, key_dim = q.shape
     value_dim = v.shape[-1]
     if tuple(state.shape) != (batch, v.shape[1], key_dim, value_dim):
@@ -257,7 +257,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, *, cu_seqlens=None, initial_state=N
     initial_state: [N, Hv, Dk, Dv] or None (zeros). Computes in float32.
     Returns (o [T, Hv, Dv] in v's dtype, final state [N, Hv, Dk, Dv] float32, or None if not requested).
     """
-    ratio = _check_heads(q, k, v, g, beta)
+    ratio = check_heads(q, k, v, g, beta)
     total, key_heads, key_dim = q.shape
     value_heads, value_dim = v.shape[1], v.shape[2]
     if chunk_size < 1:

@@ -16,7 +16,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from deltaserve.kernels import conv_decode, conv_prefill, fused_cpu, gated_delta_decode, gated_delta_prefill
+from deltaserve.kernels import (conv_decode, conv_prefill, fused_cpu, gated_delta_decode_in_place,
+                                gated_delta_prefill)
 from deltaserve.kernels.attention import paged_attention, write_kv
 from deltaserve.models.batch import ATTENTION, GDN, CacheGeometry, ForwardBatch, ModelCaches
 from deltaserve.models.layers import Rotary, add_then_norm, apply_rotary, by_row_blocks, linear, rope_parameters
@@ -235,10 +236,8 @@ class GatedDeltaNet(nn.Module):
         nd, slots = batch.num_decode, batch.state_slots
         parts = []
         if nd:
-            o, state = gated_delta_decode(q[:nd], k[:nd], v[:nd], g[:nd], beta[:nd], state_cache[slots[:nd]],
-                                          use_qk_l2norm=True)
-            state_cache.index_copy_(0, slots[:nd], state.to(state_cache.dtype))
-            parts.append(o)
+            parts.append(gated_delta_decode_in_place(q[:nd], k[:nd], v[:nd], g[:nd], beta[:nd], state_cache,
+                                                     slots[:nd], use_qk_l2norm=True))
         if nd < batch.num_seqs:
             cu = batch.cu_q[nd:] - batch.cu_q[nd]
             o, state = gated_delta_prefill(q[nd:], k[nd:], v[nd:], g[nd:], beta[nd:], cu_seqlens=cu,
