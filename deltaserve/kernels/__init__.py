@@ -1,6 +1,6 @@
 """Kernels: pure tensor functions. Each entry point takes a fast path (flash-linear-attention, causal-conv1d)
-only for CUDA tensors when that package imports, the fused C++ conv (fused_cpu.py) for float32 CPU tensors once
-the engine has built it, and the portable PyTorch path otherwise.
+only for CUDA tensors when that package imports, the fused C++ kernels (fused_cpu.py: conv, GDN chunk and step)
+for float32 CPU tensors once the engine has built them, and the portable PyTorch path otherwise.
 
 The fast-path glue keeps our conventions: q/k are l2-normalised here (eps 1e-6, as transformers does) rather
 than by fla's in-kernel norm, and key heads are repeated to value heads (value head j reads key head

@@ -1,12 +1,15 @@
-"""Row-wise CPU kernels fused into one pass each: the causal conv (+ SiLU) of GDN layers and RMSNorm (plain,
-zero-centred, gated by SiLU(z), or after the residual add).
+"""CPU kernels in C++ for the work between the matmuls, each output computed once from inputs held in L1: the
+causal conv (+ SiLU) of GDN layers, RMSNorm (plain, zero-centred, gated by SiLU(z), or after the residual add),
+and the gated delta rule itself (the chunked prefill per sequence and value head, and the one-token step on each
+state where it lies in the pool).
 
-Each PyTorch op between two matmuls reads and writes its whole tensor, and on CPU a fresh output of a long prompt
-is also page-faulted in: a 16K-token prefill of the tiny hybrid spent ~0.7 s in the conv (an index_put, four
-multiply-adds, a gather, a SiLU: ~8 passes over 64 MB per layer) and ~0.6 s in norms (four ops each). Here each
-output row is computed once, in L1, from its inputs. float32 only, as the CPU computes; the engine builds the
-module at start (kernels/cpp_build.py) and the portable PyTorch code serves wherever it is not built, or for
-other devices and dtypes. Same functions as conv.causal_conv1d and the norms in models/, to float32 rounding.
+Each PyTorch op reads and writes its whole tensor, and on CPU a fresh output of a long prompt is also
+page-faulted in: a 16K-token prefill of the tiny hybrid spent ~0.7 s in the conv (an index_put, four
+multiply-adds, a gather, a SiLU: ~8 passes over 64 MB per layer) and ~0.6 s in norms; the chunked GDN ran three
+small torch matmuls per chunk in its scan; a 64-row decode step gathered and scattered 8 MB of state per layer.
+float32 only, as the CPU computes. The engine builds the module at start (kernels/cpp_build.py); the portable
+PyTorch code serves wherever it is not built, and for other devices and dtypes. Same functions as conv.py,
+gated_delta.py and the norms in models/, to float32 rounding; the tests run both paths.
 """
 
 from __future__ import annotations
@@ -236,7 +239,8 @@ torch::Tensor gdn_prefill(torch::Tensor q, torch::Tensor k, torch::Tensor v, tor
                           std::vector<int64_t> cu, torch::Tensor state, int64_t chunk, double scale, bool l2norm) {
   for (const auto& t : {q, k, v, g, beta, state})
     TORCH_CHECK(t.scalar_type() == torch::kFloat32 && t.stride(-1) == 1, "gdn_prefill: float32, contiguous last dim");
-  TORCH_CHECK(g.is_contiguous() && beta.is_contiguous() && state.is_contiguous(), "gdn_prefill: contiguous g, beta, state");
+  TORCH_CHECK(g.is_contiguous() && beta.is_contiguous() && state.is_contiguous(),
+              "gdn_prefill: contiguous g, beta, state");
   const int64_t T = v.size(0), Hv = v.size(1), Dv = v.size(2), Hk = q.size(1), Dk = q.size(2);
   const int64_t N = static_cast<int64_t>(cu.size()) - 1;
   TORCH_CHECK(Dv == 16 || Dv == 32 || Dv == 64 || Dv == 128, "gdn_prefill: value head size 16, 32, 64 or 128 only");
@@ -388,18 +392,14 @@ std::vector<torch::Tensor> rms_norm(torch::Tensor x, torch::Tensor weight, doubl
 }
 """
 
-_KERNELS = CompiledKernels("deltaserve_fused_cpu", _SOURCE, ["causal_conv1d", "rms_norm", "gdn_prefill", "gdn_decode"],
-                           "fused CPU conv / RMSNorm kernels", "the portable PyTorch ops")
+_KERNELS = CompiledKernels("deltaserve_fused_cpu", _SOURCE,
+                           ["causal_conv1d", "rms_norm", "gdn_prefill", "gdn_decode"],
+                           "fused CPU kernels (conv, RMSNorm, gated delta rule)", "the portable PyTorch ops")
 
 
 def load(log=None):
     """The compiled module (built once per machine, cached by torch), or None when it cannot be built here."""
     return _KERNELS.load(log)
-
-
-def ready():
-    """The module if `load()` built it already, else None: a forward step never waits for a compiler."""
-    return _KERNELS.module
 
 
 @contextlib.contextmanager
@@ -413,7 +413,7 @@ def disabled():
 
 
 def serves(*tensors: torch.Tensor) -> bool:
-    """Whether the built kernels take these inputs: all float32 on CPU."""
+    """Whether the built kernels take these inputs (all float32 on CPU); never waits for a compiler."""
     return _KERNELS.module is not None and all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
 
 

@@ -12,7 +12,9 @@ so that, entering the chunk with state S,
     V_new = U - W S,   O = (exp(G) * Q) S + (Q K^T * D) V_new,
     S' = exp(G_last) S + (exp(G_last - G) * K)^T V_new.
 Everything but the last two lines is independent across chunks and is computed for many chunks at once;
-only the state passes from chunk to chunk.
+only the state passes from chunk to chunk. On CPU in float32, once the engine has built it, the same arithmetic
+runs in C++ per (sequence, value head), chunk after chunk, each chunk's matrices in L1 (fused_cpu.py): 1.2-3x
+this file's speed, which stays the portable path and the reference the C++ is tested beside.
 """
 
 from dataclasses import dataclass, fields
@@ -273,7 +275,8 @@ def chunk_gated_delta_rule(q, k, v, g, beta, *, cu_seqlens=None, initial_state=N
         raise ValueError(f"initial_state must be [N, Hv, Dk, Dv] = {state_shape}; got {tuple(initial_state.shape)}")
 
     scale = key_dim ** -0.5 if scale is None else scale
-    if fused_cpu.serves(q, k, v) and value_dim in fused_cpu.GDN_VALUE_DIMS and q.stride(-1) == v.stride(-1) == 1:
+    if (fused_cpu.serves(q, k, v) and value_dim in fused_cpu.GDN_VALUE_DIMS and q.stride() == k.stride()
+            and q.stride(-1) == v.stride(-1) == 1):
         # CPU: the same arithmetic per (sequence, value head) in C++, each chunk's matrices in L1 (fused_cpu.py)
         state = (torch.zeros(state_shape, dtype=torch.float32) if initial_state is None
                  else initial_state.to(torch.float32, copy=True).contiguous())
