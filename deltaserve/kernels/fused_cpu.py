@@ -178,7 +178,7 @@ void gdn_sequence_head(const GdnInputs& in, float* __restrict out, float* __rest
       const float gi = G[i], bi = B[i];
       #pragma omp simd
       for (int64_t j = 0; j < C; ++j) {
-        const float dec = std::exp(std::min(gi - G[j], 0.0f));  // masked below where j > i
+        const float dec = std::exp(j <= i ? gi - G[j] : -1e30f);  // 0 above the diagonal, whatever g's sign
         A[i * C + j] = j < i ? bi * kk[j] * dec : 0.0f;
         P[i * C + j] = j <= i ? qk[j] * dec : 0.0f;
       }
