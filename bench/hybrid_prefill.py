@@ -140,7 +140,7 @@ def main(argv=None) -> int:
     args.peak_gflops = args.peak_gflops or measured_sgemm_gflops()
     from deltaserve.kernels import fused_cpu
 
-    fused_cpu.load(print)  # as the engine does at start: the fused conv / norm kernels, built once per machine
+    fused_cpu.load(print)  # as the engine does at start: the fused CPU kernels, built once per machine
     ref, ours = build_pair()
     print(f"tiny hybrid: hidden {HIDDEN}, {LAYERS} layers {ours.model.layer_types.count('linear_attention')} GDN "
           f"+ {ours.model.layer_types.count('full_attention')} attention, vocab {VOCAB}, fp32, "

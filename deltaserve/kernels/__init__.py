@@ -81,9 +81,7 @@ def gated_delta_decode_in_place(q, k, v, g, beta, states, slots, *, use_qk_l2nor
 
     On CPU in float32 the fused kernel updates each state where it lies; elsewhere the states are gathered, stepped
     (gated_delta_decode) and written back."""
-    value_dim = v.shape[-1]
-    if (fused_cpu.serves(q, k, v, states) and states.is_contiguous() and value_dim in fused_cpu.GDN_VALUE_DIMS
-            and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1 and q.stride() == k.stride()):
+    if fused_cpu.serves_gdn(q, k, v) and fused_cpu.serves(states) and states.is_contiguous():
         check_heads(q, k, v, g, beta)
         return fused_cpu.gdn_decode(q, k, v, g, beta, states, slots,
                                     q.shape[-1] ** -0.5 if scale is None else scale, use_qk_l2norm)

@@ -18,13 +18,11 @@ import contextlib
 
 import torch
 
-from deltaserve.kernels.cpp_build import CompiledKernels
+from deltaserve.kernels.cpp_build import VECTOR_PRELUDE, CompiledKernels
 
-_SOURCE = r"""
-#include <torch/extension.h>
+_SOURCE = VECTOR_PRELUDE + r"""
 #include <algorithm>
 #include <cmath>
-#include <cstdint>
 #include <vector>
 
 namespace {
@@ -108,11 +106,6 @@ std::vector<torch::Tensor> causal_conv1d(torch::Tensor x, torch::Tensor weight, 
   return {y, fin};
 }
 
-// 16 floats as one value: one AVX-512 register (two AVX2 ones); V of them hold a row of Dv = 16 * V values.
-typedef float f16v __attribute__((vector_size(64)));
-typedef float f16v_u __attribute__((vector_size(64), aligned(4)));
-inline f16v load16(const float* p) { return *reinterpret_cast<const f16v_u*>(p); }
-inline void store16(float* p, f16v x) { *reinterpret_cast<f16v_u*>(p) = x; }
 
 inline float dot(const float* __restrict a, const float* __restrict b, int64_t n) {
   float s = 0.0f;
@@ -441,7 +434,14 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
     return normed, total
 
 
-GDN_VALUE_DIMS = (16, 32, 64, 128)  # the value head sizes gdn_prefill is compiled for (its TORCH_CHECK says the same)
+GDN_VALUE_DIMS = (16, 32, 64, 128)  # the value head sizes the GDN kernels are compiled for (their TORCH_CHECKs too)
+
+
+def serves_gdn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether gdn_prefill / gdn_decode take these q, k [*, Hk, Dk] and v [*, Hv, Dv]: float32 on CPU, a compiled
+    value head size, q and k laid out alike (splits of one projection), contiguous last dims."""
+    return (serves(q, k, v) and v.shape[-1] in GDN_VALUE_DIMS and q.stride() == k.stride()
+            and q.stride(-1) == v.stride(-1) == 1)
 
 
 def gdn_prefill(q, k, v, g, beta, cu_seqlens: list[int], state, chunk_size: int, scale: float,

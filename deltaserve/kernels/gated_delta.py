@@ -275,8 +275,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, *, cu_seqlens=None, initial_state=N
         raise ValueError(f"initial_state must be [N, Hv, Dk, Dv] = {state_shape}; got {tuple(initial_state.shape)}")
 
     scale = key_dim ** -0.5 if scale is None else scale
-    if (fused_cpu.serves(q, k, v) and value_dim in fused_cpu.GDN_VALUE_DIMS and q.stride() == k.stride()
-            and q.stride(-1) == v.stride(-1) == 1):
+    if fused_cpu.serves_gdn(q, k, v):
         # CPU: the same arithmetic per (sequence, value head) in C++, each chunk's matrices in L1 (fused_cpu.py)
         state = (torch.zeros(state_shape, dtype=torch.float32) if initial_state is None
                  else initial_state.to(torch.float32, copy=True).contiguous())

@@ -15,13 +15,11 @@ from __future__ import annotations
 
 import torch
 
-from deltaserve.kernels.cpp_build import CompiledKernels
+from deltaserve.kernels.cpp_build import VECTOR_PRELUDE, CompiledKernels
 
-_SOURCE = r"""
-#include <torch/extension.h>
+_SOURCE = VECTOR_PRELUDE + r"""
 #include <algorithm>
 #include <cmath>
-#include <cstdint>
 #include <cstring>
 #include <limits>
 #include <vector>
@@ -34,11 +32,9 @@ namespace {
 constexpr int TILE = 32;    // cached rows scored together: their K and V rows stay in L1 between the passes
 constexpr int MAX_GROUP = 16;
 
-// 16 floats as one value: GCC and Clang lower it to one AVX-512 register, two AVX2 or four SSE registers.
-typedef float f16v __attribute__((vector_size(64)));
-typedef float f16v_u __attribute__((vector_size(64), aligned(4)));
-inline f16v load16(const float* p) { return *reinterpret_cast<const f16v_u*>(p); }
-// 16-bit caches (--kv-dtype bfloat16 / float16) widen to float32 on load; the arithmetic stays float32.
+// 16-bit caches (--kv-dtype bfloat16 / float16) widen to float32 on load; the arithmetic stays float32. These
+// overloads join the prelude's float one (which they would otherwise hide inside this namespace).
+using ::load16;
 typedef uint16_t u16x16 __attribute__((vector_size(32), aligned(2)));
 typedef uint32_t u32x16 __attribute__((vector_size(64)));
 inline f16v load16(const at::BFloat16* p) {  // bfloat16 is the top half of a float32
@@ -66,7 +62,6 @@ inline f16v load16(const at::Half* p) {
   return x;
 #endif
 }
-inline void store16(float* p, f16v x) { *reinterpret_cast<f16v_u*>(p) = x; }
 // Two-input shuffles: Clang spells them __builtin_shufflevector, GCC (any version with vector extensions, 11 on
 // Ubuntu 22.04 included) __builtin_shuffle with a mask vector.
 typedef int32_t i16v __attribute__((vector_size(64)));
