@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from deltaserve.kernels import fused_cpu
+from deltaserve.kernels import fused_cpu, linear_cpu
 from deltaserve.kernels.int4 import Int4Codes, int4_linear, pack_int4
 
 
@@ -114,9 +114,16 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return torch.cat([out, x[..., rd:]], dim=-1) if rd < x.shape[-1] else out
 
 
-def linear(dim_in: int, dim_out: int, bias: bool = False) -> nn.Linear:
+class Linear(nn.Linear):
+    """nn.Linear whose few-row products (a decode step's) take kernels/linear_cpu.py where it serves."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear_cpu.linear(x, self.weight, self.bias)
+
+
+def linear(dim_in: int, dim_out: int, bias: bool = False) -> Linear:
     """A frozen linear layer whose weights come from a checkpoint (allocated empty, filled by load_weights)."""
-    layer = nn.Linear(dim_in, dim_out, bias=bias, device="meta")
+    layer = Linear(dim_in, dim_out, bias=bias, device="meta")
     layer.requires_grad_(False)
     return layer
 
@@ -193,10 +200,10 @@ def vocab_in_bfloat16(model: nn.Module) -> None:
 
 
 def _held_int4(module: nn.Module, pname: str, codes: Int4Codes, tensors: dict, device) -> bool:
-    """Swap the nn.Linear owning `pname` for an Int4Linear when the weight is its own; False to dequantize."""
+    """Swap the Linear owning `pname` for an Int4Linear when the weight is its own; False to dequantize."""
     owner_name, _, leaf = pname.rpartition(".")
     owner = module.get_submodule(owner_name) if owner_name else module
-    if leaf != "weight" or type(owner) is not nn.Linear or torch.device(device).type != "cpu":
+    if leaf != "weight" or type(owner) is not Linear or torch.device(device).type != "cpu":
         return False
     if tuple(owner.weight.shape) != codes.shape:
         raise ValueError(f"tensor {pname} has shape {codes.shape}, expected {tuple(owner.weight.shape)}")

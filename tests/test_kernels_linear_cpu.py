@@ -1,0 +1,72 @@
+"""The few-row CPU linear kernel against a float64 product, and when it serves."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from deltaserve.kernels import linear_cpu
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built():
+    assert linear_cpu.load() is not None  # this machine builds it; where none could, F.linear serves
+
+
+def _reference(x, w, b=None):
+    return F.linear(x.double(), w.double(), None if b is None else b.double())
+
+
+# Rows across the 4-row groups and their remainders; outputs across the 4-row weight blocks and a remainder;
+# input widths of one vector, the models' hidden sizes and an MLP's intermediate size.
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 13, 32])
+@pytest.mark.parametrize("out_features,in_features", [(1, 16), (3, 48), (193, 576), (1536, 576), (576, 1536)])
+def test_matches_float64(rows, out_features, in_features):
+    g = torch.Generator().manual_seed(rows * 1000 + out_features)
+    x = torch.randn(rows, in_features, generator=g)
+    w = torch.randn(out_features, in_features, generator=g)
+    assert linear_cpu.serves(x, w)
+    got = linear_cpu.linear(x, w)
+    ref = _reference(x, w)
+    assert got.dtype == torch.float32 and got.shape == (rows, out_features)
+    assert (got.double() - ref).abs().max() <= 2e-6 * ref.abs().max() + 1e-6
+
+
+def test_bias_and_leading_dims():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 3, 64, generator=g)  # six rows
+    w, b = torch.randn(10, 64, generator=g), torch.randn(10, generator=g)
+    got = linear_cpu.linear(x, w, b)
+    assert got.shape == (2, 3, 10)
+    assert torch.allclose(got.double(), _reference(x, w, b), atol=1e-5)
+
+
+def test_strided_input_is_read_as_its_values():
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(64, 8, generator=g).t()  # [8, 64], not contiguous
+    w = torch.randn(20, 64, generator=g)
+    assert torch.allclose(linear_cpu.linear(x, w).double(), _reference(x, w), atol=1e-5)
+
+
+def test_wide_outputs_serve_up_to_more_rows():
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(linear_cpu.WIDE_OUT, 32, generator=g)
+    narrow = torch.randn(100, 32, generator=g)
+    x = torch.randn(linear_cpu.MAX_ROWS_WIDE, 32, generator=g)
+    assert linear_cpu.serves(x, w)
+    assert not linear_cpu.serves(x, narrow)
+    assert torch.allclose(linear_cpu.linear(x, w).double(), _reference(x, w), atol=1e-4)
+
+
+def test_what_it_does_not_take_goes_to_f_linear():
+    g = torch.Generator().manual_seed(4)
+    w = torch.randn(8, 48, generator=g)
+    too_many = torch.randn(linear_cpu.MAX_ROWS + 1, 48, generator=g)
+    odd_width = torch.randn(4, 40, generator=g)
+    for x, weight in ((too_many, w), (odd_width, torch.randn(8, 40, generator=g)),
+                      (torch.randn(4, 48, dtype=torch.float64, generator=g), w.double()),
+                      (torch.randn(0, 48, generator=g), w)):
+        assert not linear_cpu.serves(x, weight)
+        assert torch.allclose(linear_cpu.linear(x, weight), F.linear(x, weight))
+    with linear_cpu.disabled():
+        assert not linear_cpu.serves(torch.randn(4, 48), w)
+    assert linear_cpu.serves(torch.randn(4, 48), w)
