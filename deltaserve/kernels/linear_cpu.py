@@ -4,10 +4,10 @@ A decode step multiplies a handful of rows (one per running request) by every we
 all the weights once and does little arithmetic per byte. The BLAS torch ships (MKL) reads them at 5-10 GB/s in
 that shape on this Zen 4 CPU (8 rows times SmolLM2's vocabulary projection: 6 GB/s, where a plain sum of the same
 tensor reads 53 GB/s), so a step with few requests left was bound by that, not by memory. This kernel keeps the
-weight's own layout ([out, in], what nn.Linear holds): each task takes 4 weight rows (in L1) and runs every group
-of 4 input rows past them as 16 dot products on 16-float vectors, so each weight byte is read from memory once per
-step. Above `MAX_ROWS` rows (prefill chunks, full decode batches) MKL's blocked GEMM is the better one and serves.
-float32 only, input widths a multiple of 16; everything else takes F.linear.
+weight's own layout ([out, in], what nn.Linear holds): each task takes 4 weight rows (in L1, the next ones already
+on their way) and runs every group of 6 input rows past them as 24 dot products on 16-float vectors, so each weight
+byte is read from memory once per step. Above `MAX_ROWS` rows (prefill chunks) MKL's blocked GEMM is the better
+one and serves. float32 only, input widths a multiple of 16; everything else takes F.linear.
 """
 
 from __future__ import annotations
@@ -19,19 +19,28 @@ import torch.nn.functional as F
 
 from deltaserve.kernels.cpp_build import VECTOR_PRELUDE, CompiledKernels
 
-# Rows at or below which the kernel serves. Measured on cold weights (a step reads ~0.5 GB of them): 2-4x MKL at
-# 1-8 rows, ~1.1x at 32, MKL ahead from 48 rows on the decoder's matrices; on the vocabulary projection (49,152
-# outputs) the kernel stays 1.2-1.4x ahead up to 64 rows.
-MAX_ROWS = 32
-MAX_ROWS_WIDE, WIDE_OUT = 64, 8192
+# Rows at or below which the kernel serves: a decode step of up to 64 requests. Measured on cold weights (a step
+# reads ~0.5 GB of them), calls interleaved in one process: 1.4-2.5x MKL at 8 rows, 1.0-1.2x at 32-62 rows on the
+# decoder's matrices and 1.5x on the vocabulary projection; in the engine, 62-row SmolLM2 decode steps spent
+# ~137 ms in their linears instead of ~160 with MKL.
+MAX_ROWS = 64
 
 _SOURCE = VECTOR_PRELUDE + r"""
 #include <algorithm>
 
 namespace {
 
+// Register tile: input rows x weight rows. AVX-512 (32 registers of 16 floats): 6 x 4. With AVX2 a 16-float value
+// takes two of 16 registers, so 2 x 2 keeps the tile out of memory.
+#if defined(__AVX512F__)
+constexpr int MR_MAX = 6, NR_MAX = 4;
+#else
+constexpr int MR_MAX = 2, NR_MAX = 2;
+#endif
+
 // y[m, n] for MR input rows and NR weight rows: MR * NR dot products over K, kept as 16-float partial sums and
-// summed across lanes once at the end (one transpose-and-add tree for all of them).
+// summed across lanes once at the end (a transpose-and-add tree per 16 of them). 6 x 4: 24 accumulators, 4 weight
+// vectors and one input vector fill 29 of AVX-512's 32 registers (5-10% over 4 x 4, measured here).
 template <int MR, int NR>
 inline void tile(const float* __restrict x, const float* __restrict w, int64_t K, float* __restrict y,
                  int64_t ldy) {
@@ -45,18 +54,21 @@ inline void tile(const float* __restrict x, const float* __restrict w, int64_t K
       for (int n = 0; n < NR; ++n) acc[m * NR + n] += xv * wv[n];
     }
   }
-  f16v all[16];
-  for (int i = 0; i < 16; ++i) all[i] = i < MR * NR ? acc[i] : f16v{};
-  const f16v sums = sum16(all);
-  for (int m = 0; m < MR; ++m)
-    for (int n = 0; n < NR; ++n) y[m * ldy + n] = sums[m * NR + n];
+  for (int i0 = 0; i0 < MR * NR; i0 += 16) {
+    f16v part[16];
+    for (int i = 0; i < 16; ++i) part[i] = i0 + i < MR * NR ? acc[i0 + i] : f16v{};
+    const f16v sums = sum16(part);
+    for (int i = 0; i < 16 && i0 + i < MR * NR; ++i) y[(i0 + i) / NR * ldy + (i0 + i) % NR] = sums[i];
+  }
 }
 
 template <int NR>
 inline void rows_past(const float* x, int64_t M, const float* w, int64_t K, float* y, int64_t ldy) {
   int64_t m = 0;
-  for (; m + 4 <= M; m += 4) tile<4, NR>(x + m * K, w, K, y + m * ldy, ldy);
-  switch (M - m) {
+  for (; m + MR_MAX <= M; m += MR_MAX) tile<MR_MAX, NR>(x + m * K, w, K, y + m * ldy, ldy);
+  switch (M - m) {  // fewer rows left than a tile's
+    case 5: tile<5, NR>(x + m * K, w, K, y + m * ldy, ldy); break;
+    case 4: tile<4, NR>(x + m * K, w, K, y + m * ldy, ldy); break;
     case 3: tile<3, NR>(x + m * K, w, K, y + m * ldy, ldy); break;
     case 2: tile<2, NR>(x + m * K, w, K, y + m * ldy, ldy); break;
     case 1: tile<1, NR>(x + m * K, w, K, y + m * ldy, ldy); break;
@@ -78,10 +90,16 @@ torch::Tensor linear_rows(torch::Tensor x, torch::Tensor w) {
   const float* xp = x.data_ptr<float>();
   const float* wp = w.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  const int64_t blocks = N / 4;
+  const int64_t blocks = N / NR_MAX;
   #pragma omp parallel for schedule(static)
-  for (int64_t b = 0; b < blocks; ++b) rows_past<4>(xp, M, wp + 4 * b * K, K, yp + 4 * b, N);
-  for (int64_t n = 4 * blocks; n < N; ++n) rows_past<1>(xp, M, wp + n * K, K, yp + n, N);
+  for (int64_t b = 0; b < blocks; ++b) {
+    if (b + 2 < blocks) {  // the weight rows two blocks on: in flight while these are used
+      const char* ahead = reinterpret_cast<const char*>(wp + NR_MAX * (b + 2) * K);
+      for (int64_t c = 0; c < NR_MAX * K * 4; c += 64) __builtin_prefetch(ahead + c, 0, 1);
+    }
+    rows_past<NR_MAX>(xp, M, wp + NR_MAX * b * K, K, yp + NR_MAX * b, N);
+  }
+  for (int64_t n = NR_MAX * blocks; n < N; ++n) rows_past<1>(xp, M, wp + n * K, K, yp + n, N);
   return y;
 }
 """
@@ -106,13 +124,12 @@ def disabled():
 
 
 def serves(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether the built kernel takes x [..., K] @ weight [N, K].T: float32 on CPU, at most MAX_ROWS rows
-    (MAX_ROWS_WIDE for WIDE_OUT outputs or more), K a multiple of 16; never waits for a compiler."""
+    """Whether the built kernel takes x [..., K] @ weight [N, K].T: float32 on CPU, 1 to MAX_ROWS rows, K a
+    multiple of 16; never waits for a compiler."""
     if _KERNELS.module is None or x.device.type != "cpu" or not x.dtype == weight.dtype == torch.float32:
         return False
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    limit = MAX_ROWS_WIDE if weight.shape[0] >= WIDE_OUT else MAX_ROWS
-    return 0 < rows <= limit and x.shape[-1] % 16 == 0 and weight.is_contiguous()
+    return 0 < rows <= MAX_ROWS and x.shape[-1] % 16 == 0 and weight.is_contiguous()
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
