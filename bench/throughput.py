@@ -3,7 +3,7 @@
 Workload (seeded): --requests requests, prompt lengths uniform in [--prompt-min, --prompt-max] tokens, output
 lengths uniform in [--output-min, --output-max], greedy, EOS ignored so both sides make exactly those tokens.
 - deltaserve: every request submitted at t=0 to one Engine (continuous batching, chunked prefill, paged KV); one
-  run per --kv-dtypes entry (float32, the default, and float16: storage only, the arithmetic stays float32).
+  run per --kv-dtypes entry (float32, and float16, the CPU default: storage only, the arithmetic stays float32).
 - transformers: `generate` on left-padded batches of --hf-batch-size in arrival order; a batch runs until its
   longest output, and only each request's own tokens count. TTFT of a request = when its batch's first token
   came (batches run one after another, all requests waiting from t=0).
@@ -185,8 +185,8 @@ def main(argv=None) -> int:
     parser.add_argument("--max-running-requests", type=int, default=64)
     parser.add_argument("--prefill-chunk-tokens", type=int, default=None, help="default: the engine's (512 CPU)")
     parser.add_argument("--kv-dtypes", default="float32,float16",
-                        help="comma-separated KV cache dtypes, one deltaserve run each (float32 is the default; "
-                             "float16 halves the cache's bytes, as llama.cpp's default f16 cache does)")
+                        help="comma-separated KV cache dtypes, one deltaserve run each (float16 is the CPU "
+                             "default, as llama.cpp's f16 cache is; float32 is exact against transformers)")
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--peak-gflops", type=float, default=0.0,

@@ -133,7 +133,7 @@ def test_pool_lines_match_transformers_cache_and_torch_allocations():
     conv_kept = sum(c[..., 1:].numel() * c.element_size() for c in convs)  # we keep W - 1 inputs, not W
     assert spec.state_bytes_per_slot("float32") == recurrent + conv_kept
 
-    budget = plan_budget(spec, EngineConfig(max_total_tokens=1000, max_running_requests=3),
+    budget = plan_budget(spec, EngineConfig(max_total_tokens=1000, max_running_requests=3, kv_dtype="float32"),
                          device_total_bytes=4 * GiB, device_kind="cpu")
     k = [torch.zeros(budget.kv_tokens, spec.num_kv_heads, spec.head_dim) for _ in range(2 * spec.attention_layers)]
     conv = [torch.zeros(budget.state_slots, spec.gdn_conv_dim, spec.gdn_conv_kernel - 1)

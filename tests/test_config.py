@@ -47,13 +47,15 @@ def test_device_defaults():
     cpu = EngineConfig().for_device("cpu")
     gpu = EngineConfig().for_device("cuda")
     assert (cpu.dtype, cpu.kv_dtype, cpu.state_dtype, cpu.headroom, cpu.mem_fraction) == (
-        "float32", "float32", "float32", 0, 0.5)
+        "float32", "float16", "float32", 0, 0.5)  # float16 KV storage under float32 arithmetic on CPU
     assert (gpu.dtype, gpu.kv_dtype, gpu.state_dtype, gpu.headroom, gpu.mem_fraction) == (
         "bfloat16", "bfloat16", "bfloat16", 512 * 2**20, 0.9)
     assert (cpu.attention_backend, gpu.attention_backend) == ("paged", "paged")
     assert (cpu.dequantize_weights, gpu.dequantize_weights) == (True, False)
     explicit = EngineConfig(mem_fraction=0.8, headroom=0, kv_dtype="bf16").for_device("cuda")
     assert (explicit.mem_fraction, explicit.headroom, explicit.kv_dtype) == (0.8, 0, "bfloat16")
+    assert EngineConfig(kv_dtype="float32").for_device("cpu").kv_dtype == "float32"
+    assert EngineConfig(dtype="bfloat16").for_device("cpu").kv_dtype == "bfloat16"
 
 
 @pytest.mark.parametrize("argv, words", [
