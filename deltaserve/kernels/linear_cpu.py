@@ -20,9 +20,9 @@ import torch.nn.functional as F
 from deltaserve.kernels.cpp_build import VECTOR_PRELUDE, CompiledKernels
 
 # Rows at or below which the kernel serves: a decode step of up to 64 requests. Measured on cold weights (a step
-# reads ~0.5 GB of them), calls interleaved in one process: 1.4-2.5x MKL at 8 rows, 1.0-1.2x at 32-62 rows on the
-# decoder's matrices and 1.5x on the vocabulary projection; in the engine, 62-row SmolLM2 decode steps spent
-# ~137 ms in their linears instead of ~160 with MKL.
+# reads ~0.5 GB of them), calls alternated with MKL's in one process: 1.5-1.8x MKL at 8 rows on SmolLM2's decoder
+# matrices and ~2.8x on its vocabulary projection; 1.0-1.2x at 32-62 rows (vocabulary 1.5-2x); in the engine,
+# 62-row SmolLM2 decode steps spent ~137 ms in their linears instead of ~160 with MKL.
 MAX_ROWS = 64
 
 _SOURCE = VECTOR_PRELUDE + r"""
