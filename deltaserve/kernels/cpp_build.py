@@ -7,6 +7,7 @@ and the callers keep their portable PyTorch paths; a forward step only ever asks
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import threading
@@ -77,6 +78,16 @@ class CompiledKernels:
                     if log:
                         log(f"{self.what} unavailable ({self.error}); using {self.fallback}")
             return self.module
+
+    @contextlib.contextmanager
+    def disabled(self):
+        """Inside the block the module reads as unbuilt, so every caller takes its portable path; the built module
+        is kept and back afterwards. For comparisons and for tests of both paths."""
+        module, self.module = self.module, None
+        try:
+            yield
+        finally:
+            self.module = module
 
 
 def _ninja_on_path() -> None:

@@ -14,8 +14,6 @@ gated_delta.py and the norms in models/, to float32 rounding; the tests run both
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
 from deltaserve.kernels.cpp_build import VECTOR_PRELUDE, CompiledKernels
@@ -395,14 +393,9 @@ def load(log=None):
     return _KERNELS.load(log)
 
 
-@contextlib.contextmanager
 def disabled():
     """Inside the block every caller takes its portable PyTorch path (the built module is kept); for comparisons."""
-    module, _KERNELS.module = _KERNELS.module, None
-    try:
-        yield
-    finally:
-        _KERNELS.module = module
+    return _KERNELS.disabled()
 
 
 def serves(*tensors: torch.Tensor) -> bool:

@@ -12,8 +12,6 @@ one and serves. float32 only, input widths a multiple of 16; everything else tak
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import torch.nn.functional as F
 
@@ -113,14 +111,9 @@ def load(log=None):
     return _KERNELS.load(log)
 
 
-@contextlib.contextmanager
 def disabled():
     """Inside the block every linear takes F.linear (the built module is kept); for comparisons."""
-    module, _KERNELS.module = _KERNELS.module, None
-    try:
-        yield
-    finally:
-        _KERNELS.module = module
+    return _KERNELS.disabled()
 
 
 def serves(x: torch.Tensor, weight: torch.Tensor) -> bool:
