@@ -24,27 +24,44 @@ _TORCH_CENTER = 8  # torch's int4pack form: w = (q - 8) * scale + zero
 
 @dataclass
 class Int4Codes:
-    """A 4-bit weight as read from a checkpoint: codes [N, K] uint8 in 0..15, scales and offsets [N, K / group]."""
+    """A 4-bit weight as read from any checkpoint format: the one form every 4-bit loader produces.
+
+    codes [N, K] uint8 in 0..15; scales and offsets [N, K / group_size] float; the weight is
+    w = scale * lut[q] + offset per group, where `lut` is 16 float32 values (None: lut[q] = q, the affine formats:
+    GGUF Q4_0/Q4_1/Q4_K, GPTQ, AWQ, compressed-tensors; a table: GGUF IQ4_NL/IQ4_XS's non-uniform levels).
+    `perm` (activation-ordered groups, GPTQ's g_idx): None, or a permutation [K] such that stored column j is the
+    checkpoint's input column perm[j] (columns sorted by group); a layer then multiplies x[..., perm].
+    """
 
     codes: torch.Tensor
     scales: torch.Tensor
     offsets: torch.Tensor
     group_size: int
+    lut: torch.Tensor | None = None
+    perm: torch.Tensor | None = None
 
     @property
     def shape(self) -> tuple[int, int]:
         return tuple(self.codes.shape)
 
+    def levels(self) -> torch.Tensor:
+        """The 16 float32 values a code stands for before its group's scale and offset."""
+        return torch.arange(16, dtype=torch.float32) if self.lut is None else self.lut.float()
+
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The float weight [N, K]: scale * q + offset, per group."""
+        """The float weight [N, K] in the checkpoint's column order: scale * lut[q] + offset, per group."""
         n, k = self.codes.shape
-        groups = self.codes.view(n, k // self.group_size, self.group_size).to(torch.float32)
-        w = groups * self.scales.float()[..., None] + self.offsets.float()[..., None]
-        return w.view(n, k).to(dtype)
+        q = self.levels()[self.codes.long()] if self.lut is not None else self.codes.to(torch.float32)
+        groups = q.view(n, k // self.group_size, self.group_size)
+        w = (groups * self.scales.float()[..., None] + self.offsets.float()[..., None]).view(n, k)
+        if self.perm is not None:
+            w = torch.empty_like(w).index_copy_(1, self.perm, w)
+        return w.to(dtype)
 
     def rows(self, order: torch.Tensor) -> Int4Codes:
         """The same weight with its output rows reordered (llama.cpp's q/k row permutation, undone)."""
-        return Int4Codes(self.codes[order], self.scales[order], self.offsets[order], self.group_size)
+        return Int4Codes(self.codes[order], self.scales[order], self.offsets[order], self.group_size,
+                         self.lut, self.perm)
 
 
 def packable(shape: tuple[int, ...], group_size: int) -> bool:
