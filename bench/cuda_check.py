@@ -1,9 +1,10 @@
 """The CUDA path in one run, on a lent GPU: fla's GDN kernels against our portable chunk, the tiny hybrid's GPU
-forward against the CPU float32 oracle, and the engine on the GPU (greedy output, ledger predicted vs measured).
+forward against the CPU float32 path, and the engine on the GPU (greedy output, ledger predicted vs measured).
 
 Nothing here runs in CI (CI has no GPU). The oracles are independent of the fast path: the portable chunked
 gated delta rule in float32 on the same GPU (itself checked against a float64 token loop in the CPU tests), and
-transformers' own Qwen3.5 on the CPU in float32 with the same weights.
+our model and engine on the CPU in float32 with the same weights (which the CPU suite holds to transformers'
+Qwen3.5; transformers is only used here to make and save the random model).
 
     python bench/cuda_check.py [--out DIR]      # prints one JSON report, also written to DIR/cuda_check.json
 """
@@ -11,6 +12,7 @@ transformers' own Qwen3.5 on the CPU in float32 with the same weights.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -76,29 +78,35 @@ def gdn_kernels(tokens: int) -> dict:
     return out
 
 
-def model_forward(folder: Path, ref, prompt: list[int]) -> dict:
-    """Prefill logits of our model on the GPU (float32 portable, bf16 fast path) against transformers on CPU."""
+def model_forward(folder: Path, prompt: list[int]) -> dict:
+    """Prefill logits of our model on the GPU (float32 portable path, bf16 fast path) against the same model on the
+    CPU in float32, the path the CPU suite holds to transformers (transformers itself would call fla here, which
+    crashes on CPU tensors, so it is not run in this script)."""
     from deltaserve.models import build_model
     from deltaserve.models.batch import allocate_caches, single_sequence_batch
     from deltaserve.weights import load_checkpoint
 
-    with torch.no_grad():
-        want = ref(torch.tensor([prompt]), use_cache=True).logits[0, -1]
+    def last_logits(device: str, dtype: torch.dtype) -> torch.Tensor:
+        ckpt = load_checkpoint(str(folder))
+        model = build_model(ckpt.config, ckpt.tensors, dtype=dtype, device=device)
+        caches = allocate_caches(model.geometry, len(prompt), 1, dtype, device=device)
+        batch = single_sequence_batch(prompt, 0, torch.arange(len(prompt)))
+        batch = dataclasses.replace(batch, **{f.name: getattr(batch, f.name).to(device) for f in dataclasses.fields(batch)
+                                              if isinstance(getattr(batch, f.name), torch.Tensor)})
+        with torch.no_grad():
+            return model(batch, caches)[-1].float().cpu()
+
+    want = last_logits("cpu", torch.float32)
     out = {"prompt_tokens": len(prompt)}
     for dtype in (torch.float32, torch.bfloat16):
-        ckpt = load_checkpoint(str(folder))
-        model = build_model(ckpt.config, ckpt.tensors, dtype=dtype, device=DEVICE)
-        caches = allocate_caches(model.geometry, len(prompt), 1, dtype, device=DEVICE)
-        batch = single_sequence_batch(prompt, 0, torch.arange(len(prompt), device=DEVICE))
-        with torch.no_grad():
-            got = model(batch, caches)[-1].float().cpu()
+        got = last_logits(DEVICE, dtype)
         name = str(dtype).removeprefix("torch.")
         out[f"{name}_logits_rel"] = rel_err(got, want)
         out[f"{name}_argmax_equal"] = bool(got.argmax() == want.argmax())
     return out
 
 
-def engine_run(folder: Path, prompts: list[list[int]], log: list[str]) -> dict:
+def engine_run(folder: Path, prompts: list[list[int]], log: list[str], dtype: str) -> dict:
     """The engine on the GPU: greedy tokens batched, ledger lines predicted vs measured, peak memory."""
     from deltaserve.config import EngineConfig
     from deltaserve.engine.engine import Engine
@@ -106,7 +114,8 @@ def engine_run(folder: Path, prompts: list[list[int]], log: list[str]) -> dict:
 
     if DEVICE != "cpu":
         torch.cuda.reset_peak_memory_stats()
-    eng = Engine(EngineConfig(model=str(folder), device=DEVICE, max_total_tokens=65536), log=log.append)
+    eng = Engine(EngineConfig(model=str(folder), device=DEVICE, dtype=dtype, max_total_tokens=65536),
+                 log=log.append)
     params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
     streams = [eng.submit(p, params) for p in prompts]
     start = time.perf_counter()
@@ -127,6 +136,16 @@ def cpu_engine_tokens(folder: Path, prompts: list[list[int]]) -> list[list[int]]
     llm = LLM(str(folder), device="cpu", kv_dtype="float32", max_total_tokens=65536)
     return [c.token_ids for c in llm.generate(prompts, SamplingParams(max_tokens=32, temperature=0.0,
                                                                       ignore_eos=True))]
+
+
+def section(fn):
+    """fn()'s result, or its error and traceback: one failing part does not hide the others' results."""
+    try:
+        return fn()
+    except Exception as e:
+        import traceback
+
+        return {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-3000:]}
 
 
 def main(argv=None) -> int:
@@ -152,7 +171,7 @@ def main(argv=None) -> int:
 
     report = {"device": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu", "torch": torch.__version__,
               "fla": installed("flash-linear-attention"), "causal_conv1d": installed("causal-conv1d")}
-    report["gdn"] = [gdn_kernels(n) for n in args.lengths]
+    report["gdn"] = section(lambda: [gdn_kernels(n) for n in args.lengths])
     torch.manual_seed(0)
     config = tiny_hybrid_config()
     ref = Qwen3_5ForCausalLM(config).eval()
@@ -162,15 +181,17 @@ def main(argv=None) -> int:
         vocab = {f"t{i}": i for i in range(config.vocab_size)}
         Tokenizer(models.WordLevel(vocab, unk_token="t0")).save(str(folder / "tokenizer.json"))
         gen = torch.Generator().manual_seed(1)
-        report["model"] = model_forward(folder, ref, torch.randint(0, config.vocab_size, (1024,), generator=gen).tolist())
+        prompt = torch.randint(0, config.vocab_size, (1024,), generator=gen).tolist()
+        report["model"] = section(lambda: model_forward(folder, prompt))
         prompts = [torch.randint(0, config.vocab_size, (n,), generator=gen).tolist() for n in (17, 300, 1200, 4000)]
-        log: list[str] = []
-        report["engine"] = engine_run(folder, prompts, log)
         cpu = cpu_engine_tokens(folder, prompts)
-        report["engine"]["cpu_float32_tokens"] = cpu
-        report["engine"]["tokens_equal_to_cpu"] = [a == b for a, b in zip(report["engine"]["tokens"], cpu)]
-        report["engine"]["first_divergence"] = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
-                                                for a, b in zip(report["engine"]["tokens"], cpu)]
+        for dtype in ("float32", "bfloat16"):  # float32: the portable path on the GPU; bfloat16: fla where installed
+            log: list[str] = []
+            run = report[f"engine_{dtype}"] = section(lambda: engine_run(folder, prompts, log, dtype))
+            if "tokens" in run:
+                run["tokens_equal_to_cpu_float32"] = [a == b for a, b in zip(run["tokens"], cpu)]
+                run["first_divergence"] = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+                                           for a, b in zip(run["tokens"], cpu)]
     text = json.dumps(report, indent=1)
     print(text)
     Path(args.out).mkdir(parents=True, exist_ok=True)

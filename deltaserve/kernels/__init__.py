@@ -55,8 +55,10 @@ def gated_delta_prefill(q, k, v, g, beta, *, cu_seqlens=None, initial_state=None
                                       use_qk_l2norm=use_qk_l2norm, scale=scale,
                                       output_final_state=output_final_state)
     qr, kr = _fla_inputs(q, k, v, use_qk_l2norm)
+    # every argument by keyword: fla's signatures move between releases (0.6.0 put gk, gv before beta in the
+    # recurrent kernel, which read a positional beta as a per-key decay and returned NaN on an H200)
     o, final = fla.chunk_gated_delta_rule(
-        qr[None], kr[None], v[None], g[None].float(), beta[None].to(v.dtype),
+        q=qr[None], k=kr[None], v=v[None], g=g[None].float(), beta=beta[None].to(v.dtype),
         scale=q.shape[-1] ** -0.5 if scale is None else scale,
         initial_state=None if initial_state is None else initial_state.float(),
         output_final_state=output_final_state, cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=False)
@@ -70,7 +72,7 @@ def gated_delta_decode(q, k, v, g, beta, state, *, use_qk_l2norm=True, scale=Non
         return recurrent_gated_delta_rule_step(q, k, v, g, beta, state, use_qk_l2norm=use_qk_l2norm, scale=scale)
     qr, kr = _fla_inputs(q, k, v, use_qk_l2norm)
     o, new_state = fla.fused_recurrent_gated_delta_rule(
-        qr[:, None], kr[:, None], v[:, None], g[:, None].float(), beta[:, None].to(v.dtype),
+        q=qr[:, None], k=kr[:, None], v=v[:, None], g=g[:, None].float(), beta=beta[:, None].to(v.dtype),
         scale=q.shape[-1] ** -0.5 if scale is None else scale, initial_state=state.float(),
         output_final_state=True, use_qk_l2norm_in_kernel=False)
     return o[:, 0], new_state.float()
