@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from deltaserve.engine.tokenizer import IncrementalDetokenizer, StopStringMatcher, Tokenizer
+from deltaserve.text.tokenizer import IncrementalDetokenizer, StopStringMatcher, Tokenizer
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
 

@@ -30,7 +30,7 @@ from starlette.requests import ClientDisconnect
 from deltaserve.config import EngineConfig
 from deltaserve.engine.engine import Engine, QueueFull, RequestRefused
 from deltaserve.engine.request import RequestStream
-from deltaserve.engine.tokenizer import ChatTemplateError
+from deltaserve.text.tokenizer import ChatTemplateError
 from deltaserve.server import protocol
 from deltaserve.server.generation import EventStream, Generation, GenerationFailed, chat_events, completion_events
 from deltaserve.server.metrics import ServerMetrics
