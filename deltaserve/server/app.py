@@ -33,7 +33,9 @@ from deltaserve.engine.request import RequestStream
 from deltaserve.text.tokenizer import ChatTemplateError
 from deltaserve.server import protocol
 from deltaserve.server.generation import EventStream, Generation, GenerationFailed, chat_events, completion_events
+from deltaserve.server.chat_setup import OutputRequestError, chat_output
 from deltaserve.server.metrics import ServerMetrics
+from deltaserve.text.chat_output import ChatOutputParser, parse_whole
 
 DISCONNECT_POLL_S = 0.1  # how often a non-streamed request checks that its client is still there
 LOADING_RETRY_AFTER_S = 5
@@ -95,7 +97,10 @@ def create_app(config: EngineConfig, *, load_engine: Callable[[EngineConfig], En
 
     def load_in_thread() -> None:
         try:
+            template = _read_chat_template(config)
             engine = load(config)
+            if template is not None:
+                engine.tokenizer.use_chat_template(template)
             engine.start()
             state.engine = engine
             log(f"deltaserve: ready, serving {state.served_name()!r}")
@@ -119,6 +124,16 @@ def create_app(config: EngineConfig, *, load_engine: Callable[[EngineConfig], En
     _add_routes(app, state)
     _use_request_schemas(app)
     return app
+
+
+def _read_chat_template(config: EngineConfig) -> str | None:
+    """--chat-template FILE, read before the model loads so a wrong path fails at once."""
+    if config.chat_template is None:
+        return None
+    try:
+        return open(config.chat_template, encoding="utf-8").read()
+    except OSError as e:
+        raise OSError(f"--chat-template {config.chat_template}: {e.strerror}") from None
 
 
 def _add_error_handlers(app: FastAPI, state: ServerState) -> None:
@@ -202,23 +217,46 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         state.metrics.requests.labels("chat").inc()
         req = protocol.parse_request(protocol.ChatCompletionRequest, await _read_json(request, state.config))
         state.check_model(req.model)
-        messages = protocol.chat_messages(req)
-        try:
-            prompt_ids = await asyncio.to_thread(engine.tokenizer.encode_chat, messages, req.add_generation_prompt,
-                                                 **protocol.chat_template_kwargs(req))
-        except ChatTemplateError as e:
-            raise ApiError(400, f"messages: {e}", param="messages") from None
-        except Exception as e:  # the template ran on the client's data (messages, tools, chat_template_kwargs)
-            raise ApiError(400, f"messages: the chat template failed on this request: {type(e).__name__}: {e}",
-                           param="messages") from None
-        gen = _submit(state, engine, [prompt_ids], req, received_s)
+        prompt_ids = await asyncio.to_thread(_encode_chat, engine, protocol.chat_messages(req),
+                                             req.add_generation_prompt, protocol.chat_template_kwargs(req))
+        settings, grammar = _openai_chat_output(state, engine, req, prompt_ids)
+        gen = _submit(state, engine, [prompt_ids], req, received_s, grammar)
         meta = protocol.ResponseMeta(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), state.served_name())
         token_bytes = engine.tokenizer.token_bytes
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return EventStream(chat_events(gen, meta, include_usage, token_bytes), gen)
+            parsers = [ChatOutputParser(settings) for _ in gen.streams]
+            return EventStream(chat_events(gen, meta, include_usage, token_bytes, parsers), gen)
         await _collect(request, gen, state)
-        return protocol.chat_completion(meta, gen.results(), gen.usage(), token_bytes)
+        results = gen.results()
+        for result in results:
+            result.reasoning, result.text, result.tool_calls = parse_whole(settings, result.text)
+        return protocol.chat_completion(meta, results, gen.usage(), token_bytes)
+
+    @app.post("/tokenize", openapi_extra=_body_schema("TokenizeRequest"), **v1)
+    async def tokenize(request: Request):
+        engine = state.ready_engine()
+        req = protocol.parse_request(protocol.TokenizeRequest, await _read_json(request, state.config))
+        state.check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise ApiError(400, "send exactly one of 'prompt' and 'messages'", param="prompt")
+        if req.prompt is not None:
+            ids = await asyncio.to_thread(engine.tokenizer.encode, req.prompt, req.add_special_tokens)
+        else:
+            ids = await asyncio.to_thread(_encode_chat, engine, protocol.chat_messages(req),
+                                          req.add_generation_prompt, protocol.chat_template_kwargs(req))
+        return {"count": len(ids), "max_model_len": engine.context_length, "tokens": ids}
+
+    @app.post("/detokenize", openapi_extra=_body_schema("DetokenizeRequest"), **v1)
+    async def detokenize(request: Request):
+        engine = state.ready_engine()
+        req = protocol.parse_request(protocol.DetokenizeRequest, await _read_json(request, state.config))
+        state.check_model(req.model)
+        bad = next((t for t in req.tokens if t >= engine.tokenizer.vocab_size), None)
+        if bad is not None:
+            raise ApiError(400, f"tokens: token id {bad} is outside the vocabulary "
+                                f"(0..{engine.tokenizer.vocab_size - 1})", param="tokens")
+        return {"prompt": engine.tokenizer.decode(req.tokens, skip_special_tokens=False)}
 
     @app.post("/v1/completions", openapi_extra=_body_schema("CompletionRequest"), **v1)
     async def completions(request: Request):
@@ -310,7 +348,31 @@ def _completion_prompts(engine: Engine, prompt) -> list[list[int]]:
     return prompts
 
 
-def _submit(state: ServerState, engine: Engine, prompts: list[list[int]], req, received_s: float) -> Generation:
+def _encode_chat(engine: Engine, messages: list[dict], add_generation_prompt: bool, kwargs: dict) -> list[int]:
+    """The chat's prompt ids; a template that refuses the client's data is a 400 naming `messages`."""
+    try:
+        return engine.tokenizer.encode_chat(messages, add_generation_prompt, **kwargs)
+    except ChatTemplateError as e:
+        raise ApiError(400, f"messages: {e}", param="messages") from None
+    except Exception as e:  # the template ran on the client's data (messages, tools, chat_template_kwargs)
+        raise ApiError(400, f"messages: the chat template failed on this request: {type(e).__name__}: {e}",
+                       param="messages") from None
+
+
+def _openai_chat_output(state: ServerState, engine: Engine, req, prompt_ids: list[int]):
+    """The output settings and grammar of an OpenAI chat request (tool_choice, response_format)."""
+    forced = protocol.forced_tool(req)
+    choice = forced[0] if forced else (req.tool_choice or "auto")
+    try:
+        return chat_output(state.config, engine.tokenizer, prompt_ids, tools=req.tools, tool_choice=choice,
+                           forced_name=forced[1] if forced else None,
+                           response_schema=protocol.response_format_schema(req))
+    except OutputRequestError as e:
+        raise ApiError(400, e.message, param=e.param) from None
+
+
+def _submit(state: ServerState, engine: Engine, prompts: list[list[int]], req, received_s: float,
+            grammar: str | None = None) -> Generation:
     """One engine request per (prompt, choice); refused as a whole if any part is refused."""
     if len(prompts) * req.n > protocol.MAX_CHOICES:
         raise ApiError(400, f"n × prompts = {req.n} × {len(prompts)} exceeds the limit of {protocol.MAX_CHOICES} "
@@ -321,7 +383,7 @@ def _submit(state: ServerState, engine: Engine, prompts: list[list[int]], req, r
     try:
         for p, prompt_ids in enumerate(prompts):
             for j in range(req.n):
-                params = protocol.sampling_params(req, j)
+                params = protocol.sampling_params(req, j, grammar)
                 streams.append(engine.submit(prompt_ids, params, request_id=f"{base_id}-{len(streams)}"))
                 choice_prompt.append(p)
     except RequestRefused as e:

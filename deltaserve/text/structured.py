@@ -7,12 +7,9 @@ output parses and the arguments validate against the tool's schema, whatever the
 
 from __future__ import annotations
 
-import json
-from collections.abc import Callable
-
 import llguidance
 
-from deltaserve.text.tool_parsers import ToolCall, new_call_id, tool_schemas
+from deltaserve.text.tool_parsers import tool_schemas
 
 ANY_OBJECT = {"type": "object"}
 
@@ -36,11 +33,3 @@ def required_calls_schema(tools: list[dict]) -> dict:
 def named_call_schema(tools: list[dict], name: str) -> dict:
     """The arguments object of function `name`; KeyError when no tool has that name."""
     return tool_schemas(tools)[name] or ANY_OBJECT
-
-
-def forced_calls(text: str, name: str | None, make_id: Callable[[], str] = new_call_id) -> list[ToolCall]:
-    """The calls in a grammar-forced output: the arguments of `name`, or (name None) an array of calls."""
-    value = json.loads(text)
-    if name is not None:
-        return [ToolCall(make_id(), name, json.dumps(value, ensure_ascii=False))]
-    return [ToolCall(make_id(), call["name"], json.dumps(call["arguments"], ensure_ascii=False)) for call in value]

@@ -1,0 +1,152 @@
+"""Serving coding agents, end to end: a real server (built-in SmolLM2, run with Qwen3's own chat template via
+--chat-template: ChatML like SmolLM2's, with hermes tool calls and <think> blocks) driven by the official
+`openai` package. The small model is too weak to call tools of its own accord, so the calls here are forced
+(tool_choice required / named, enforced by the grammar); the parsers of free calls are proven on the families'
+template texts in test_text_parsers.py. Arguments are checked with `jsonschema`, never against fixed strings.
+"""
+
+import json
+from pathlib import Path
+
+import jsonschema
+import openai
+import pytest
+
+from server_util import SMALL_POOL, assert_openai_error, running_server
+
+TEMPLATE = Path(__file__).parent / "data" / "chat_templates" / "qwen3.jinja"
+READ_SCHEMA = {"type": "object", "additionalProperties": False, "required": ["path", "line"], "properties": {
+    "path": {"type": "string", "maxLength": 24}, "line": {"type": "integer", "minimum": 1, "maximum": 999}}}
+RUN_SCHEMA = {"type": "object", "additionalProperties": False, "required": ["command"], "properties": {
+    "command": {"type": "string", "maxLength": 30}}}
+TOOLS = [{"type": "function", "function": {"name": "read_file", "description": "Read a line of a file",
+                                           "parameters": READ_SCHEMA}},
+         {"type": "function", "function": {"name": "run", "description": "Run a shell command",
+                                           "parameters": RUN_SCHEMA}}]
+SCHEMAS = {"read_file": READ_SCHEMA, "run": RUN_SCHEMA}
+ASK = [{"role": "system", "content": "You are a coding agent."},
+       {"role": "user", "content": "Show me line 3 of setup.py."}]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    with running_server(tmp_path_factory.mktemp("agents"), *SMALL_POOL, "--chat-template", str(TEMPLATE)) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+def check_calls(calls, names=None):
+    assert calls
+    for call in calls:
+        assert call.type == "function" and call.id.startswith("call_")
+        assert names is None or call.function.name in names
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+
+
+def test_named_tool_choice_returns_a_valid_call(client):
+    reply = client.chat.completions.create(
+        model="x" and None or client.models.list().data[0].id, messages=ASK, tools=TOOLS, max_tokens=120,
+        temperature=0, tool_choice={"type": "function", "function": {"name": "read_file"}})
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert len(choice.message.tool_calls) == 1
+    check_calls(choice.message.tool_calls, {"read_file"})
+
+
+def test_required_tool_choice_streams_through_the_openai_helper(client):
+    model = client.models.list().data[0].id
+    with client.chat.completions.stream(model=model, messages=ASK, tools=TOOLS, tool_choice="required",
+                                        max_tokens=160, temperature=0.7, seed=3) as stream:
+        events = [event.type for event in stream]
+        final = stream.get_final_completion()
+    choice = final.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    check_calls(choice.message.tool_calls, set(SCHEMAS))
+    assert "tool_calls.function.arguments.done" in events
+
+
+def test_named_call_streamed_equals_non_streamed(client):
+    model = client.models.list().data[0].id
+    body = dict(model=model, messages=ASK, tools=TOOLS, max_tokens=120, temperature=0,
+                tool_choice={"type": "function", "function": {"name": "run"}})
+    whole = client.chat.completions.create(**body).choices[0].message.tool_calls[0]
+    chunks = list(client.chat.completions.create(**body, stream=True))
+    pieces = [tc for c in chunks for ch in c.choices for tc in (ch.delta.tool_calls or [])]
+    assert pieces[0].id and pieces[0].function.name == "run"  # id and name first, then the arguments
+    assert all(p.id is None and p.function.name is None for p in pieces[1:])
+    assert "".join(p.function.arguments or "" for p in pieces) == whole.function.arguments
+    assert [ch.finish_reason for c in chunks for ch in c.choices if ch.finish_reason] == ["tool_calls"]
+
+
+def test_response_format_json_schema_strict(client):
+    schema = {"type": "object", "additionalProperties": False, "required": ["colour", "count"], "properties": {
+        "colour": {"enum": ["red", "green", "blue"]}, "count": {"type": "integer", "minimum": 0, "maximum": 9}}}
+    reply = client.chat.completions.create(
+        model=client.models.list().data[0].id, max_tokens=60, temperature=0,
+        messages=[{"role": "user", "content": "Pick a colour and a count."}],
+        response_format={"type": "json_schema", "json_schema": {"name": "pick", "strict": True, "schema": schema}})
+    jsonschema.validate(json.loads(reply.choices[0].message.content), schema)
+    reply = client.chat.completions.create(
+        model=client.models.list().data[0].id, max_tokens=40, temperature=0, response_format={"type": "json_object"},
+        messages=[{"role": "user", "content": "Reply in JSON."}])
+    assert reply.choices[0].finish_reason in ("stop", "length")
+    if reply.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(reply.choices[0].message.content), dict)
+
+
+def test_multi_turn_agent_exchange_renders_prior_calls(client, server):
+    """call -> tool result -> next call -> answer; prior calls and results are rendered as the template writes."""
+    model = client.models.list().data[0].id
+    messages = list(ASK)
+    for name in ("read_file", "run"):
+        reply = client.chat.completions.create(model=model, messages=messages, tools=TOOLS, max_tokens=120,
+                                               temperature=0, tool_choice={"type": "function",
+                                                                           "function": {"name": name}})
+        message = reply.choices[0].message
+        check_calls(message.tool_calls, {name})
+        messages.append(message.model_dump(exclude_none=True))
+        messages.append({"role": "tool", "tool_call_id": message.tool_calls[0].id, "content": "x = 3"})
+    answer = client.chat.completions.create(model=model, messages=messages, tools=TOOLS, tool_choice="none",
+                                            max_tokens=20, temperature=0)
+    assert answer.choices[0].finish_reason in ("stop", "length") and not answer.choices[0].message.tool_calls
+    rendered = server.post("/tokenize", json={"messages": messages, "tools": TOOLS}).json()
+    prompt = server.post("/detokenize", json={"tokens": rendered["tokens"]}).json()["prompt"]
+    for message in messages[2::2]:  # each prior call as the template writes it: JSON inside <tool_call> tags
+        call = message["tool_calls"][0]["function"]
+        arguments = json.dumps(json.loads(call["arguments"]), ensure_ascii=False)
+        assert f'<tool_call>\n{{"name": "{call["name"]}", "arguments": {arguments}}}\n</tool_call>' in prompt
+    assert prompt.count("<tool_response>\nx = 3\n</tool_response>") == 2
+    assert rendered["count"] == len(rendered["tokens"]) and rendered["max_model_len"] > rendered["count"]
+
+
+def test_thinking_is_split_and_can_be_switched_off(client, server):
+    model = client.models.list().data[0].id
+    messages = [{"role": "user", "content": "hi"}]
+    off = server.post("/tokenize", json={"messages": messages, "chat_template_kwargs": {"enable_thinking": False}})
+    prompt = server.post("/detokenize", json={"tokens": off.json()["tokens"]}).json()["prompt"]
+    assert prompt.endswith("<think>\n\n</think>\n\n")
+    reply = client.chat.completions.create(model=model, messages=messages, max_tokens=8, temperature=0,
+                                           extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert reply.choices[0].message.content is not None
+
+
+def test_bad_tool_requests_get_clear_errors(server):
+    base = {"messages": ASK, "tools": TOOLS, "max_tokens": 5}
+    answer = server.post("/v1/chat/completions", json={**base, "tool_choice": {
+        "type": "function", "function": {"name": "delete_everything"}}})
+    assert_openai_error(answer, 400, "delete_everything", "read_file, run")
+    answer = server.post("/v1/chat/completions", json={"messages": ASK, "tool_choice": "required"})
+    assert_openai_error(answer, 400, "tool_choice", "tools")
+    answer = server.post("/v1/chat/completions", json={**base, "response_format": {"type": "yaml"}})
+    assert_openai_error(answer, 400, "response_format", "json_schema")
+    answer = server.post("/v1/chat/completions", json={**base, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "properties": {
+            "a": {"type": "string", "pattern": "(("}}}}}})
+    assert_openai_error(answer, 400)
+    assert server.get("/health").status_code == 200
+    models = server.get("/v1/models").json()["data"]
+    assert models[0]["max_model_len"] > 0
