@@ -49,7 +49,7 @@ def check_calls(calls, names=None):
 
 def test_named_tool_choice_returns_a_valid_call(client):
     reply = client.chat.completions.create(
-        model="x" and None or client.models.list().data[0].id, messages=ASK, tools=TOOLS, max_tokens=120,
+        model=client.models.list().data[0].id, messages=ASK, tools=TOOLS, max_tokens=120,
         temperature=0, tool_choice={"type": "function", "function": {"name": "read_file"}})
     choice = reply.choices[0]
     assert choice.finish_reason == "tool_calls"
@@ -150,3 +150,89 @@ def test_bad_tool_requests_get_clear_errors(server):
     assert server.get("/health").status_code == 200
     models = server.get("/v1/models").json()["data"]
     assert models[0]["max_model_len"] > 0
+
+
+# -- Anthropic Messages API, with the official `anthropic` package ---------------------------------------------
+
+ANTHROPIC_TOOLS = [{"name": t["function"]["name"], "description": t["function"]["description"],
+                    "input_schema": t["function"]["parameters"]} for t in TOOLS]
+GREEDY = {"temperature": 0}  # this SDK version leaves sampling settings to extra_body
+
+
+@pytest.fixture(scope="module")
+def claude(server):
+    import anthropic
+
+    return anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0, timeout=300)
+
+
+def test_anthropic_text_and_count_tokens(claude):
+    messages = [{"role": "user", "content": "Name a colour."}]
+    reply = claude.messages.create(model="SmolLM2-135M-Instruct", max_tokens=12, messages=messages,
+                                   system="Be brief.", extra_body=GREEDY)
+    assert reply.type == "message" and reply.role == "assistant"
+    assert [b.type for b in reply.content] == ["text"] and reply.content[0].text
+    assert reply.stop_reason in ("end_turn", "max_tokens")
+    count = claude.messages.count_tokens(model="SmolLM2-135M-Instruct", messages=messages, system="Be brief.")
+    assert count.input_tokens == reply.usage.input_tokens > 0
+    # A stop sequence taken from the answer itself ends the next (identical, greedy) answer there.
+    words = [w for w in reply.content[0].text.split() if len(w) > 2]
+    if words and reply.stop_reason == "max_tokens":
+        again = claude.messages.create(model="SmolLM2-135M-Instruct", max_tokens=12, messages=messages,
+                                       system="Be brief.", stop_sequences=[words[-1]], extra_body=GREEDY)
+        assert again.stop_reason == "stop_sequence" and again.stop_sequence == words[-1]
+        assert words[-1] not in again.content[0].text
+
+
+def test_anthropic_forced_tool_use(claude):
+    reply = claude.messages.create(model="SmolLM2-135M-Instruct", max_tokens=120, messages=ASK[1:],
+                                   tools=ANTHROPIC_TOOLS, tool_choice={"type": "tool", "name": "read_file"},
+                                   extra_body=GREEDY)
+    assert reply.stop_reason == "tool_use"
+    uses = [b for b in reply.content if b.type == "tool_use"]
+    assert len(uses) == 1 and uses[0].name == "read_file" and uses[0].id.startswith("toolu_")
+    jsonschema.validate(uses[0].input, READ_SCHEMA)
+
+
+def test_anthropic_stream_events_and_multi_turn(claude):
+    """any-tool call streamed with the SDK helper, its result sent back, a named call, then a plain answer."""
+    messages = list(ASK[1:])
+    with claude.messages.stream(model="SmolLM2-135M-Instruct", max_tokens=160, messages=messages,
+                                tools=ANTHROPIC_TOOLS, tool_choice={"type": "any"}, extra_body=GREEDY) as stream:
+        kinds = [event.type for event in stream]
+        final = stream.get_final_message()
+    assert kinds[0] == "message_start" and kinds[-1] == "message_stop" and "message_delta" in kinds
+    assert kinds.count("content_block_start") == kinds.count("content_block_stop") >= 1
+    assert final.stop_reason == "tool_use"
+    uses = [b for b in final.content if b.type == "tool_use"]
+    for use in uses:
+        jsonschema.validate(use.input, SCHEMAS[use.name])
+    messages += [{"role": "assistant", "content": [b.model_dump() for b in final.content]},
+                 {"role": "user", "content": [{"type": "tool_result", "tool_use_id": u.id, "content": "x = 3"}
+                                              for u in uses]}]
+    second = claude.messages.create(model="SmolLM2-135M-Instruct", max_tokens=120, messages=messages,
+                                    tools=ANTHROPIC_TOOLS, tool_choice={"type": "tool", "name": "run"},
+                                    extra_body=GREEDY)
+    assert second.stop_reason == "tool_use" and second.usage.input_tokens > final.usage.input_tokens
+    messages += [{"role": "assistant", "content": [b.model_dump() for b in second.content]},
+                 {"role": "user", "content": [{"type": "tool_result", "tool_use_id": second.content[-1].id,
+                                               "content": "done"}, {"type": "text", "text": "Summarise."}]}]
+    answer = claude.messages.create(model="SmolLM2-135M-Instruct", max_tokens=10, messages=messages,
+                                    tools=ANTHROPIC_TOOLS, extra_body=GREEDY)
+    assert answer.stop_reason in ("end_turn", "max_tokens")
+
+
+def test_anthropic_errors_in_its_shape(server, claude):
+    import anthropic
+
+    answer = server.post("/v1/messages", json={"messages": [{"role": "user", "content": "hi"}]})
+    assert answer.status_code == 400
+    body = answer.json()
+    assert body["type"] == "error" and body["error"]["type"] == "invalid_request_error"
+    assert "max_tokens" in body["error"]["message"]
+    with pytest.raises(anthropic.BadRequestError, match="nope"):
+        claude.messages.create(model="SmolLM2-135M-Instruct", max_tokens=5, messages=ASK[1:], tools=ANTHROPIC_TOOLS,
+                               tool_choice={"type": "tool", "name": "nope"})
+    with pytest.raises(anthropic.NotFoundError):
+        claude.messages.create(model="no-such-model", max_tokens=5, messages=ASK[1:])
+    assert server.get("/health").status_code == 200

@@ -38,6 +38,7 @@ class Generation:
         self.logprobs: list[list[TokenLogprob] | None] = [None] * count
         self.finish_reasons: list[str | None] = [None] * count
         self.completion_tokens = [0] * count
+        self.token_ids: list[list[int]] = [[] for _ in range(count)]  # each choice's output ids (stop reasons)
         self._seen_token = [False] * count
         self._closed = False
         self.failed = False
@@ -86,6 +87,7 @@ class Generation:
             self._seen_token[i] = True
             self.metrics.time_to_first_token.observe(now_s - self.received_s)
         self.texts[i].append(out.text)
+        self.token_ids[i] += out.token_ids
         if out.logprobs:
             self.logprobs[i] = (self.logprobs[i] or []) + list(out.logprobs)
         self.completion_tokens[i] = max(self.completion_tokens[i], out.completion_tokens)
