@@ -60,12 +60,14 @@ def test_named_tool_choice_returns_a_valid_call(client):
 def test_required_tool_choice_streams_through_the_openai_helper(client):
     model = client.models.list().data[0].id
     with client.chat.completions.stream(model=model, messages=ASK, tools=TOOLS, tool_choice="required",
-                                        max_tokens=160, temperature=0.7, seed=3) as stream:
+                                        max_tokens=160, temperature=0.7, seed=3,
+                                        parallel_tool_calls=False) as stream:
         events = [event.type for event in stream]
         final = stream.get_final_completion()
     choice = final.choices[0]
     assert choice.finish_reason == "tool_calls"
     check_calls(choice.message.tool_calls, set(SCHEMAS))
+    assert len(choice.message.tool_calls) == 1  # parallel_tool_calls false: the grammar allows one call
     assert "tool_calls.function.arguments.done" in events
 
 
@@ -236,3 +238,56 @@ def test_anthropic_errors_in_its_shape(server, claude):
     with pytest.raises(anthropic.NotFoundError):
         claude.messages.create(model="no-such-model", max_tokens=5, messages=ASK[1:])
     assert server.get("/health").status_code == 200
+
+
+# -- opencode (npm opencode-ai) as the client ---------------------------------------------------------------
+
+def opencode_binary() -> str | None:
+    """OPENCODE_BIN, or `opencode` on PATH (npm install -g opencode-ai); None skips the test."""
+    import os
+    import shutil
+
+    return os.environ.get("OPENCODE_BIN") or shutil.which("opencode")
+
+
+@pytest.mark.skipif(opencode_binary() is None, reason="opencode not installed (npm install -g opencode-ai), "
+                                                      "or set OPENCODE_BIN")
+def test_opencode_runs_a_task_against_the_server(server, tmp_path):
+    """opencode, with deltaserve as its OpenAI-compatible provider, runs one task non-interactively: its
+    requests are accepted (no error counted by the server) and its streams parse (opencode reports the step's
+    token usage). The exchange (opencode's JSON events) is printed."""
+    import subprocess
+
+    model = server.get("/v1/models").json()["data"][0]["id"]
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "hello.py").write_text('print("hello")\n')
+    config = {"$schema": "https://opencode.ai/config.json", "model": f"deltaserve/{model}",
+              "small_model": f"deltaserve/{model}", "share": "disabled", "autoupdate": False,
+              "provider": {"deltaserve": {"npm": "@ai-sdk/openai-compatible", "name": "deltaserve",
+                                          "options": {"baseURL": server.url + "/v1", "apiKey": "unused"},
+                                          "models": {model: {"name": model,
+                                                             "limit": {"context": 8192, "output": 24}}}}},
+              # The small model's context is 8K: opencode's own system prompt and tool list would fill it.
+              "agent": {"build": {"prompt": "You are a coding agent. Answer briefly.",
+                                  "tools": {"*": False, "read": True}}}}
+    (project / "opencode.json").write_text(json.dumps(config))
+    chats_before = server.metric("deltaserve_http_requests_total", '{endpoint="chat"}')
+    errors_before = error_count(server)
+    done = subprocess.run([opencode_binary(), "run", "--format", "json", "--pure", "What does hello.py print?"],
+                          cwd=project, env={"HOME": str(tmp_path / "home"), "PATH": "/usr/bin:/bin"},
+                          capture_output=True, text=True, timeout=600)
+    print("opencode stdout (its JSON events):\n" + done.stdout + "\nopencode stderr:\n" + done.stderr[-3000:])
+    assert done.returncode == 0
+    events = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert not [e for e in events if e["type"] == "error"]
+    finishes = [e["part"] for e in events if e["type"] == "step_finish"]
+    assert finishes and finishes[-1]["tokens"]["input"] > 0 and finishes[-1]["tokens"]["output"] > 0
+    assert server.metric("deltaserve_http_requests_total", '{endpoint="chat"}') > chats_before
+    assert error_count(server) == errors_before, "the server refused or failed one of opencode's requests"
+
+
+def error_count(server) -> float:
+    """All error responses the server has counted, whatever their status."""
+    lines = server.get("/metrics").text.splitlines()
+    return sum(float(line.split(" ")[1]) for line in lines if line.startswith("deltaserve_http_errors_total{"))

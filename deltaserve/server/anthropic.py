@@ -55,6 +55,7 @@ class Tool(_Body):
 class ToolChoice(_Body):
     type: Literal["auto", "any", "tool", "none"]
     name: str | None = None
+    disable_parallel_tool_use: bool = False
 
 
 class Thinking(_Body):
@@ -90,6 +91,7 @@ class Chat:
     template_kwargs: dict
     tool_choice: str  # auto | none | required | named
     forced_name: str | None
+    parallel: bool = True
 
 
 def parse(model: type[_Body], body: Any) -> MessagesRequest:
@@ -122,7 +124,8 @@ def to_chat(req: MessagesRequest) -> Chat:
     kwargs: dict = {"tools": tools} if tools else {}
     if req.thinking is not None and req.thinking.type == "disabled":
         kwargs["enable_thinking"] = False
-    return Chat(messages, tools, kwargs, choice, name)
+    parallel = not (req.tool_choice and req.tool_choice.disable_parallel_tool_use)
+    return Chat(messages, tools, kwargs, choice, name, parallel)
 
 
 def _text_of(content: str | list[Block], where: str) -> str:

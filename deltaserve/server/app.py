@@ -251,7 +251,8 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         prompt_ids = await asyncio.to_thread(_encode_chat, engine, chat.messages, True, chat.template_kwargs)
         try:
             settings, grammar = chat_output(state.config, engine.tokenizer, prompt_ids, tools=chat.tools,
-                                            tool_choice=chat.tool_choice, forced_name=chat.forced_name)
+                                            tool_choice=chat.tool_choice, forced_name=chat.forced_name,
+                                            parallel=chat.parallel)
         except OutputRequestError as e:
             raise ApiError(400, e.message, param=e.param) from None
         gen = _submit(state, engine, [prompt_ids], req, received_s, params=anthropic.sampling_params(req, grammar))
@@ -416,7 +417,8 @@ def _openai_chat_output(state: ServerState, engine: Engine, req, prompt_ids: lis
     try:
         return chat_output(state.config, engine.tokenizer, prompt_ids, tools=req.tools, tool_choice=choice,
                            forced_name=forced[1] if forced else None,
-                           response_schema=protocol.response_format_schema(req))
+                           response_schema=protocol.response_format_schema(req),
+                           parallel=req.parallel_tool_calls is not False)
     except OutputRequestError as e:
         raise ApiError(400, e.message, param=e.param) from None
 

@@ -38,17 +38,19 @@ def reasons(config: EngineConfig, chat_template: str | None) -> bool:
 
 def chat_output(config: EngineConfig, tokenizer: Tokenizer, prompt_ids: list[int], *, tools: list[dict] | None,
                 tool_choice: str, forced_name: str | None = None,
-                response_schema: dict | None = None) -> tuple[ChatOutputSettings, str | None]:
+                response_schema: dict | None = None,
+                parallel: bool = True) -> tuple[ChatOutputSettings, str | None]:
     """(how to read the output, the grammar to hold it to or None).
 
     `tool_choice` is "auto", "none", "required" or "named" (with `forced_name`); `response_schema` is the
-    JSON schema of response_format. A forced output is JSON from its first token, so it is not split into
+    JSON schema of response_format; `parallel` False allows one call per turn. A forced output is JSON from its first token, so it is not split into
     reasoning.
     """
     schema, forced = response_schema, None
     if tools and tool_choice in ("required", "named"):
         forced = tool_choice
-        schema = required_calls_schema(tools) if forced == "required" else named_call_schema(tools, forced_name)
+        schema = required_calls_schema(tools, parallel) if forced == "required" else \
+            named_call_schema(tools, forced_name)
     grammar = None
     if schema is not None:
         try:

@@ -22,12 +22,13 @@ def schema_grammar(schema: dict) -> str:
         raise ValueError(f"not a usable JSON schema: {e}") from None
 
 
-def required_calls_schema(tools: list[dict]) -> dict:
-    """A non-empty array of calls of any of `tools`, each with arguments valid for its function."""
+def required_calls_schema(tools: list[dict], parallel: bool = True) -> dict:
+    """A non-empty array of calls of any of `tools` (one call when not `parallel`), each with valid arguments."""
     variants = [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
                  "properties": {"name": {"const": name}, "arguments": params or ANY_OBJECT}}
                 for name, params in tool_schemas(tools).items()]
-    return {"type": "array", "minItems": 1, "items": {"anyOf": variants}}
+    schema = {"type": "array", "minItems": 1, "items": {"anyOf": variants}}
+    return schema if parallel else {**schema, "maxItems": 1}
 
 
 def named_call_schema(tools: list[dict], name: str) -> dict:
