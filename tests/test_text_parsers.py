@@ -106,10 +106,23 @@ def test_plain_answers_stay_content(parser_name):
         assert content.strip() == text.strip()
 
 
-def test_qwen3_coder_cut_off_call_keeps_whole_parameters():
+def test_qwen3_coder_cut_off_call_stays_valid_json():
+    """Cut off by max_tokens: a string value keeps what was written, an unfinished typed value is left out."""
     text = "<tool_call>\n<function=run>\n<parameter=timeout_s>\n7\n</parameter>\n<parameter=command>\nls -"
     content, calls = check_streaming("qwen3_coder", text)
-    assert content == "" and calls[0].name == "run" and json.loads(calls[0].arguments) == {"timeout_s": 7}
+    assert content == "" and json.loads(calls[0].arguments) == {"timeout_s": 7, "command": "ls -"}
+    text = "<tool_call>\n<function=run>\n<parameter=command>\nls\n</parameter>\n<parameter=timeout_s>\n7"
+    assert json.loads(check_streaming("qwen3_coder", text)[1][0].arguments) == {"command": "ls"}
+
+
+def test_qwen3_coder_string_values_stream_before_their_end():
+    """A long string argument (a file's content) reaches the client while the model is still writing it."""
+    parser = make_tool_parser("qwen3_coder", TOOLS, counter_ids())
+    head = "<tool_call>\n<function=run>\n<parameter=command>\ncat <<EOF > a.py\nprint(1)\n"
+    fragments = [d.arguments for d in parser.push(head) if d.arguments]
+    assert "".join(fragments) == '{"command": "cat <<EOF > a.py\\nprint(1)'
+    tail = [d.arguments for d in parser.push("EOF\n</parameter>\n</function>\n</tool_call>") + parser.flush()]
+    assert json.loads("".join(fragments + tail)) == {"command": "cat <<EOF > a.py\nprint(1)\nEOF"}
 
 
 def test_values_typed_by_schema():

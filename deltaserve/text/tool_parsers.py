@@ -23,6 +23,8 @@ from deltaserve.text.scan import partial_tag_len, split_trailing_space
 TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
 FUNCTION_OPEN = re.compile(r"<function=([^>\n]+)>")
 PARAMETER = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.DOTALL)
+PARAMETER_OPEN = re.compile(r"<parameter=([^>\n]+)>")
+PARAMETER_CLOSE = "</parameter>"
 FUNCTION_CLOSE = "</function>"
 PYTHON_TAG = "<|python_tag|>"
 
@@ -189,15 +191,19 @@ class HermesParser(ToolParser):
 
 
 class Qwen3CoderParser(ToolParser):
-    """XML calls; the name is emitted as soon as `<function=NAME>` is read, then one fragment per parameter."""
+    """XML calls; the name is emitted as soon as `<function=NAME>` is read, then the parameters: a string
+    value streams as it is written (a file's content need not wait for its end), a typed one once complete."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.index: int | None = None  # the call being read, once its name is known
         self.params = 0
         self.closing = False  # after </function>: an optional </tool_call> may follow
+        self.in_string = False  # inside a string parameter's value, streaming it
 
     def _step_call(self, out: list[ToolDelta]) -> bool:
+        if self.in_string:
+            return self._step_string(out)
         if self.closing:
             stripped = self.pending.lstrip()
             if stripped.startswith(TOOL_CALL_CLOSE):
@@ -214,8 +220,16 @@ class Qwen3CoderParser(ToolParser):
             self.params = 0
             self.pending = self.pending[match.end():]
             return True
-        match = PARAMETER.search(self.pending)
         close = self.pending.find(FUNCTION_CLOSE)
+        opening = PARAMETER_OPEN.search(self.pending)
+        if opening is not None and (close < 0 or opening.start() < close) and self._is_string(opening.group(1)):
+            rest = self.pending[opening.end():]
+            if not rest:
+                return False  # the newline after the tag is not part of the value: wait to see it
+            self._open_string(opening.group(1).strip(), out)
+            self.pending = rest[1:] if rest.startswith("\n") else rest
+            return True
+        match = PARAMETER.search(self.pending)
         if match is not None and (close < 0 or match.start() < close):
             self._emit_parameter(match.group(1).strip(), match.group(2), out)
             self.pending = self.pending[match.end():]
@@ -225,6 +239,35 @@ class Qwen3CoderParser(ToolParser):
         out.append(ToolDelta(index=self.index, arguments="}" if self.params else "{}"))
         self.pending, self.closing = self.pending[close + len(FUNCTION_CLOSE):], True
         return True
+
+    def _is_string(self, key: str) -> bool:
+        """A parameter whose schema says only "string" (or says nothing): its text is its value."""
+        schema = self.schemas.get(self.names[self.index], {}).get("properties", {})
+        kinds = (schema.get(key.strip()) or {}).get("type", "string") if isinstance(schema, dict) else "string"
+        return kinds == "string" or kinds == ["string"]
+
+    def _open_string(self, key: str, out: list[ToolDelta]) -> None:
+        prefix = "{" if self.params == 0 else ", "
+        out.append(ToolDelta(index=self.index, arguments=f"{prefix}{json.dumps(key, ensure_ascii=False)}: \""))
+        self.params += 1
+        self.in_string = True
+
+    def _step_string(self, out: list[ToolDelta]) -> bool:
+        """Emit the value's text as JSON string fragments; the newline before </parameter> is not part of it."""
+        end = self.pending.find(PARAMETER_CLOSE)
+        if end >= 0:
+            body = self.pending[:end]
+            body = body[:-1] if body.endswith("\n") else body
+            out.append(ToolDelta(index=self.index, arguments=_json_chars(body) + '"'))
+            self.pending, self.in_string = self.pending[end + len(PARAMETER_CLOSE):], False
+            return True
+        cut = len(self.pending) - partial_tag_len(self.pending, (PARAMETER_CLOSE,))
+        if cut and self.pending[cut - 1] == "\n":
+            cut -= 1
+        if cut:
+            out.append(ToolDelta(index=self.index, arguments=_json_chars(self.pending[:cut])))
+            self.pending = self.pending[cut:]
+        return False
 
     def _emit_parameter(self, key: str, raw: str, out: list[ToolDelta]) -> None:
         schema = self.schemas.get(self.names[self.index], {}).get("properties", {})
@@ -239,7 +282,9 @@ class Qwen3CoderParser(ToolParser):
             return self.open_tag + self.pending
         if self.closing:
             return "" if TOOL_CALL_CLOSE.startswith(self.pending.strip()) else self.pending
-        # Cut off inside the call (max_tokens): its arguments end with the last whole parameter.
+        # Cut off inside the call (max_tokens): a string value ends where the text does; JSON stays whole.
+        if self.in_string:
+            out.append(ToolDelta(index=self.index, arguments=_json_chars(self.pending) + '"'))
         out.append(ToolDelta(index=self.index, arguments="}" if self.params else "{}"))
         return ""
 
@@ -327,6 +372,11 @@ def collect(deltas: list[ToolDelta]) -> tuple[str, list[ToolCall]]:
             call.name = d.name or call.name
             call.arguments += d.arguments
     return "".join(content), [calls[i] for i in sorted(calls)]
+
+
+def _json_chars(text: str) -> str:
+    """`text` as the inside of a JSON string (fragments of one value escape as the whole does)."""
+    return json.dumps(text, ensure_ascii=False)[1:-1]
 
 
 def _json_call(text: str, args_key: str) -> tuple[str, str] | None:
