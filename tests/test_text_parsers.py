@@ -195,3 +195,15 @@ def test_reasoning_then_tool_call_with_qwen3():
     assert reasoning == "Use ls."
     got_content, got_calls = check_streaming("hermes", content)
     assert got_content == "" and json.loads(got_calls[0].arguments) == {"command": "ls"}
+
+
+def test_hermes_arguments_stream_before_the_call_ends():
+    parser = make_tool_parser("hermes", TOOLS, counter_ids())
+    first = parser.push('Sure.\n<tool_call>\n{"name": "run", "arguments": {"command": "echo }}')
+    assert first[0].content == "Sure." and first[1].name == "run"
+    streamed = "".join(d.arguments for d in first[2:])
+    assert streamed and streamed.startswith('{"command": "echo')
+    rest = parser.push(' done"}}\n</tool_call>') + parser.flush()
+    assert json.loads(streamed + "".join(d.arguments for d in rest)) == {"command": "echo }} done"}
+    content, calls = check_streaming("hermes", '<tool_call>\n{"name": "run", "arguments": {"command": "ls"}}')
+    assert json.loads(calls[0].arguments) == {"command": "ls"}  # no closing tag (the turn ended): still whole

@@ -26,6 +26,8 @@ PARAMETER = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.DOTAL
 PARAMETER_OPEN = re.compile(r"<parameter=([^>\n]+)>")
 PARAMETER_CLOSE = "</parameter>"
 FUNCTION_CLOSE = "</function>"
+# The head of a hermes call written name first: `{"name": "NAME", "arguments": ` before an object.
+HERMES_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\\n]|\\.)*)"\s*,\s*"arguments"\s*:\s*(?=\{)')
 PYTHON_TAG = "<|python_tag|>"
 
 
@@ -173,9 +175,22 @@ class ToolParser:
 
 
 class HermesParser(ToolParser):
-    """JSON `{"name", "arguments"}` between `<tool_call>` tags; the call is emitted once its closing tag is seen."""
+    """JSON `{"name", "arguments"}` between `<tool_call>` tags. Written in that order (as Qwen's templates teach),
+    the name is emitted once read and the arguments stream as written; otherwise the call is read whole at
+    its closing tag."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.streaming: int | None = None  # the call whose arguments are streaming
 
     def _step_call(self, out: list[ToolDelta]) -> bool:
+        if self.streaming is not None:
+            return self._step_arguments(out)
+        head = HERMES_HEAD.match(self.pending)
+        if head is not None:
+            self.streaming = self._start_call(json.loads(f'"{head.group(1)}"'), out)
+            self.pending = self.pending[head.end():]
+            return True
         end = self.pending.find(TOOL_CALL_CLOSE)
         if end < 0:
             return False
@@ -188,6 +203,33 @@ class HermesParser(ToolParser):
         index = self._start_call(call[0], out)
         out.append(ToolDelta(index=index, arguments=call[1]))
         return True
+
+    def _step_arguments(self, out: list[ToolDelta]) -> bool:
+        """Emit the arguments' text, holding back what may be the call's own closing brace and tag."""
+        end = self.pending.find(TOOL_CALL_CLOSE)
+        if end >= 0:
+            body = self.pending[:end].rstrip()
+            arguments = body[:-1].rstrip() if body.endswith("}") else body
+            if arguments:
+                out.append(ToolDelta(index=self.streaming, arguments=arguments))
+            self.pending, self.in_call, self.streaming = self.pending[end + len(TOOL_CALL_CLOSE):], False, None
+            return True
+        text = self.pending[:len(self.pending) - partial_tag_len(self.pending, (TOOL_CALL_CLOSE,))].rstrip()
+        text = (text[:-1] if text.endswith("}") else text).rstrip()
+        if text:
+            out.append(ToolDelta(index=self.streaming, arguments=text))
+            self.pending = self.pending[len(text):]
+        return False
+
+    def _finish_call(self, out: list[ToolDelta]) -> str:
+        if self.streaming is None:
+            return super()._finish_call(out)
+        # Cut off inside the arguments (max_tokens): what was written is all there is.
+        body = self.pending.rstrip()
+        arguments = body[:-1].rstrip() if body.endswith("}") else body
+        if arguments:
+            out.append(ToolDelta(index=self.streaming, arguments=arguments))
+        return ""
 
 
 class Qwen3CoderParser(ToolParser):
