@@ -9,7 +9,6 @@ import argparse
 import json
 import time
 
-import numpy as np
 import torch
 
 from deltaserve.engine.loader import default_model_path
@@ -97,5 +96,4 @@ def main():
 
 
 if __name__ == "__main__":
-    np.set_printoptions(linewidth=120)
     main()
