@@ -84,6 +84,11 @@ def normalize_dtype(name: str, allowed: tuple[str, ...], setting: str) -> str:
     return canonical
 
 
+# The parsers of deltaserve.text (named here: config is a leaf and imports nothing of ours).
+TOOL_CALL_PARSERS = ("auto", "none", "qwen3_coder", "hermes", "llama3_json")
+REASONING_PARSERS = ("auto", "none", "think")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Every setting of one engine (and its server). None / "auto" means: decided by the device kind."""
@@ -113,6 +118,9 @@ class EngineConfig:
     attention_backend: str = "auto"  # auto = paged: decode reads the KV pages in place (CPU: a kernel built at start)
     dequantize_weights: bool | None = None  # None: True on CPU (portable path), False on CUDA (packed kernels)
     cuda_graph_reserve: int | None = None  # bytes; None: estimated from the decode batch
+    tool_call_parser: str = "auto"  # auto: picked from the chat template's own tool-call format
+    reasoning_parser: str = "auto"  # auto: "think" when the chat template writes <think> blocks
+    chat_template: str | None = None  # a jinja file used instead of the model's own chat template
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", normalize_dtype(self.dtype, COMPUTE_DTYPES, "--dtype"))
@@ -208,6 +216,12 @@ def _validate(c: EngineConfig) -> None:
     if c.attention_backend not in ATTENTION_BACKENDS:
         raise ConfigError(f"--attention-backend {c.attention_backend!r} is not supported: "
                           f"choose {', '.join(ATTENTION_BACKENDS)}")
+    if c.tool_call_parser not in TOOL_CALL_PARSERS:
+        raise ConfigError(f"--tool-call-parser {c.tool_call_parser!r} is not supported: "
+                          f"choose {', '.join(TOOL_CALL_PARSERS)}")
+    if c.reasoning_parser not in REASONING_PARSERS:
+        raise ConfigError(f"--reasoning-parser {c.reasoning_parser!r} is not supported: "
+                          f"choose {', '.join(REASONING_PARSERS)}")
     if c.device != "auto" and c.device != "cpu" and not re.fullmatch(r"cuda(:\d+)?", c.device):
         raise ConfigError(f"--device {c.device!r} is not supported: "
                           f"choose auto, cpu, cuda, cuda:N or a size like 24GiB")
@@ -248,6 +262,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--dequantize-weights", action=argparse.BooleanOptionalAction, default=None,
                    help="hold quantized weights dequantized in the compute dtype (default: on CPU)")
     g.add_argument("--cuda-graph-reserve", help="bytes reserved for CUDA graphs (default: estimated)")
+    g.add_argument("--tool-call-parser", help=f"how tool calls are read from the output: "
+                   f"{', '.join(TOOL_CALL_PARSERS)} (auto: from the chat template)")
+    g.add_argument("--reasoning-parser", help=f"{', '.join(REASONING_PARSERS)}: split <think> reasoning from "
+                   f"the answer (auto: when the chat template writes <think>)")
+    g.add_argument("--chat-template", help="a jinja chat template file used instead of the model's own")
 
 
 def device_memory_bytes(kind: str) -> tuple[int, int]:

@@ -15,7 +15,7 @@ from deltaserve.engine.admission import AdmissionPolicy
 from deltaserve.engine.request import Request, RequestStream, SamplingParams
 from deltaserve.engine.sampler import Sampled
 from deltaserve.engine.scheduler import QueueFull, RequestRefused, Scheduler
-from deltaserve.engine.tokenizer import Tokenizer
+from deltaserve.text.tokenizer import Tokenizer
 from deltaserve.models.batch import ATTENTION, GDN, CacheGeometry
 
 GEOMETRY = CacheGeometry(layer_kinds=(GDN, ATTENTION, GDN), num_kv_heads=2, head_dim=4, conv_dim=6, conv_width=4,

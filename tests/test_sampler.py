@@ -122,3 +122,48 @@ def test_same_seed_same_tokens_whatever_the_batch():
     assert draws([3, 0, 5], 1) == alone
     assert draws([2, 4, 1, 3, 5, 0], 5) == alone
     assert len(set(alone)) > 1
+
+
+def test_grammar_masks_only_constrained_rows():
+    """Constrained rows write JSON valid for their schema; unconstrained rows draw what they draw alone."""
+    import json
+
+    import jsonschema
+
+    from deltaserve.engine.grammar import Grammars
+    from deltaserve.engine.loader import default_model_path
+    from deltaserve.text.structured import schema_grammar
+    from deltaserve.weights import read_tokenizer
+
+    tok = read_tokenizer(default_model_path())
+    schema = {"type": "object", "additionalProperties": False, "required": ["ok", "kind"],
+              "properties": {"ok": {"type": "boolean"}, "kind": {"enum": ["red", "green blue"]}}}
+    grammars = Grammars(tok, tok.vocab_size, frozenset(tok.eos_token_ids))
+
+    @dataclass
+    class GrammarRow(Row):
+        grammar: object = None
+
+    def rows(constrained: bool):
+        out = []
+        for i in range(4):
+            params = SamplingParams(temperature=0.0 if i % 2 else 1.0)
+            row = GrammarRow(params, torch.Generator().manual_seed(i))
+            if constrained and i < 2:
+                row.grammar = (grammars, grammars.matcher(schema_grammar(schema)))
+            out.append(row)
+        return out
+
+    mixed, alone = rows(True), rows(False)
+    eos = set(tok.eos_token_ids)
+    for step in range(40):
+        x = torch.randn(4, tok.vocab_size, generator=torch.Generator().manual_seed(step)) * 3
+        got = sample(x, mixed)
+        ref = sample(x[2:], alone[2:])
+        assert [s.token_id for s in got[2:]] == [s.token_id for s in ref]
+        for row, s in zip(mixed + alone[2:], got + ref):
+            if not row.output_ids or row.output_ids[-1] not in eos:
+                row.output_ids.append(s.token_id)
+    for row in mixed[:2]:
+        assert row.output_ids[-1] in eos, "the grammar ends the output with EOS once the object is complete"
+        jsonschema.validate(json.loads(tok.decode(row.output_ids)), schema)

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from deltaserve.engine.tokenizer import ChatTemplateError, IncrementalDetokenizer, StopStringMatcher, Tokenizer
+from deltaserve.text.tokenizer import ChatTemplateError, IncrementalDetokenizer, StopStringMatcher, Tokenizer
 from deltaserve.weights import CheckpointError, read_tokenizer
 
 transformers = pytest.importorskip("transformers")

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from tokenizers import SentencePieceBPETokenizer
 
-from deltaserve.engine.tokenizer import IncrementalDetokenizer
+from deltaserve.text.tokenizer import IncrementalDetokenizer
 from deltaserve.weights import read_tokenizer
 
 transformers = pytest.importorskip("transformers")

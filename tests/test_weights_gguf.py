@@ -48,7 +48,7 @@ def write_gguf(path: Path, tensors: dict, *, arch: str = "llama", heads: int = 2
     writer.add_rope_freq_base(10000.0)
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("gpt2")
-    from deltaserve.engine.tokenizer import bytes_to_unicode
+    from deltaserve.text.tokenizer import bytes_to_unicode
     tokens = list(bytes_to_unicode().values()) + ["<|end|>"]
     writer.add_token_list(tokens)
     writer.add_token_types([1] * 256 + [3])

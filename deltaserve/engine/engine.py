@@ -22,6 +22,7 @@ from deltaserve.cache.kv_pool import KVPool
 from deltaserve.cache.state_pool import StatePool
 from deltaserve.config import EngineConfig, device_memory_bytes
 from deltaserve.engine.admission import AdmissionPolicy
+from deltaserve.engine.grammar import GrammarError, Grammars
 from deltaserve.engine.loader import LoadedModel, default_model_path, load_model
 from deltaserve.engine.request import Request, RequestStream, SamplingParams, TokenLogprob
 from deltaserve.engine.runner import ModelRunner
@@ -94,6 +95,7 @@ class Engine:
             if c.attention_backend == "paged":
                 paged_cpu.load(self._log)
         self.vocab_size = int(loaded.model.lm_head.out_features)
+        self.grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_token_ids)
         self._cond = threading.Condition()
         self._live: dict[str, Request] = {}
         self._seeds = random.Random(c.seed)  # seeds of requests that name none: reproducible per engine start
@@ -121,6 +123,12 @@ class Engine:
             raise RequestRefused(f"prompt token id {bad[0]} is outside the vocabulary 0..{self.vocab_size - 1}",
                                  400, "invalid_prompt")
         request_id = request_id or uuid.uuid4().hex
+        grammar = None
+        if params.grammar is not None:  # compiled here: a bad grammar is refused, never met inside a step
+            try:
+                grammar = (self.grammars, self.grammars.matcher(params.grammar))
+            except GrammarError as e:
+                raise RequestRefused(str(e), 400, "invalid_grammar") from None
         with self._cond:
             if request_id in self._live and not self._live[request_id].finished:
                 raise RequestRefused(f"request id {request_id!r} is already in use", 400, "duplicate_request_id")
@@ -131,7 +139,7 @@ class Engine:
                 max_new_tokens=min(reservation.max_new_tokens, self.context_length - len(prompt_ids)),
                 reserved_pages=reservation.kv_pages, stream=RequestStream(request_id), tokenizer=self.tokenizer,
                 eos_token_ids=self.eos_token_ids, generator=torch.Generator(self.device).manual_seed(seed),
-                arrival_s=time.monotonic(), reservation=reservation)
+                arrival_s=time.monotonic(), reservation=reservation, grammar=grammar)
             self._live[request_id] = request
             self.scheduler.add(request)
             self._cond.notify_all()

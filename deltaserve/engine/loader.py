@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from deltaserve.engine.tokenizer import Tokenizer
+from deltaserve.text.tokenizer import Tokenizer
 from deltaserve.models import build_model, skip_prefixes
 from deltaserve.models.layers import vocab_in_bfloat16
 from deltaserve.weights import CheckpointError, load_checkpoint, read_config

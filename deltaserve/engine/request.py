@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from deltaserve.engine.tokenizer import IncrementalDetokenizer, StopStringMatcher, Tokenizer
+from deltaserve.text.tokenizer import IncrementalDetokenizer, StopStringMatcher, Tokenizer
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
 
@@ -33,6 +33,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # None: off; 0: the chosen token only; n: plus the top n
     skip_special_tokens: bool = True
+    grammar: str | None = None  # an llguidance grammar (from a JSON schema) the output must follow
 
     def __post_init__(self) -> None:
         problems = []
@@ -169,6 +170,7 @@ class Request:
     num_cached: int = 0  # tokens whose K/V (and GDN state) the caches hold
     finish_reason: str | None = None
     first_token_s: float | None = None
+    grammar: object = None  # (Grammars, its matcher) when params.grammar is set
     detokenizer: IncrementalDetokenizer = field(init=False)
     stop_matcher: StopStringMatcher = field(init=False)
 

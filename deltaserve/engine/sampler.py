@@ -4,6 +4,9 @@ Order (as vLLM and transformers): penalties on the logits, then greedy argmax or
 min-p -> a draw. Each request draws from its own torch.Generator, V exponentials per step (the exponential race:
 argmax(p / e) is a sample from p), so the same seed gives the same tokens whatever else is in the batch.
 
+A request with a grammar (tool_choice required / named, response_format) has its row masked by its own matcher
+before the choice; the other rows of the batch are not touched.
+
 Log-probabilities are those of the raw model distribution (log_softmax of the logits, before penalties and
 temperature): what the OpenAI API documents, and vLLM's default (`raw_logprobs`).
 """
@@ -15,6 +18,7 @@ from typing import Protocol
 
 import torch
 
+from deltaserve.engine.grammar import advance
 from deltaserve.engine.request import SamplingParams
 
 
@@ -23,6 +27,7 @@ class SamplingRow(Protocol):
     generator: torch.Generator
     prompt_ids: list[int]
     output_ids: list[int]
+    grammar: object  # (Grammars, matcher) of a constrained request, else None
 
 
 @dataclass
@@ -40,6 +45,11 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[Sampled]:
         return []
     raw = logits.float()
     x = _apply_penalties(raw, rows)
+    constrained = [i for i, r in enumerate(rows) if getattr(r, "grammar", None) is not None]
+    if constrained:
+        x = x.clone() if x is raw else x  # raw stays unmasked: logprobs are the model's own
+        grammars = rows[constrained[0]].grammar[0]
+        grammars.mask(x, constrained, [rows[i].grammar[1] for i in constrained])
     tokens = torch.empty(len(rows), dtype=torch.long, device=x.device)
     greedy = [i for i, r in enumerate(rows) if r.params.greedy]
     random = [i for i, r in enumerate(rows) if not r.params.greedy]
@@ -50,6 +60,9 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[Sampled]:
         index = torch.tensor(random, device=x.device)
         probs = _filtered_probs(x.index_select(0, index), [rows[i].params for i in random])
         tokens[index] = _draw(probs, [rows[i].generator for i in random])
+    if constrained:
+        chosen = tokens.tolist()
+        advance([rows[i].grammar[1] for i in constrained], [chosen[i] for i in constrained])
     return _with_logprobs(raw, tokens, rows)
 
 

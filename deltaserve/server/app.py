@@ -29,14 +29,18 @@ from starlette.requests import ClientDisconnect
 
 from deltaserve.config import EngineConfig
 from deltaserve.engine.engine import Engine, QueueFull, RequestRefused
-from deltaserve.engine.request import RequestStream
-from deltaserve.engine.tokenizer import ChatTemplateError
-from deltaserve.server import protocol
+from deltaserve.engine.request import RequestStream, SamplingParams
+from deltaserve.text.tokenizer import ChatTemplateError
+from deltaserve.server import anthropic, protocol
 from deltaserve.server.generation import EventStream, Generation, GenerationFailed, chat_events, completion_events
+from deltaserve.server.chat_setup import OutputRequestError, chat_output
 from deltaserve.server.metrics import ServerMetrics
+from deltaserve.text.chat_output import ChatOutputParser, parse_whole
 
+ANTHROPIC_PATH = "/v1/messages"
 DISCONNECT_POLL_S = 0.1  # how often a non-streamed request checks that its client is still there
 LOADING_RETRY_AFTER_S = 5
+STOP_TAIL_TOKENS = 16  # decoded end of an output, where a stop sequence that ended it is found
 
 
 class ApiError(Exception):
@@ -95,7 +99,10 @@ def create_app(config: EngineConfig, *, load_engine: Callable[[EngineConfig], En
 
     def load_in_thread() -> None:
         try:
+            template = _read_chat_template(config)
             engine = load(config)
+            if template is not None:
+                engine.tokenizer.use_chat_template(template)
             engine.start()
             state.engine = engine
             log(f"deltaserve: ready, serving {state.served_name()!r}")
@@ -121,29 +128,42 @@ def create_app(config: EngineConfig, *, load_engine: Callable[[EngineConfig], En
     return app
 
 
+def _read_chat_template(config: EngineConfig) -> str | None:
+    """--chat-template FILE, read before the model loads so a wrong path fails at once."""
+    if config.chat_template is None:
+        return None
+    try:
+        return open(config.chat_template, encoding="utf-8").read()
+    except OSError as e:
+        raise OSError(f"--chat-template {config.chat_template}: {e.strerror}") from None
+
+
 def _add_error_handlers(app: FastAPI, state: ServerState) -> None:
-    def error_response(status: int, message: str, param=None, code=None, headers=None) -> JSONResponse:
+    def error_response(request: Request, status: int, message: str, param=None, code=None,
+                       headers=None) -> JSONResponse:
         type_ = protocol.error_type(status)
         state.metrics.errors.labels(str(status), type_).inc()
+        if request.url.path.startswith(ANTHROPIC_PATH):  # Anthropic's clients read their own error shape
+            return JSONResponse(anthropic.error_body(status, message), status_code=status, headers=headers)
         return JSONResponse(protocol.error_body(message, type_, param, code), status_code=status, headers=headers)
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, e: ApiError):
-        return error_response(e.status, e.message, e.param, e.code, e.headers)
+        return error_response(request, e.status, e.message, e.param, e.code, e.headers)
 
     @app.exception_handler(protocol.ProtocolError)
     async def bad_request(request: Request, e: protocol.ProtocolError):
-        return error_response(400, e.message, e.param)
+        return error_response(request, 400, e.message, e.param)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, e: StarletteHTTPException):
         message = f"{request.method} {request.url.path}: {e.detail}"
-        return error_response(e.status_code, message, headers=getattr(e, "headers", None))
+        return error_response(request, e.status_code, message, headers=getattr(e, "headers", None))
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, e: RequestValidationError):
         problem = e.errors()[0] if e.errors() else {"msg": "invalid request"}
-        return error_response(400, f"{'.'.join(map(str, problem.get('loc', ())))}: {problem['msg']}")
+        return error_response(request, 400, f"{'.'.join(map(str, problem.get('loc', ())))}: {problem['msg']}")
 
     @app.exception_handler(ClientDisconnect)
     async def client_left(request: Request, e: ClientDisconnect):
@@ -152,7 +172,7 @@ def _add_error_handlers(app: FastAPI, state: ServerState) -> None:
     @app.exception_handler(Exception)
     async def internal_error(request: Request, e: Exception):
         state.log(f"deltaserve: internal error in {request.method} {request.url.path}:\n{traceback.format_exc()}")
-        return error_response(500, f"internal error: {type(e).__name__}: {e}", code="internal_error")
+        return error_response(request, 500, f"internal error: {type(e).__name__}: {e}", code="internal_error")
 
 
 def _add_routes(app: FastAPI, state: ServerState) -> None:
@@ -162,6 +182,8 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
             return
         given = request.headers.get("authorization", "")
         scheme, _, token = given.partition(" ")
+        if not given and request.headers.get("x-api-key"):  # Anthropic's clients send the key this way
+            given, scheme, token = "x-api-key", "bearer", request.headers["x-api-key"]
         if not given or scheme.lower() != "bearer":
             raise ApiError(401, "missing API key: send the header 'Authorization: Bearer <key>'",
                            code="invalid_api_key")
@@ -202,23 +224,90 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         state.metrics.requests.labels("chat").inc()
         req = protocol.parse_request(protocol.ChatCompletionRequest, await _read_json(request, state.config))
         state.check_model(req.model)
-        messages = protocol.chat_messages(req)
-        try:
-            prompt_ids = await asyncio.to_thread(engine.tokenizer.encode_chat, messages, req.add_generation_prompt,
-                                                 **protocol.chat_template_kwargs(req))
-        except ChatTemplateError as e:
-            raise ApiError(400, f"messages: {e}", param="messages") from None
-        except Exception as e:  # the template ran on the client's data (messages, tools, chat_template_kwargs)
-            raise ApiError(400, f"messages: the chat template failed on this request: {type(e).__name__}: {e}",
-                           param="messages") from None
-        gen = _submit(state, engine, [prompt_ids], req, received_s)
+        prompt_ids = await asyncio.to_thread(_encode_chat, engine, protocol.chat_messages(req),
+                                             req.add_generation_prompt, protocol.chat_template_kwargs(req))
+        settings, grammar = _openai_chat_output(state, engine, req, prompt_ids)
+        gen = _submit(state, engine, [prompt_ids], req, received_s, grammar)
         meta = protocol.ResponseMeta(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), state.served_name())
         token_bytes = engine.tokenizer.token_bytes
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return EventStream(chat_events(gen, meta, include_usage, token_bytes), gen)
+            parsers = [ChatOutputParser(settings) for _ in gen.streams]
+            return EventStream(chat_events(gen, meta, include_usage, token_bytes, parsers), gen)
         await _collect(request, gen, state)
-        return protocol.chat_completion(meta, gen.results(), gen.usage(), token_bytes)
+        results = gen.results()
+        for result in results:
+            result.reasoning, result.text, result.tool_calls = parse_whole(settings, result.text)
+        return protocol.chat_completion(meta, results, gen.usage(), token_bytes)
+
+    @app.post("/v1/messages", **v1)
+    async def messages(request: Request):
+        received_s = time.monotonic()
+        engine = state.ready_engine()
+        state.metrics.requests.labels("messages").inc()
+        req = anthropic.parse(anthropic.MessagesRequest, await _read_json(request, state.config))
+        state.check_model(req.model)
+        chat = anthropic.to_chat(req)
+        prompt_ids = await asyncio.to_thread(_encode_chat, engine, chat.messages, True, chat.template_kwargs)
+        try:
+            settings, grammar = chat_output(state.config, engine.tokenizer, prompt_ids, tools=chat.tools,
+                                            tool_choice=chat.tool_choice, forced_name=chat.forced_name,
+                                            parallel=chat.parallel)
+        except OutputRequestError as e:
+            raise ApiError(400, e.message, param=e.param) from None
+        gen = _submit(state, engine, [prompt_ids], req, received_s, params=anthropic.sampling_params(req, grammar))
+        msg_id, model = f"msg_{uuid.uuid4().hex}", state.served_name()
+
+        def finish_info() -> tuple[str | None, bool, str]:
+            ids = gen.token_ids[0]
+            return (gen.finish_reasons[0], bool(ids) and ids[-1] in engine.eos_token_ids,
+                    engine.tokenizer.decode(ids[-STOP_TAIL_TOKENS:]))
+
+        if req.stream:
+            outputs = (out async for _, out in gen.events())
+            return EventStream(anthropic.stream_events(outputs, ChatOutputParser(settings), msg_id, model,
+                                                       len(prompt_ids), finish_info, req), gen)
+        await _collect(request, gen, state)
+        reasoning, text, calls = parse_whole(settings, gen.results()[0].text)
+        finish, eos, tail = finish_info()
+        stop = anthropic.matched_stop(req, finish, eos, tail)
+        return anthropic.message_body(msg_id, model, reasoning, text, calls,
+                                      anthropic.stop_reason(finish, bool(calls), stop), stop, len(prompt_ids),
+                                      gen.usage().completion_tokens)
+
+    @app.post("/v1/messages/count_tokens", **v1)
+    async def count_tokens(request: Request):
+        engine = state.ready_engine()
+        req = anthropic.parse(anthropic.CountTokensRequest, await _read_json(request, state.config))
+        state.check_model(req.model)
+        chat = anthropic.to_chat(req)
+        ids = await asyncio.to_thread(_encode_chat, engine, chat.messages, True, chat.template_kwargs)
+        return {"input_tokens": len(ids)}
+
+    @app.post("/tokenize", openapi_extra=_body_schema("TokenizeRequest"), **v1)
+    async def tokenize(request: Request):
+        engine = state.ready_engine()
+        req = protocol.parse_request(protocol.TokenizeRequest, await _read_json(request, state.config))
+        state.check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise ApiError(400, "send exactly one of 'prompt' and 'messages'", param="prompt")
+        if req.prompt is not None:
+            ids = await asyncio.to_thread(engine.tokenizer.encode, req.prompt, req.add_special_tokens)
+        else:
+            ids = await asyncio.to_thread(_encode_chat, engine, protocol.chat_messages(req),
+                                          req.add_generation_prompt, protocol.chat_template_kwargs(req))
+        return {"count": len(ids), "max_model_len": engine.context_length, "tokens": ids}
+
+    @app.post("/detokenize", openapi_extra=_body_schema("DetokenizeRequest"), **v1)
+    async def detokenize(request: Request):
+        engine = state.ready_engine()
+        req = protocol.parse_request(protocol.DetokenizeRequest, await _read_json(request, state.config))
+        state.check_model(req.model)
+        bad = next((t for t in req.tokens if t >= engine.tokenizer.vocab_size), None)
+        if bad is not None:
+            raise ApiError(400, f"tokens: token id {bad} is outside the vocabulary "
+                                f"(0..{engine.tokenizer.vocab_size - 1})", param="tokens")
+        return {"prompt": engine.tokenizer.decode(req.tokens, skip_special_tokens=False)}
 
     @app.post("/v1/completions", openapi_extra=_body_schema("CompletionRequest"), **v1)
     async def completions(request: Request):
@@ -310,9 +399,37 @@ def _completion_prompts(engine: Engine, prompt) -> list[list[int]]:
     return prompts
 
 
-def _submit(state: ServerState, engine: Engine, prompts: list[list[int]], req, received_s: float) -> Generation:
-    """One engine request per (prompt, choice); refused as a whole if any part is refused."""
-    if len(prompts) * req.n > protocol.MAX_CHOICES:
+def _encode_chat(engine: Engine, messages: list[dict], add_generation_prompt: bool, kwargs: dict) -> list[int]:
+    """The chat's prompt ids; a template that refuses the client's data is a 400 naming `messages`."""
+    try:
+        return engine.tokenizer.encode_chat(messages, add_generation_prompt, **kwargs)
+    except ChatTemplateError as e:
+        raise ApiError(400, f"messages: {e}", param="messages") from None
+    except Exception as e:  # the template ran on the client's data (messages, tools, chat_template_kwargs)
+        raise ApiError(400, f"messages: the chat template failed on this request: {type(e).__name__}: {e}",
+                       param="messages") from None
+
+
+def _openai_chat_output(state: ServerState, engine: Engine, req, prompt_ids: list[int]):
+    """The output settings and grammar of an OpenAI chat request (tool_choice, response_format)."""
+    forced = protocol.forced_tool(req)
+    choice = forced[0] if forced else (req.tool_choice or "auto")
+    try:
+        return chat_output(state.config, engine.tokenizer, prompt_ids, tools=req.tools, tool_choice=choice,
+                           forced_name=forced[1] if forced else None,
+                           response_schema=protocol.response_format_schema(req),
+                           parallel=req.parallel_tool_calls is not False)
+    except OutputRequestError as e:
+        raise ApiError(400, e.message, param=e.param) from None
+
+
+def _submit(state: ServerState, engine: Engine, prompts: list[list[int]], req, received_s: float,
+            grammar: str | None = None, params: SamplingParams | None = None) -> Generation:
+    """One engine request per (prompt, choice); refused as a whole if any part is refused.
+
+    `params` (one choice) replaces the OpenAI request's own sampling fields (the Anthropic route)."""
+    choices = 1 if params is not None else req.n
+    if len(prompts) * choices > protocol.MAX_CHOICES:
         raise ApiError(400, f"n × prompts = {req.n} × {len(prompts)} exceeds the limit of {protocol.MAX_CHOICES} "
                             f"choices per request", param="n")
     base_id = uuid.uuid4().hex
@@ -320,9 +437,9 @@ def _submit(state: ServerState, engine: Engine, prompts: list[list[int]], req, r
     choice_prompt = []
     try:
         for p, prompt_ids in enumerate(prompts):
-            for j in range(req.n):
-                params = protocol.sampling_params(req, j)
-                streams.append(engine.submit(prompt_ids, params, request_id=f"{base_id}-{len(streams)}"))
+            for j in range(choices):
+                choice_params = params or protocol.sampling_params(req, j, grammar)
+                streams.append(engine.submit(prompt_ids, choice_params, request_id=f"{base_id}-{len(streams)}"))
                 choice_prompt.append(p)
     except RequestRefused as e:
         _abort_all(engine, streams)

@@ -14,6 +14,7 @@ from deltaserve.engine.engine import Engine
 from deltaserve.engine.request import RequestOutput, RequestStream, TokenLogprob
 from deltaserve.server import protocol
 from deltaserve.server.metrics import ServerMetrics
+from deltaserve.text.chat_output import ChatOutputParser, OutputDelta
 
 
 class GenerationFailed(Exception):
@@ -37,6 +38,7 @@ class Generation:
         self.logprobs: list[list[TokenLogprob] | None] = [None] * count
         self.finish_reasons: list[str | None] = [None] * count
         self.completion_tokens = [0] * count
+        self.token_ids: list[list[int]] = [[] for _ in range(count)]  # each choice's output ids (stop reasons)
         self._seen_token = [False] * count
         self._closed = False
         self.failed = False
@@ -85,6 +87,7 @@ class Generation:
             self._seen_token[i] = True
             self.metrics.time_to_first_token.observe(now_s - self.received_s)
         self.texts[i].append(out.text)
+        self.token_ids[i] += out.token_ids
         if out.logprobs:
             self.logprobs[i] = (self.logprobs[i] or []) + list(out.logprobs)
         self.completion_tokens[i] = max(self.completion_tokens[i], out.completion_tokens)
@@ -118,18 +121,29 @@ class Generation:
 
 
 async def chat_events(gen: Generation, meta: protocol.ResponseMeta, include_usage: bool,
-                      token_bytes: Callable[[int], bytes]) -> AsyncIterator[bytes]:
-    """The chat stream: each choice's role, its text deltas (with logprobs), its finish; usage; [DONE]."""
+                      token_bytes: Callable[[int], bytes],
+                      parsers: list[ChatOutputParser] | None = None) -> AsyncIterator[bytes]:
+    """The chat stream: each choice's role, its deltas (text, reasoning, tool calls, with logprobs), its finish;
+    usage; [DONE]. `parsers[i]` splits choice i's text (none: the text is all content)."""
     for i in range(len(gen.streams)):
         yield protocol.chat_chunk(meta, i, role=True)
     async for i, out in _failures_as_events(gen):
         if isinstance(out, bytes):
             yield out
             return
-        if out.text or out.logprobs:
-            yield protocol.chat_chunk(meta, i, text=out.text, logprobs=out.logprobs, token_bytes=token_bytes)
+        parser = parsers[i] if parsers else None
+        delta = parser.push(out.text) if parser else OutputDelta(content=out.text)
+        if out.finished and parser:
+            rest = parser.flush()
+            delta = OutputDelta(delta.reasoning + rest.reasoning, delta.content + rest.content,
+                                delta.calls + rest.calls)
+        if delta or out.logprobs:
+            yield protocol.chat_chunk(meta, i, text=delta.content or (None if delta.reasoning or delta.calls else ""),
+                                      reasoning=delta.reasoning, calls=delta.calls, logprobs=out.logprobs,
+                                      token_bytes=token_bytes)
         if out.finished:
-            yield protocol.chat_chunk(meta, i, text=None, finish=out.finish_reason)
+            yield protocol.chat_chunk(meta, i, text=None, finish=out.finish_reason,
+                                      called=bool(parser and parser.called))
     if include_usage:
         yield protocol.chat_usage_chunk(meta, gen.usage())
     yield protocol.SSE_DONE

@@ -24,7 +24,7 @@ MAX_STOPS = 16
 MAX_TOP_LOGPROBS = 20
 LOGPROB_FLOOR = -9999.0  # JSON has no -inf; OpenAI reports impossible tokens this way
 
-FinishReason = Literal["stop", "length"]
+FinishReason = Literal["stop", "length", "tool_calls"]
 TokenId = Annotated[int, Field(ge=0, le=MAX_COUNT)]
 Text = Annotated[str, Field(min_length=1)]
 # Checked in _check_common with a clearer message than pydantic's; the schema still states the rule.
@@ -88,6 +88,8 @@ class ChatCompletionRequest(_SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
     response_format: dict[str, Any] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
 
 
 class CompletionRequest(_SamplingFields):
@@ -120,10 +122,23 @@ class ChatLogprobs(BaseModel):
     refusal: None = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
     refusal: None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCallOut] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -146,11 +161,15 @@ class ChatCompletion(BaseModel):
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
 
     @model_serializer
     def _present_only(self) -> dict:
         # OpenAI sends `{}` as the delta of a finish chunk, not nulls.
-        return {k: v for k, v in (("role", self.role), ("content", self.content)) if v is not None}
+        fields = (("role", self.role), ("content", self.content), ("reasoning_content", self.reasoning_content),
+                  ("tool_calls", self.tool_calls))
+        return {k: v for k, v in fields if v is not None}
 
 
 class ChatChunkChoice(BaseModel):
@@ -192,6 +211,23 @@ class Completion(BaseModel):
     usage: Usage | None = None
 
 
+class TokenizeRequest(_Body):
+    """vLLM's /tokenize: a prompt, or chat messages rendered by the chat template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = True
+    tools: list[dict[str, Any]] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class DetokenizeRequest(_Body):
+    model: str | None = None
+    tokens: list[TokenId]
+
+
 class ModelCard(BaseModel):
     id: str
     object: Literal["model"] = "model"
@@ -225,7 +261,7 @@ class ProtocolError(ValueError):
         self.param = param
 
 
-REQUEST_MODELS = (ChatCompletionRequest, CompletionRequest)
+REQUEST_MODELS = (ChatCompletionRequest, CompletionRequest, TokenizeRequest, DetokenizeRequest)
 SSE_DONE = b"data: [DONE]\n\n"
 
 
@@ -235,7 +271,8 @@ def parse_request(model: type[_Body], body: Any) -> _Body:
         request = model.model_validate(body)
     except ValidationError as e:
         raise ProtocolError(*validation_message(e)) from None
-    _check_common(request)
+    if isinstance(request, _SamplingFields):
+        _check_common(request)
     return request
 
 
@@ -303,8 +340,8 @@ def _check_common(req: _SamplingFields) -> None:
     if isinstance(req, ChatCompletionRequest):
         if req.top_logprobs is not None and not req.logprobs:
             raise ProtocolError("top_logprobs: requires logprobs to be true", "top_logprobs")
-        if req.response_format and req.response_format.get("type", "text") != "text":
-            raise ProtocolError("response_format: only {'type': 'text'} is supported", "response_format")
+        response_format_schema(req)
+        forced_tool(req)
     if isinstance(req, CompletionRequest):
         if req.suffix:
             raise ProtocolError("suffix: insertion (a suffix after the completion) is not supported", "suffix")
@@ -328,6 +365,9 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict]:
     for i, message in enumerate(req.messages):
         item = message.model_dump(exclude_none=True)
         item.setdefault("content", "")  # templates read message.content even where the API allows null
+        if message.tool_calls:
+            item["tool_calls"] = [_template_tool_call(call, f"messages[{i}].tool_calls[{j}]")
+                                  for j, call in enumerate(message.tool_calls)]
         if isinstance(message.content, list):
             texts = []
             for j, part in enumerate(message.content):
@@ -339,6 +379,60 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict]:
             item["content"] = "".join(texts)
         out.append(item)
     return out
+
+
+def _template_tool_call(call: dict, where: str) -> dict:
+    """A prior call as templates read it: arguments as an object (the API sends them as a JSON string)."""
+    function = call.get("function")
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise ProtocolError(f"{where}: a tool call needs function.name", where)
+    arguments = function.get("arguments", "{}")
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments or "{}")
+        except ValueError as e:
+            raise ProtocolError(f"{where}.function.arguments: not valid JSON: {e}", where) from None
+    return {**call, "type": call.get("type", "function"), "function": {**function, "arguments": arguments}}
+
+
+def response_format_schema(req: ChatCompletionRequest) -> dict | None:
+    """The JSON schema `response_format` asks for (json_object: any object), None for text."""
+    fmt = req.response_format
+    if not fmt or fmt.get("type", "text") == "text":
+        return None
+    if fmt.get("type") == "json_object":
+        return {"type": "object"}
+    if fmt.get("type") == "json_schema":
+        spec = fmt.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+            raise ProtocolError("response_format.json_schema: must be an object with a 'schema' object",
+                                "response_format")
+        return spec.get("schema") or {"type": "object"}
+    raise ProtocolError(f"response_format.type: {fmt.get('type')!r} is not supported: choose text, json_object "
+                        f"or json_schema", "response_format")
+
+
+def tool_names(req: ChatCompletionRequest) -> list[str]:
+    return [t.get("function", {}).get("name") for t in req.tools or [] if isinstance(t, dict)]
+
+
+def forced_tool(req: ChatCompletionRequest) -> tuple[str, str | None] | None:
+    """("required", None) or ("named", name) when tool_choice forces a call; None for auto / none."""
+    choice = req.tool_choice
+    if choice is None or choice in ("auto", "none"):
+        return None
+    if not req.tools:
+        raise ProtocolError(f"tool_choice: {json.dumps(choice)} needs a non-empty 'tools' list", "tool_choice")
+    if choice == "required":
+        return "required", None
+    name = (choice.get("function") or {}).get("name") if isinstance(choice, dict) else None
+    if not isinstance(name, str):
+        raise ProtocolError("tool_choice: must be 'none', 'auto', 'required' or "
+                            "{'type': 'function', 'function': {'name': ...}}", "tool_choice")
+    if name not in tool_names(req):
+        raise ProtocolError(f"tool_choice: function {name!r} is not among the tools "
+                            f"({', '.join(map(str, tool_names(req)))})", "tool_choice")
+    return "named", name
 
 
 def chat_template_kwargs(req: ChatCompletionRequest) -> dict[str, Any]:
@@ -363,7 +457,7 @@ def logprobs_count(req: _SamplingFields) -> int | None:
     return req.logprobs
 
 
-def sampling_params(req: _SamplingFields, choice: int) -> SamplingParams:
+def sampling_params(req: _SamplingFields, choice: int, grammar: str | None = None) -> SamplingParams:
     """SamplingParams for one choice; choices of one request differ by seed (seed + choice)."""
     options: dict[str, Any] = {
         "max_tokens": max_new_tokens(req), "temperature": req.temperature, "top_p": req.top_p,
@@ -372,7 +466,7 @@ def sampling_params(req: _SamplingFields, choice: int) -> SamplingParams:
         "seed": None if req.seed is None else (req.seed + choice) % 2**63,
         "stop": stop_strings(req), "stop_token_ids": tuple(req.stop_token_ids or ()),
         "ignore_eos": req.ignore_eos, "logprobs": logprobs_count(req),
-        "skip_special_tokens": req.skip_special_tokens,
+        "skip_special_tokens": req.skip_special_tokens, "grammar": grammar,
     }
     if req.top_k is not None and req.top_k <= 0:
         options["top_k"] = None  # -1 / 0 mean "no top-k" in the OpenAI-compatible dialects
@@ -408,8 +502,10 @@ def completion_logprobs(entries: list[TokenLogprob], text_start: int) -> Complet
         top_logprobs=[{text: _logprob(lp) for _, text, lp in e.top} for e in entries], text_offset=offsets)
 
 
-def finish_reason(engine_reason: str | None) -> FinishReason | None:
-    """The engine's "stop"/"length" pass through; it ends no request otherwise without an error."""
+def finish_reason(engine_reason: str | None, called: bool = False) -> FinishReason | None:
+    """The engine's "stop"/"length" pass through ("tool_calls" when the turn ended in calls)."""
+    if engine_reason == "stop" and called:
+        return "tool_calls"
     return engine_reason if engine_reason in ("stop", "length") else None
 
 
@@ -430,26 +526,47 @@ class ChoiceResult:
     text: str
     finish_reason: str | None
     logprobs: list[TokenLogprob] | None
+    reasoning: str | None = None
+    tool_calls: list | None = None  # text.tool_parsers.ToolCall
 
 
 def chat_completion(meta: ResponseMeta, choices: list[ChoiceResult], totals: Usage,
                     token_bytes: Callable[[int], bytes]) -> dict:
     """The non-streamed chat body."""
     return ChatCompletion(id=meta.id, created=meta.created, model=meta.model, usage=totals, choices=[
-        ChatChoice(index=c.index, message=AssistantMessage(content=c.text),
-                   finish_reason=finish_reason(c.finish_reason),
+        ChatChoice(index=c.index, message=AssistantMessage(
+            content=c.text if c.text or not c.tool_calls else None, reasoning_content=c.reasoning or None,
+            tool_calls=_tool_calls_out(c.tool_calls)),
+                   finish_reason=finish_reason(c.finish_reason, bool(c.tool_calls)),
                    logprobs=None if c.logprobs is None else chat_logprobs(c.logprobs, token_bytes))
         for c in choices]).model_dump()
 
 
+def _tool_calls_out(calls: list | None) -> list[ToolCallOut] | None:
+    """Parsed calls (text.tool_parsers.ToolCall) as the message's tool_calls; None when there are none."""
+    if not calls:
+        return None
+    return [ToolCallOut(id=t.id, function=FunctionCall(name=t.name, arguments=t.arguments)) for t in calls]
+
+
 def chat_chunk(meta: ResponseMeta, index: int, *, role: bool = False, text: str | None = None,
                logprobs: list[TokenLogprob] | None = None, finish: str | None = None,
-               token_bytes: Callable[[int], bytes] | None = None) -> bytes:
-    """One streamed chat event for one choice: the role, a text delta (with its logprobs), or the finish."""
-    delta = ChatDelta(role="assistant", content="") if role else ChatDelta(content=text)
-    choice = ChatChunkChoice(index=index, delta=delta, finish_reason=finish_reason(finish),
+               token_bytes: Callable[[int], bytes] | None = None, reasoning: str | None = None,
+               calls: list | None = None, called: bool = False) -> bytes:
+    """One streamed chat event for one choice: the role, a delta (text, reasoning, tool-call pieces with OpenAI's
+    index / id / name first, then argument fragments), or the finish."""
+    delta = ChatDelta(role="assistant", content="") if role else ChatDelta(
+        content=text, reasoning_content=reasoning or None, tool_calls=[_call_delta(d) for d in calls] if calls else None)
+    choice = ChatChunkChoice(index=index, delta=delta, finish_reason=finish_reason(finish, called),
                              logprobs=None if logprobs is None else chat_logprobs(logprobs, token_bytes))
     return sse_event(ChatCompletionChunk(id=meta.id, created=meta.created, model=meta.model, choices=[choice]))
+
+
+def _call_delta(d) -> dict:
+    """A text.tool_parsers.ToolDelta as OpenAI's streamed tool_calls item."""
+    if d.name is not None:
+        return {"index": d.index, "id": d.id, "type": "function", "function": {"name": d.name, "arguments": ""}}
+    return {"index": d.index, "function": {"arguments": d.arguments}}
 
 
 def chat_usage_chunk(meta: ResponseMeta, totals: Usage) -> bytes:

@@ -7,7 +7,7 @@ __all__ = ["Checkpoint", "CheckpointError", "TensorInfo", "load_checkpoint", "re
 
 
 def __getattr__(name: str):
-    # Lazy: engine.tokenizer imports weights.errors, and checkpoint imports engine.tokenizer.
+    # Lazy: text.tokenizer imports weights.errors, and checkpoint imports text.tokenizer.
     if name in __all__:
         from deltaserve.weights import checkpoint
 

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import torch
 
-from deltaserve.engine.tokenizer import Tokenizer
+from deltaserve.text.tokenizer import Tokenizer
 from deltaserve.weights import gguf, hf
 from deltaserve.weights.errors import CheckpointError
 

@@ -11,7 +11,7 @@ from gguf import GGUFReader
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as Backend
 
-from deltaserve.engine.tokenizer import Tokenizer, bos_eos_processor, bytes_to_unicode
+from deltaserve.text.tokenizer import Tokenizer, bos_eos_processor, bytes_to_unicode
 from deltaserve.weights.errors import CheckpointError
 
 CONTROL, USER_DEFINED = 3, 4  # llama.cpp token types

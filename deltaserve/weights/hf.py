@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from deltaserve.engine.tokenizer import Tokenizer
+from deltaserve.text.tokenizer import Tokenizer
 from deltaserve.weights.errors import CheckpointError
 
 INDEX_FILE = "model.safetensors.index.json"

@@ -126,6 +126,10 @@ class Tokenizer:
         except jinja2.TemplateError as e:
             raise ChatTemplateError(f"chat template refused the messages: {e}") from e
 
+    def use_chat_template(self, template: str) -> None:
+        """Render chats with `template` (--chat-template) instead of the model's own."""
+        self.chat_template, self._compiled_template = template, None
+
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> list[int]:
         """Ids of the rendered chat; one BOS when the model wants it, even if the template wrote it."""
         ids = self.encode(self.apply_chat_template(messages, add_generation_prompt, **kwargs),
