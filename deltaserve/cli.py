@@ -1,4 +1,4 @@
-"""`deltaserve serve | generate | plan | stress`: one entry point, each command's code lives with its owner."""
+"""`deltaserve serve | generate | plan | stress | up`: one entry point, each command's code lives with its owner."""
 
 from __future__ import annotations
 
@@ -84,6 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generate(sub)
     _add_delegated(sub, "plan", "deltaserve.plan", "print the memory ledger for a model and settings")
     _add_delegated(sub, "stress", "deltaserve.stress.cli", "load-test an OpenAI-compatible server")
+    _add_delegated(sub, "up", "deltaserve.deploy.up", "start a deployment (deploy.toml): instances and router")
     return parser
 
 

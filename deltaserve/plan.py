@@ -23,6 +23,7 @@ from deltaserve.models.spec import SpecError, spec_from_checkpoint, spec_from_co
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The engine's flags plus the plan's own."""
     add_engine_arguments(parser)
+    parser.add_argument("deploy_file", nargs="?", help="a deploy.toml: plan every instance side by side instead")
     g = parser.add_argument_group("plan")
     g.add_argument("--quant", help="for a config.json alone: scheme of the linear layers, e.g. w4a16-g128, none")
     g.add_argument("--embed-quant", help="for a config.json alone: embedding scheme, e.g. int8, int4, none")
@@ -35,6 +36,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run the plan; 0 on success, 2 with one line on stderr for bad input or a ledger that does not fit."""
+    if args.deploy_file:
+        return _run_deployment(args.deploy_file)
     try:
         config = EngineConfig.from_args(args)
         spec = load_spec(config.model, args.quant, args.embed_quant, args.lm_head_quant)
@@ -54,6 +57,19 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(budget.to_json(), indent=2))
     else:
         print(report(spec, budget, costs, args.request_context, config.model))
+    return 0
+
+
+def _run_deployment(path: str) -> int:
+    from deltaserve.deploy.plan import plan_deployment, report as deployment_report
+    from deltaserve.deploy.schema import load_deployment
+
+    try:
+        deployment = load_deployment(path)
+        print(deployment_report(deployment, plan_deployment(deployment)))
+    except (ConfigError, SpecError, BudgetError) as e:
+        print(f"deltaserve plan: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -31,7 +31,7 @@ from deltaserve.config import EngineConfig
 from deltaserve.engine.engine import Engine, QueueFull, RequestRefused
 from deltaserve.engine.request import RequestStream, SamplingParams
 from deltaserve.text.tokenizer import ChatTemplateError
-from deltaserve.server import anthropic, protocol
+from deltaserve.server import anthropic, protocol, router_info
 from deltaserve.server.generation import EventStream, Generation, GenerationFailed, chat_events, completion_events
 from deltaserve.server.chat_setup import OutputRequestError, chat_output
 from deltaserve.server.metrics import ServerMetrics
@@ -216,6 +216,21 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     async def budget():
         budget_json = state.ready_engine().budget.to_json()
         return json.loads(budget_json) if isinstance(budget_json, str) else budget_json
+
+    # What a router (sglang-router) asks of a worker: its served model name, its model, its load.
+    @app.get("/server_info", **v1)
+    @app.get("/get_server_info", include_in_schema=False, **v1)
+    async def server_info():
+        return router_info.server_info(state.ready_engine(), state.served_name())
+
+    @app.get("/model_info", **v1)
+    @app.get("/get_model_info", include_in_schema=False, **v1)
+    async def model_info():
+        return router_info.model_info(state.ready_engine())
+
+    @app.get("/get_load", **v1)
+    async def get_load():
+        return [router_info.load(state.ready_engine())]
 
     @app.post("/v1/chat/completions", openapi_extra=_body_schema("ChatCompletionRequest"), **v1)
     async def chat_completions(request: Request):

@@ -1,0 +1,220 @@
+"""`deltaserve up deploy.toml`: start every instance as its own process, put vllm-router in front, keep them running.
+
+Each instance is `deltaserve serve` with its table's flags, logging to its own file. `up` waits until each answers
+GET /health 200, then starts the router (vllm-router in its multi-model mode) and registers each instance with it;
+the router reads the instance's /server_info and routes requests by their `model` to the instances of that role.
+A crashed instance is started again after a backoff that doubles per restart (1 s .. max_restart_backoff_s), its
+restarts counted in the log and in Prometheus (`deltaserve_deploy_restarts_total{instance}`) when
+[supervisor] metrics_port is set, and registered again. Ctrl-C or SIGTERM stops the router and sends SIGTERM to
+every instance, which drains (each ends its streams within its --shutdown-timeout), then exits 0.
+
+Why vllm-router: both routers install from PyPI as binary wheels and both read /server_info, but sglang-router 0.3.2
+ignores the request's model name in its regular mode, and its multi-model mode panics at start on a machine without
+internet (it downloads a tokenizer vocabulary); vllm-router 0.1.17's multi-model mode routes by model name offline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+from deltaserve.deploy.plan import plan_deployment, report
+from deltaserve.deploy.schema import Deployment, DeployError, Instance, load_deployment
+
+HTTP = httpx.Client(trust_env=False)  # the instances and the router are local: never through a proxy
+POLL_S = 0.5
+STOP_GRACE_S = 60.0  # beyond the instances' own shutdown timeouts, before a stopped instance is killed
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("deploy_file", help="the deployment (deploy.toml): instances, router, supervisor")
+    parser.add_argument("--no-router", action="store_true", help="start the instances only")
+
+
+def run(args: argparse.Namespace) -> int:
+    deployment = load_deployment(args.deploy_file)
+    print(report(deployment, plan_deployment(deployment)), flush=True)
+    supervisor = Supervisor(deployment, use_router=not args.no_router)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: supervisor.request_stop())
+    return supervisor.run()
+
+
+class Child:
+    """One supervised process: how to start it, the process, its restarts."""
+
+    def __init__(self, name: str, argv: list[str], log_path: Path):
+        self.name, self.argv, self.log_path = name, argv, log_path
+        self.process: subprocess.Popen | None = None
+        self.restarts = 0
+        self.next_start_s = 0.0
+
+    def start(self) -> None:
+        log = open(self.log_path, "ab")
+        # its own process group: a Ctrl-C in up's terminal reaches up alone, which stops the children in order
+        self.process = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                        start_new_session=True)
+        log.close()
+
+    @property
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def signal(self, sig: int) -> None:
+        if self.alive:
+            self.process.send_signal(sig)
+
+
+class Supervisor:
+    def __init__(self, deployment: Deployment, *, use_router: bool = True, log=None):
+        self.deployment = deployment
+        self.settings = deployment.supervisor
+        self.log = log or (lambda msg: print(f"deltaserve up: {msg}", file=sys.stderr, flush=True))
+        self.log_dir = Path(self.settings.log_dir)
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.instances = {i.name: Child(i.name, _serve_argv(i), self.log_dir / f"{i.name}.log")
+                          for i in deployment.instances}
+        self.specs = {i.name: i for i in deployment.instances}
+        self.router = deployment.router if use_router else None
+        self.router_child = (Child("router", _router_argv(self.router), self.log_dir / "router.log")
+                             if self.router else None)
+        self._stop = threading.Event()
+        self._restarts_metric = None
+        if self.settings.metrics_port is not None:
+            from prometheus_client import CollectorRegistry, Counter, start_http_server
+
+            registry = CollectorRegistry()
+            self._restarts_metric = Counter("deltaserve_deploy_restarts", "instance restarts by the supervisor",
+                                            ["instance"], registry=registry)
+            for name in self.instances:
+                self._restarts_metric.labels(name)
+            start_http_server(self.settings.metrics_port, addr="127.0.0.1", registry=registry)
+
+    def request_stop(self) -> None:
+        self._stop.set()
+
+    def run(self) -> int:
+        """Start, supervise until asked to stop, stop; 0 after a clean stop, 2 when an instance never became ready."""
+        try:
+            for child in self.instances.values():
+                self.log(f"starting {child.name} on {self.specs[child.name].url} (log {child.log_path})")
+                child.start()
+            for name, child in self.instances.items():
+                if not self._wait_ready(child, self.specs[name].url):
+                    if self._stop.is_set():
+                        return 0
+                    raise DeployError(f"instance {name} did not become ready: see {child.log_path}")
+            if self.router_child is not None:
+                self._start_router()
+            self.log("ready: " + ", ".join(f"{i.role} -> {i.url}" for i in self.deployment.instances)
+                     + (f"; clients use {self.router.url}/v1" if self.router else ""))
+            self._supervise()
+            return 0
+        finally:
+            self._stop_all()
+
+    def _supervise(self) -> None:
+        while not self._stop.wait(POLL_S):
+            for name, child in self.instances.items():
+                if child.alive or self._stop.is_set():
+                    continue
+                now = time.monotonic()
+                if child.next_start_s == 0.0:
+                    code = child.process.returncode if child.process else None
+                    backoff = min(self.settings.max_restart_backoff_s, 2.0 ** child.restarts)
+                    child.restarts += 1
+                    child.next_start_s = now + backoff
+                    if self._restarts_metric is not None:
+                        self._restarts_metric.labels(name).inc()
+                    self.log(f"{name} exited (code {code}); restart {child.restarts} in {backoff:.0f} s")
+                elif now >= child.next_start_s:
+                    child.next_start_s = 0.0
+                    child.start()
+                    threading.Thread(target=self._register_when_ready, args=(child,), daemon=True).start()
+            if self.router_child is not None and not self.router_child.alive and not self._stop.is_set():
+                self.router_child.restarts += 1
+                self.log(f"router exited (code {self.router_child.process.returncode}); starting it again")
+                self._start_router()
+
+    def _register_when_ready(self, child: Child) -> None:
+        if self._wait_ready(child, self.specs[child.name].url):
+            self.log(f"{child.name} is back (restart {child.restarts})")
+            if self.router_child is not None:
+                self._register(self.specs[child.name])
+
+    def _wait_ready(self, child: Child, url: str) -> bool:
+        deadline = time.monotonic() + self.settings.ready_timeout_s
+        while time.monotonic() < deadline and not self._stop.is_set():
+            if not child.alive:
+                return False
+            try:
+                if HTTP.get(f"{url}/health", timeout=2.0).status_code == 200:
+                    return True
+            except httpx.HTTPError:
+                pass
+            self._stop.wait(POLL_S)
+        return False
+
+    def _start_router(self) -> None:
+        self.router_child.start()
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and self.router_child.alive:
+            try:
+                if HTTP.get(f"{self.router.url}/health", timeout=2.0).status_code < 500:
+                    break
+            except httpx.HTTPError:
+                time.sleep(POLL_S)
+        else:
+            raise DeployError(f"the router did not start: see {self.router_child.log_path}")
+        for instance in self.deployment.instances:
+            self._register(instance)
+
+    def _register(self, instance: Instance) -> None:
+        """Tell the router about an instance; it reads the instance's /server_info for its model name."""
+        try:
+            response = HTTP.post(f"{self.router.url}/workers", timeout=30.0,
+                                  json={"url": instance.url, "model_id": instance.role})
+            if response.status_code >= 400 and "already" not in response.text:
+                self.log(f"router refused {instance.name}: {response.status_code} {response.text[:200]}")
+        except httpx.HTTPError as e:
+            self.log(f"could not register {instance.name} with the router: {e}")
+
+    def _stop_all(self) -> None:
+        """Router first (no new requests reach the instances), then SIGTERM every instance and wait for it."""
+        if self.router_child is not None:
+            self.router_child.signal(signal.SIGTERM)
+        for child in self.instances.values():
+            child.signal(signal.SIGTERM)
+        deadline = time.monotonic() + STOP_GRACE_S
+        children = [*self.instances.values(), *([self.router_child] if self.router_child else [])]
+        for child in children:
+            if child.process is None:
+                continue
+            try:
+                child.process.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                self.log(f"{child.name} did not stop in time; killing it")
+                child.process.kill()
+                child.process.wait()
+        self.log("stopped")
+
+
+def _serve_argv(instance: Instance) -> list[str]:
+    return [sys.executable, "-m", "deltaserve.cli", "serve", *instance.flags]
+
+
+def _router_argv(router) -> list[str]:
+    argv = [sys.executable, "-m", "vllm_router.launch_router", "--host", router.host, "--port", str(router.port),
+            "--enable-igw", "--policy", router.policy, "--log-level", "warning"]
+    key = os.environ.get("DELTASERVE_API_KEY")
+    if key:
+        argv += ["--api-key", key]  # the router passes it to the instances, which require it
+    return argv
