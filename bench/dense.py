@@ -126,7 +126,7 @@ def main(argv=None) -> int:
         side.prefill(warm)
     print(f"{path.name}, {torch.get_num_threads()} threads, best of {args.repeats}; tok/s, and the ratio to "
           f"transformers")
-    print(f"{'what':<22}" + "".join(f"{name:>17}" for name in sides) + "".join(f"{'ratio ' + n[-4:]:>11}"
+    print(f"{'what':<22}" + "".join(f"{name:>17}" for name in sides) + "".join(f"{'x ' + n.split()[-1]:>11}"
                                                                                 for n in list(sides)[1:])
           + f"{'llama.cpp':>11}")
     cells = [(f"prefill {n} tokens", n, lambda side, ids: side.prefill(ids), prompt(n, n), f"pp{n}")
