@@ -1,12 +1,15 @@
 """SmolLM2-135M (the built-in GGUF) prefill and batch-1 decode, deltaserve vs transformers, in one run.
 
 transformers reads the file dequantized to float32. deltaserve runs through its Engine (the path `serve` takes:
-scheduler, paged KV pool, sampler), one request at a time, twice: "fp32" holds the weights dequantized to float32
-(`--dequantize-weights`, the CPU default, logits within 1e-3 of transformers) and "int4" keeps the file's 4-bit
-blocks packed (`--no-dequantize-weights`, kernels/int4.py). transformers runs `forward` and `generate`. With
-`--llama-cpp DIR` (bench/llamacpp.py), llama.cpp's llama-bench runs the same Q4_1 file too (pp N and tg N).
+scheduler, paged KV pool, sampler), one request at a time, twice: "packed" keeps the file's 4-bit blocks packed
+and multiplies them in float32 (kernels/int4.py, the CPU default; the dequantized model's logits to float32
+rounding) and "fp32" holds the weights dequantized to float32 (`--dequantize-weights`). transformers runs `forward`
+and `generate`. With `--llama-cpp DIR` (bench/llamacpp.py), llama.cpp's llama-bench runs the same Q4_1 file too.
 - prefill tok/s: prompt tokens / time to the first token of one request (the whole prompt in one chunk);
-- decode tok/s: (new tokens - 1) / (time from the first to the last token), batch 1, greedy, EOS ignored.
+- decode tok/s: (new tokens - 1) / (time from the first to the last token), batch 1, greedy, EOS ignored;
+- bytes per token: the weight bytes each side holds (a batch-1 step reads every one: the head is tied to the
+  embedding), and the GB/s that decode rate reaches, next to torch.sum over a float32 tensor of the same size
+  (a plain read of those bytes on this machine: the memory limit a decode step can approach).
 
     OMP_NUM_THREADS=2 .venv/bin/python bench/dense.py --prefill 512,2048 --decode 128
 """
@@ -35,6 +38,7 @@ class Ours:
         config = EngineConfig(model=path, device="cpu", max_total_tokens=4 * longest, dequantize_weights=dequantize,
                               prefill_chunk_tokens=longest, max_running_requests=4)
         self.engine = Engine(config, log=None)
+        self.weight_bytes = self.engine.measured_bytes()["weights"]
 
     def _run(self, ids: list[int], new_tokens: int) -> tuple[float, float]:
         """(seconds to the first token, seconds from the first to the last token)."""
@@ -115,14 +119,14 @@ def main(argv=None) -> int:
     peer_rates = (llamacpp.run_bench(peer, path, prompts=lengths, gen=args.decode, threads=args.threads,
                                      repeats=args.repeats) if peer else {})
     longest = max(lengths + [args.decode_prompt + args.decode])
-    sides = {"transformers": Theirs(path), "deltaserve fp32": Ours(str(path), longest, True),
-             "deltaserve int4": Ours(str(path), longest, False)}
+    sides = {"transformers": Theirs(path), "deltaserve packed": Ours(str(path), longest, False),
+             "deltaserve fp32": Ours(str(path), longest, True)}
     warm = prompt(64, 0)
     for side in sides.values():
         side.prefill(warm)
     print(f"{path.name}, {torch.get_num_threads()} threads, best of {args.repeats}; tok/s, and the ratio to "
           f"transformers")
-    print(f"{'what':<22}" + "".join(f"{name:>17}" for name in sides) + "".join(f"{'ratio ' + n[-4:]:>11}"
+    print(f"{'what':<22}" + "".join(f"{name:>17}" for name in sides) + "".join(f"{'x ' + n.split()[-1]:>11}"
                                                                                 for n in list(sides)[1:])
           + f"{'llama.cpp':>11}")
     cells = [(f"prefill {n} tokens", n, lambda side, ids: side.prefill(ids), prompt(n, n), f"pp{n}")
@@ -135,10 +139,29 @@ def main(argv=None) -> int:
             for name, side in sides.items():
                 best[name] = min(best[name], run(side, ids))
         rates = [tokens / best[name] for name in sides]
+        if peer_key.startswith("tg"):
+            decode_rates = dict(zip(sides, rates))
         print(f"{label:<22}" + "".join(f"{r:>17.1f}" for r in rates)
               + "".join(f"{r / rates[0]:>10.2f}x" for r in rates[1:])
               + (f"{peer_rates[peer_key]:>11.1f}" if peer_key in peer_rates else f"{'-':>11}"), flush=True)
+    for name, side in sides.items():
+        if isinstance(side, Ours):
+            reached = side.weight_bytes * decode_rates[name] / 1e9
+            limit = plain_read_gbps(side.weight_bytes, args.repeats)
+            print(f"{name}: {side.weight_bytes / 1e6:.1f} MB per decode token, {reached:.1f} GB/s; a plain read "
+                  f"of the same bytes: {limit:.1f} GB/s ({reached / limit:.0%})")
     return 0
+
+
+def plain_read_gbps(nbytes: int, repeats: int) -> float:
+    """GB/s of torch.sum over a float32 tensor of `nbytes` (best of `repeats`, after one warm-up read)."""
+    data = torch.ones(nbytes // 4)
+    best = float("inf")
+    for _ in range(repeats + 1):
+        start = time.perf_counter()
+        data.sum()
+        best = min(best, time.perf_counter() - start)
+    return nbytes / best / 1e9
 
 
 if __name__ == "__main__":

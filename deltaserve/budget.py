@@ -41,7 +41,7 @@ class WeightGroup:
     params: int  # logical parameter count (dequantized element count)
     stored_bytes: int  # bytes in the checkpoint; quantized tensors at their packed size
     float_params: int  # elements stored as floats: held in the compute dtype after loading
-    quantized_bytes: int  # bytes held when not dequantized: packed weights with scales / zeros (GGUF: int4, bf16 vocab)
+    quantized_bytes: int  # bytes held when not dequantized: packed codes with their scales / offsets
     excluded: bool = False  # not loaded when only the language model is served (vision tower, mtp)
 
 
@@ -315,7 +315,7 @@ def _weights_line(spec: ModelMemorySpec, c: EngineConfig) -> tuple[int, str]:
         how = f"held dequantized in {c.dtype}"
     else:
         held = sum(g.float_params * cb + g.quantized_bytes for g in loaded)
-        how = f"4-bit matrices packed (int4 + bf16 scale/zero per 32), the rest in {c.dtype}"
+        how = f"4-bit matrices packed (4-bit codes + float32 scale/offset per group), the rest in {c.dtype}"
     skipped = [f"{g.name} {_mib(g.stored_bytes)} MiB" for g in spec.weight_groups if g.excluded]
     reason = f"{_mib(spec.weight_bytes)} MiB in the checkpoint ({spec.weight_source}); {how}"
     return held, reason + (f"; not loaded: {', '.join(skipped)}" if skipped else "")

@@ -116,7 +116,7 @@ class EngineConfig:
     max_body_bytes: int = 8 * MiB  # a 100K-token prompt is ~0.5 MB of JSON; escaping can multiply it
     seed: int = 0
     attention_backend: str = "auto"  # auto = paged: decode reads the KV pages in place (CPU: a kernel built at start)
-    dequantize_weights: bool | None = None  # None: True on CPU (portable path), False on CUDA (packed kernels)
+    dequantize_weights: bool | None = None  # None: packed (on CPU the float32 kernel of kernels/int4.py)
     cuda_graph_reserve: int | None = None  # bytes; None: estimated from the decode batch
     tool_call_parser: str = "auto"  # auto: picked from the chat template's own tool-call format
     reasoning_parser: str = "auto"  # auto: "think" when the chat template writes <think> blocks
@@ -145,7 +145,7 @@ class EngineConfig:
             kv_dtype=self.kv_dtype if self.kv_dtype != "auto" else cpu_kv_dtype(dtype) if not gpu else dtype,
             state_dtype=self.state_dtype if self.state_dtype != "auto" else ("bfloat16" if gpu else "float32"),
             attention_backend=self.attention_backend if self.attention_backend != "auto" else "paged",
-            dequantize_weights=self.dequantize_weights if self.dequantize_weights is not None else not gpu,
+            dequantize_weights=bool(self.dequantize_weights),
         )
 
     def device_kind(self) -> str:
@@ -260,7 +260,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--attention-backend", help="auto (= paged: decode reads KV pages in place; on CPU a C++ kernel built at start), "
                    "portable (gather + SDPA)")
     g.add_argument("--dequantize-weights", action=argparse.BooleanOptionalAction, default=None,
-                   help="hold quantized weights dequantized in the compute dtype (default: on CPU)")
+                   help="hold 4-bit weights dequantized in the compute dtype (default: packed, multiplied in float32 on "
+                        "CPU with the same result to float32 rounding)")
     g.add_argument("--cuda-graph-reserve", help="bytes reserved for CUDA graphs (default: estimated)")
     g.add_argument("--tool-call-parser", help=f"how tool calls are read from the output: "
                    f"{', '.join(TOOL_CALL_PARSERS)} (auto: from the chat template)")

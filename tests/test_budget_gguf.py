@@ -39,11 +39,12 @@ def test_config_synthesized_from_metadata(smollm2):
 
 
 def test_cpu_weights_line_matches_transformers_fp32_load(smollm2):
-    """On CPU the portable path holds the GGUF dequantized in float32: the ledger must predict that."""
+    """--dequantize-weights holds the GGUF dequantized in float32: the ledger must predict that."""
     from transformers import AutoModelForCausalLM
 
     path, spec, _ = smollm2
-    budget = plan_budget(spec, EngineConfig(max_total_tokens=4096), device_total_bytes=8 * GiB, device_kind="cpu")
+    budget = plan_budget(spec, EngineConfig(max_total_tokens=4096, dequantize_weights=True),
+                         device_total_bytes=8 * GiB, device_kind="cpu")
     model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
     loaded = sum(p.nbytes for p in model.parameters())  # tied: the embedding is counted once
     (check,) = measure_vs_predicted(budget, {"weights": loaded})
@@ -52,17 +53,20 @@ def test_cpu_weights_line_matches_transformers_fp32_load(smollm2):
 
 
 def test_cpu_weights_line_with_packed_int4_matches_what_the_model_holds(smollm2):
-    """--no-dequantize-weights: Q4_1 matrices held as int4 codes + a bf16 scale and zero per 32, the rest as float32."""
+    """The CPU default: Q4_1 matrices held packed (4-bit codes + a float32 scale and offset per 32), the rest (the
+    Q8_0 vocabulary included) as float32."""
     from deltaserve.engine.loader import load_model
 
     path, spec, _ = smollm2
     config = EngineConfig(max_total_tokens=4096, dequantize_weights=False)
+    assert EngineConfig(max_total_tokens=4096).for_device("cpu").dequantize_weights is False
     budget = plan_budget(spec, config, device_total_bytes=8 * GiB, device_kind="cpu")
     model = load_model(path, dequantize=False).model
     held = {t.data_ptr(): t.nbytes for t in model.state_dict().values()}  # rotary frequencies are not persistent
     (check,) = measure_vs_predicted(budget, {"weights": sum(held.values())})
     assert abs(check.ratio - 1) <= 0.02, str(check)
-    assert budget.line("weights").bytes < 0.4 * plan_budget(spec, EngineConfig(max_total_tokens=4096),
+    assert budget.line("weights").bytes < 0.4 * plan_budget(spec, EngineConfig(max_total_tokens=4096,
+                                                                           dequantize_weights=True),
                                                              device_total_bytes=8 * GiB,
                                                              device_kind="cpu").line("weights").bytes
 

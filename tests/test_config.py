@@ -51,7 +51,8 @@ def test_device_defaults():
     assert (gpu.dtype, gpu.kv_dtype, gpu.state_dtype, gpu.headroom, gpu.mem_fraction) == (
         "bfloat16", "bfloat16", "bfloat16", 512 * 2**20, 0.9)
     assert (cpu.attention_backend, gpu.attention_backend) == ("paged", "paged")
-    assert (cpu.dequantize_weights, gpu.dequantize_weights) == (True, False)
+    assert (cpu.dequantize_weights, gpu.dequantize_weights) == (False, False)  # 4-bit matrices packed
+    assert EngineConfig(dequantize_weights=True).for_device("cpu").dequantize_weights
     explicit = EngineConfig(mem_fraction=0.8, headroom=0, kv_dtype="bf16").for_device("cuda")
     assert (explicit.mem_fraction, explicit.headroom, explicit.kv_dtype) == (0.8, 0, "bfloat16")
     assert EngineConfig(kv_dtype="float32").for_device("cpu").kv_dtype == "float32"

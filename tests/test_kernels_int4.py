@@ -1,5 +1,5 @@
-"""4-bit weights held packed: codes read from GGUF blocks against transformers' dequantizer, the int4 matmul
-against a float64 product, and SmolLM2 with packed weights against transformers' float32 model."""
+"""4-bit weights held packed: codes read from GGUF blocks against transformers' dequantizer, and the packed matmul
+(C++ decode kernel, widened-tile prefill, portable torch path) against a float64 product of the dequantized weight."""
 
 import gguf
 import numpy as np
@@ -8,7 +8,8 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from test_weights_gguf import transformers_dequant, write_gguf
 
-from deltaserve.kernels.int4 import Int4Codes, int4_linear, pack_int4, packable
+from deltaserve.kernels import int4_cpu
+from deltaserve.kernels.int4 import Int4Codes, int4_linear, pack, packable
 from deltaserve.weights import load_checkpoint
 
 
@@ -41,35 +42,92 @@ def test_codes_read_from_blocks_decode_like_transformers(q4_checkpoint):
     np.testing.assert_allclose(up, expected["blk.0.ffn_up.weight"], rtol=0, atol=1e-6)
 
 
-def random_codes(n: int, k: int, seed: int) -> Int4Codes:
+@pytest.fixture(scope="module", autouse=True)
+def kernel():
+    """The C++ kernel, built once per machine; without a compiler the portable path is what gets tested."""
+    return int4_cpu.load()
+
+
+def random_codes(n: int, k: int, group: int, seed: int, lut: bool = False, perm: bool = False) -> Int4Codes:
+    """Random codes with float16-representable scales and offsets (as GGUF stores them), optionally an IQ4-style
+    level table and an activation-order column permutation."""
     g = torch.Generator().manual_seed(seed)
-    scales = (torch.rand(n, k // 32, generator=g) * 0.02 + 0.001).half().float()  # GGUF scales are float16
-    offsets = (torch.randn(n, k // 32, generator=g) * 0.05).half().float()
-    return Int4Codes(torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8), scales, offsets, 32)
+    scales = (torch.rand(n, k // group, generator=g) * 0.02 + 0.001).half().float()
+    offsets = (torch.randn(n, k // group, generator=g) * 0.05).half().float()
+    table = torch.sort(torch.randn(16, generator=g) * 8).values if lut else None
+    order = torch.randperm(k, generator=g) if perm else None
+    return Int4Codes(torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8), scales, offsets, group,
+                     table, order)
 
 
-@pytest.mark.parametrize("rows", [1, 3, 64, 300])
-def test_int4_linear_matches_a_float64_product(rows):
-    codes = random_codes(96, 576, rows)
-    x = torch.randn(rows, 576, generator=torch.Generator().manual_seed(7))
-    bias = torch.randn(96)
-    got = int4_linear(x, *pack_int4(codes), 32, bias)
-    want = (x.double() @ codes.dequantize(torch.float64).T + bias.double()).float()
-    assert got.dtype == torch.float32 and got.shape == (rows, 96)
-    # bfloat16 inputs, zeros and outputs (2^-9 each): far below what a wrong code or scale would give (~1)
-    assert ((got - want).abs().max() / want.abs().max()).item() <= 5e-3
+def assert_float32_exact(got: torch.Tensor, x: torch.Tensor, codes: Int4Codes, bias: torch.Tensor | None = None):
+    """got equals x @ W.T (W the float32 dequantized weight, multiplied exactly in float64) to float32 rounding.
+
+    Forming each weight (scale * level + offset) rounds at most twice, and a K-term float32 dot product in any
+    order errs by at most K units of rounding (u = 2^-24) of sum |x| |w|: so |got - exact| <= (K + 2) u
+    sum_k |x_k| (|scale level_k| + |offset|), plus one rounding of the bias add. A wrong code, scale or column is
+    off by orders of magnitude more."""
+    n, k = codes.shape
+    w = codes.dequantize(torch.float64)
+    magnitude = Int4Codes(codes.codes, codes.scales.abs(), codes.offsets.abs(), codes.group_size,
+                          None if codes.lut is None else codes.lut.abs(), codes.perm).dequantize(torch.float64)
+    exact = x.double().reshape(-1, k) @ w.T
+    bound = (k + 2) * 2.0**-24 * (x.double().abs().reshape(-1, k) @ magnitude.T)
+    if bias is not None:
+        exact += bias.double()
+        bound += 2.0**-24 * exact.abs()
+    assert got.dtype == torch.float32 and got.shape == (*x.shape[:-1], n)
+    err = (got.double().reshape(-1, n) - exact).abs()
+    assert bool((err <= bound).all()), f"max error {err.max().item():.3g} over a bound of {bound.min().item():.3g}"
+
+
+CASES = [  # (N, K, group, level table, permutation): every group size, per channel, odd row counts
+    (96, 576, 32, False, False), (50, 256, 64, True, False), (64, 512, 128, False, True),
+    (36, 512, 256, True, True), (20, 160, 160, False, False)]
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 17, 64, 300])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}x{c[1]}-g{c[2]}{'-lut' if c[3] else ''}"
+                         f"{'-perm' if c[4] else ''}")
+def test_packed_linear_equals_the_dequantized_float32_product(case, rows):
+    n, k, group, lut, perm = case
+    codes = random_codes(n, k, group, rows, lut, perm)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(7))
+    bias = torch.randn(n)
+    w = pack(codes)
+    assert_float32_exact(int4_linear(x, w, bias), x, codes, bias)
+    with int4_cpu.disabled():  # the portable path (no compiler): the same bound
+        assert_float32_exact(int4_linear(x, w, bias), x, codes, bias)
+
+
+def test_packed_layout_round_trips_and_holds_the_predicted_bytes():
+    from deltaserve.kernels.int4 import held_bytes
+
+    for lut in (False, True):
+        codes = random_codes(48, 256, 64, 3, lut)
+        w = pack(codes)
+        assert torch.equal(w.codes(), codes.codes)
+        assert w.nbytes() == held_bytes(48 * 256, 64, lut)
+        if int4_cpu.built():  # the C++ widening equals torch's up to fused multiply-add: 2 roundings at most
+            want = codes.dequantize(torch.float64)[5:40]
+            scale = Int4Codes(codes.codes, codes.scales.abs(), codes.offsets.abs(), 64,
+                              None if codes.lut is None else codes.lut.abs()).dequantize(torch.float64)[5:40]
+            got = int4_cpu.widen(w.packed, w.scales, w.offsets, w.lut, 64, 5, 40).double()
+            assert bool(((got - want).abs() <= 2 * 2.0**-24 * scale).all())
 
 
 def test_int4_linear_keeps_leading_dimensions():
-    codes = random_codes(32, 64, 0)
+    w = pack(random_codes(32, 64, 32, 0))
     x = torch.randn(2, 5, 64)
-    out = int4_linear(x, *pack_int4(codes), 32)
-    torch.testing.assert_close(out[1, 3], int4_linear(x[1, 3:4], *pack_int4(codes), 32)[0])
+    out = int4_linear(x, w)
+    torch.testing.assert_close(out[1, 3], int4_linear(x[1, 3:4], w)[0])
 
 
-@pytest.mark.parametrize("shape", [(4, 64), (16, 40)])  # rows must be a multiple of 16, inputs of the group
-def test_unpackable_shape_is_refused_by_name(shape):
-    assert not packable(shape, 32)
-    codes = Int4Codes(torch.zeros(shape, dtype=torch.uint8), torch.ones(shape[0], 1), torch.zeros(shape[0], 1), 32)
-    with pytest.raises(ValueError, match=rf"cannot pack a \({shape[0]}, {shape[1]}\) weight in groups of 32"):
-        pack_int4(codes)
+@pytest.mark.parametrize("shape,group", [((4, 48), 16), ((16, 40), 40), ((16, 96), 64)])
+def test_unpackable_shape_is_refused_by_name(shape, group):
+    assert not packable(shape, group)
+    groups = max(1, shape[1] // group)
+    codes = Int4Codes(torch.zeros(shape, dtype=torch.uint8), torch.ones(shape[0], groups),
+                      torch.zeros(shape[0], groups), group)
+    with pytest.raises(ValueError, match=rf"cannot pack a \({shape[0]}, {shape[1]}\) 4-bit weight in groups of {group}"):
+        pack(codes)

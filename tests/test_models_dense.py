@@ -82,29 +82,29 @@ def test_smollm2_gguf_greedy_generation_matches_transformers(smollm2):
 
 
 @torch.inference_mode()
-def test_smollm2_with_packed_int4_weights_stays_close_to_transformers(smollm2):
-    """--no-dequantize-weights: the Q4_1 blocks are used as stored, multiplied in bfloat16 (kernels/int4.py).
-    Not float32-exact: bf16 rounding of each matmul's input and output, as on a GPU."""
+def test_smollm2_with_packed_int4_weights_equals_the_dequantized_model(smollm2):
+    """The CPU default: the Q4_1 blocks stay packed and are multiplied in float32 (kernels/int4.py), so the logits
+    are the dequantized float32 model's to float32 rounding (the bound the float32 path holds against transformers)
+    on the decode kernel (<= 64 rows) and the widened-tile prefill (more), and greedy tokens are transformers'."""
     from deltaserve.engine.loader import load_model
     from deltaserve.models.layers import Int4Linear
 
-    _, hf, tok = smollm2
+    ours, hf, tok = smollm2
     packed = load_model(smollm2_path(), dequantize=False).model
     assert isinstance(packed.model.layers[0].mlp.down_proj, Int4Linear)
-    # tied to the Q8_0 embedding: one bfloat16 matrix for both
+    # tied to the Q8_0 embedding, which is not 4-bit: one float32 matrix for both, as in the dequantized model
     assert packed.lm_head.weight is packed.model.embed_tokens.weight
-    assert packed.lm_head.weight.dtype == torch.bfloat16
+    assert packed.lm_head.weight.dtype == torch.float32
     text = ("A context length is only real if it can be filled fast, so the prompt is read in chunks; "
-            "the pool is a decision, not a measurement, and a request that does not fit waits.")
-    ids = tok.encode(text)[:48]
-    got = our_logits(packed, ids)
+            "the pool is a decision, not a measurement, and a request that does not fit waits. ")
+    ids = tok.encode(text * 3)[:100]
     ref = hf(torch.tensor([ids])).logits[0]
-    assert (got - ref).abs().max().item() <= 0.03 * ref.abs().max().item()
-    assert (got.argmax(-1) == ref.argmax(-1)).float().mean().item() >= 0.9
-    # The answer's first token is a near-tie at bf16 resolution ("The" 25.25 vs "L'" 25.125-25.25, flipped by
-    # float32 rounding in a norm); given the answer's start, " Paris" leads by ~4.6 logits.
+    for chunks in ([100], [1, 40, 59]):  # 100 rows take the prefill path, the chunks the decode kernel
+        got = our_logits(packed, ids, chunks)
+        assert (got - our_logits(ours, ids, chunks)).abs().max().item() <= 1e-3
+        assert (got - ref).abs().max().item() <= 1e-3
     chat = tok.encode_chat([{"role": "user", "content": "What is the capital of France?"}])
-    assert tok.decode(our_greedy(packed, chat + tok.encode("The capital of France is"), 2)) == " Paris."
+    assert our_greedy(packed, chat, 16) == hf_greedy(hf, chat, 16)
 
 
 @pytest.fixture(scope="module")

@@ -28,7 +28,7 @@ from deltaserve.engine.request import Request, RequestStream, SamplingParams, To
 from deltaserve.engine.runner import ModelRunner
 from deltaserve.engine.sampler import sample
 from deltaserve.engine.scheduler import QueueFull, RequestRefused, Scheduler
-from deltaserve.kernels import fused_cpu, linear_cpu, paged_cpu
+from deltaserve.kernels import fused_cpu, int4_cpu, linear_cpu, paged_cpu
 from deltaserve.models.spec import spec_from_checkpoint
 
 __all__ = ["Completion", "Engine", "EngineStats", "LLM", "QueueFull", "RequestRefused"]
@@ -92,6 +92,7 @@ class Engine:
         if self.device.type == "cpu":
             fused_cpu.load(self._log)  # each built once per machine (~1 min), then loaded from torch's cache
             linear_cpu.load(self._log)
+            int4_cpu.load(self._log)
             if c.attention_backend == "paged":
                 paged_cpu.load(self._log)
         self.vocab_size = int(loaded.model.lm_head.out_features)

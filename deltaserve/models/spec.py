@@ -443,16 +443,14 @@ def _spec_from_gguf(path: Path) -> ModelMemorySpec:
 def _gguf_held(t) -> tuple[str, int, int, bool, int]:
     """(name, params, stored bytes, held as floats?, bytes held packed) of one GGUF tensor.
 
-    What weights/gguf.py keeps packed (int4 codes + a bfloat16 scale and zero per 32 weights) is counted at that
-    size; the embedding and a non-4-bit lm_head in bfloat16 (models/layers.vocab_in_bfloat16); the rest in the
-    compute dtype."""
+    What weights/gguf.py keeps packed (kernels/int4.py: half a byte per weight, a float32 scale and offset per 32) is
+    counted at that size; the rest (embedding and lm_head included) in the compute dtype."""
     from deltaserve.weights.gguf import int4_held_bytes, kept_int4
 
     params = int(t.n_elements)
     if kept_int4(t.tensor_type, t.name, tuple(int(d) for d in reversed(t.shape))):
         return t.name, params, int(t.n_bytes), False, int4_held_bytes(params)
-    vocab = t.name in ("token_embd.weight", "output.weight")
-    return t.name, params, int(t.n_bytes), not vocab, params * 2
+    return t.name, params, int(t.n_bytes), True
 
 
 def gguf_config(meta: dict, tensor_names: set[str]) -> dict:

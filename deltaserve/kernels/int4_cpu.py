@@ -1,0 +1,205 @@
+"""The packed 4-bit matmul on CPU (kernels/int4.py's layout), float32 arithmetic, a small C++ kernel.
+
+Decode (1 to MAX_ROWS input rows): each task takes NR weight rows; for every 32 columns it widens 16 packed bytes
+per row into two 16-float vectors (mask and shift, the level table through one in-register permute), forms
+w = scale * level + offset in float32 and runs every group of MR input rows past them, so each packed byte is read
+from memory once per step and no float32 copy of the weight is ever written. Prefill (more rows) calls `widen` for
+a tile of rows and multiplies it with torch.mm: the float32 GEMM rate, the widening a small fraction of it.
+AVX-512 and AVX2 through the same GCC/Clang vector extensions as linear_cpu.py.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from deltaserve.kernels.cpp_build import VECTOR_PRELUDE, CompiledKernels
+
+MAX_ROWS = 64  # a decode step of up to 64 requests; above it the widened tile's GEMM is the faster one
+
+_SOURCE = VECTOR_PRELUDE + r"""
+#include <algorithm>
+
+namespace {
+
+#if defined(__AVX512F__)
+constexpr int MR_MAX = 4, NR_MAX = 4;  // 16 accumulators + 8 weight vectors + 1 input of 32 registers
+#else
+constexpr int MR_MAX = 2, NR_MAX = 2;  // a 16-float value takes two of AVX2's 16 registers
+#endif
+
+typedef uint8_t u8x16_u __attribute__((vector_size(16), aligned(1)));
+
+// 16 packed bytes -> the codes of 32 columns as floats: low nibbles are columns 0..15, high ones 16..31.
+template <bool LUT>
+inline void widen32(const uint8_t* p, f16v table, f16v& lo, f16v& hi) {
+  const i16v v = __builtin_convertvector(*reinterpret_cast<const u8x16_u*>(p), i16v);
+  const i16v ql = v & 15, qh = v >> 4;
+  if constexpr (LUT) {
+#if defined(__clang__)
+    for (int i = 0; i < 16; ++i) { lo[i] = table[ql[i]]; hi[i] = table[qh[i]]; }
+#else
+    lo = __builtin_shuffle(table, ql);
+    hi = __builtin_shuffle(table, qh);
+#endif
+  } else {
+    lo = __builtin_convertvector(ql, f16v);
+    hi = __builtin_convertvector(qh, f16v);
+  }
+}
+
+struct Weight {
+  const uint8_t* packed;
+  const float* scales;
+  const float* offsets;
+  f16v table;
+  int64_t K, group;
+};
+
+// y[m, n] for MR input rows and NR weight rows starting at row n0.
+template <int MR, int NR, bool LUT>
+inline void tile(const float* __restrict x, const Weight& w, int64_t n0, float* __restrict y, int64_t ldy) {
+  const int64_t K = w.K, groups = K / w.group;
+  f16v acc[MR * NR];
+  for (int i = 0; i < MR * NR; ++i) acc[i] = f16v{};
+  for (int64_t g = 0; g < groups; ++g) {
+    f16v s[NR], o[NR];
+    for (int n = 0; n < NR; ++n) {
+      s[n] = f16v{} + w.scales[(n0 + n) * groups + g];
+      o[n] = f16v{} + w.offsets[(n0 + n) * groups + g];
+    }
+    for (int64_t k = g * w.group; k < (g + 1) * w.group; k += 32) {
+      f16v lo[NR], hi[NR];
+      for (int n = 0; n < NR; ++n) {
+        widen32<LUT>(w.packed + (n0 + n) * (K / 2) + k / 2, w.table, lo[n], hi[n]);
+        lo[n] = lo[n] * s[n] + o[n];
+        hi[n] = hi[n] * s[n] + o[n];
+      }
+      for (int m = 0; m < MR; ++m) {
+        const f16v xl = load16(x + m * K + k), xh = load16(x + m * K + k + 16);
+        for (int n = 0; n < NR; ++n) acc[m * NR + n] += xl * lo[n] + xh * hi[n];
+      }
+    }
+  }
+  for (int i0 = 0; i0 < MR * NR; i0 += 16) {
+    f16v part[16];
+    for (int i = 0; i < 16; ++i) part[i] = i0 + i < MR * NR ? acc[i0 + i] : f16v{};
+    const f16v sums = sum16(part);
+    for (int i = 0; i < 16 && i0 + i < MR * NR; ++i) y[(i0 + i) / NR * ldy + (i0 + i) % NR] = sums[i];
+  }
+}
+
+template <int NR, bool LUT>
+inline void rows_past(const float* x, int64_t M, const Weight& w, int64_t n0, float* y, int64_t ldy) {
+  const int64_t K = w.K;
+  int64_t m = 0;
+  for (; m + MR_MAX <= M; m += MR_MAX) tile<MR_MAX, NR, LUT>(x + m * K, w, n0, y + m * ldy, ldy);
+  switch (M - m) {
+    case 3: tile<3, NR, LUT>(x + m * K, w, n0, y + m * ldy, ldy); break;
+    case 2: tile<2, NR, LUT>(x + m * K, w, n0, y + m * ldy, ldy); break;
+    case 1: tile<1, NR, LUT>(x + m * K, w, n0, y + m * ldy, ldy); break;
+    default: break;
+  }
+}
+
+template <bool LUT>
+void decode_all(const float* x, int64_t M, const Weight& w, int64_t N, float* y) {
+  const int64_t blocks = N / NR_MAX, row_bytes = w.K / 2;
+  #pragma omp parallel for schedule(static)
+  for (int64_t b = 0; b < blocks; ++b) {
+    if (b + 2 < blocks) {  // the packed rows two blocks on: in flight while these are used
+      const char* ahead = reinterpret_cast<const char*>(w.packed + NR_MAX * (b + 2) * row_bytes);
+      for (int64_t c = 0; c < NR_MAX * row_bytes; c += 64) __builtin_prefetch(ahead + c, 0, 1);
+    }
+    rows_past<NR_MAX, LUT>(x, M, w, NR_MAX * b, y + NR_MAX * b, N);
+  }
+  for (int64_t n = NR_MAX * blocks; n < N; ++n) rows_past<1, LUT>(x, M, w, n, y + n, N);
+}
+
+Weight weight_of(const torch::Tensor& packed, const torch::Tensor& scales, const torch::Tensor& offsets,
+                 const c10::optional<torch::Tensor>& lut, int64_t group) {
+  TORCH_CHECK(packed.scalar_type() == torch::kUInt8 && packed.is_contiguous() && packed.dim() == 2,
+              "int4: packed codes must be contiguous uint8 [N, K / 2]");
+  const int64_t N = packed.size(0), K = packed.size(1) * 2;
+  TORCH_CHECK(K % 32 == 0 && group % 32 == 0 && K % group == 0, "int4: K and the group must be multiples of 32");
+  for (const auto* t : {&scales, &offsets})
+    TORCH_CHECK(t->scalar_type() == torch::kFloat32 && t->is_contiguous() && t->size(0) == N &&
+                t->size(1) == K / group, "int4: scales and offsets must be contiguous float32 [N, K / group]");
+  Weight w{packed.data_ptr<uint8_t>(), scales.data_ptr<float>(), offsets.data_ptr<float>(), f16v{}, K, group};
+  if (lut.has_value()) {
+    TORCH_CHECK(lut->scalar_type() == torch::kFloat32 && lut->numel() == 16, "int4: the level table is 16 float32");
+    w.table = load16(lut->contiguous().data_ptr<float>());
+  }
+  return w;
+}
+
+}  // namespace
+
+// x [M, K] float32 contiguous -> x @ W.T [M, N] float32, W packed (kernels/int4.py's layout)
+torch::Tensor int4_decode(torch::Tensor x, torch::Tensor packed, torch::Tensor scales, torch::Tensor offsets,
+                          c10::optional<torch::Tensor> lut, int64_t group) {
+  const Weight w = weight_of(packed, scales, offsets, lut, group);
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.is_contiguous() && x.dim() == 2 && x.size(1) == w.K,
+              "int4_decode: contiguous float32 x [M, K]");
+  const int64_t M = x.size(0), N = packed.size(0);
+  auto y = torch::empty({M, N}, x.options());
+  if (lut.has_value()) decode_all<true>(x.data_ptr<float>(), M, w, N, y.data_ptr<float>());
+  else decode_all<false>(x.data_ptr<float>(), M, w, N, y.data_ptr<float>());
+  return y;
+}
+
+// rows start:stop of W as float32 [stop - start, K]: the tile a prefill GEMM multiplies
+torch::Tensor int4_widen(torch::Tensor packed, torch::Tensor scales, torch::Tensor offsets,
+                         c10::optional<torch::Tensor> lut, int64_t group, int64_t start, int64_t stop) {
+  const Weight w = weight_of(packed, scales, offsets, lut, group);
+  TORCH_CHECK(0 <= start && start <= stop && stop <= packed.size(0), "int4_widen: rows out of range");
+  const int64_t K = w.K, groups = K / group;
+  auto out = torch::empty({stop - start, K}, scales.options());
+  float* op = out.data_ptr<float>();
+  const bool has_lut = lut.has_value();
+  #pragma omp parallel for schedule(static)
+  for (int64_t n = start; n < stop; ++n) {
+    for (int64_t k = 0; k < K; k += 32) {
+      f16v lo, hi;
+      if (has_lut) widen32<true>(w.packed + n * (K / 2) + k / 2, w.table, lo, hi);
+      else widen32<false>(w.packed + n * (K / 2) + k / 2, w.table, lo, hi);
+      const float s = w.scales[n * groups + k / group], o = w.offsets[n * groups + k / group];
+      store16(op + (n - start) * K + k, lo * s + o);
+      store16(op + (n - start) * K + k + 16, hi * s + o);
+    }
+  }
+  return out;
+}
+"""
+
+_KERNELS = CompiledKernels("deltaserve_int4_cpu", _SOURCE, ["int4_decode", "int4_widen"],
+                           "CPU packed 4-bit kernel", "torch (widened weights)")
+
+
+def load(log=None):
+    """The compiled module (built once per machine, cached by torch), or None when it cannot be built here."""
+    return _KERNELS.load(log)
+
+
+def disabled():
+    """Inside the block the portable torch path serves (the built module is kept); for comparisons and tests."""
+    return _KERNELS.disabled()
+
+
+def built() -> bool:
+    """Whether the compiled module is loaded (never compiles)."""
+    return _KERNELS.module is not None
+
+
+def serves(rows: torch.Tensor) -> bool:
+    """Whether the decode kernel takes these float32 input rows [M, K]: built, on CPU, 1 to MAX_ROWS rows."""
+    return built() and rows.device.type == "cpu" and 0 < rows.shape[0] <= MAX_ROWS
+
+
+def decode(rows, packed, scales, offsets, lut, group_size: int) -> torch.Tensor:
+    """rows [M, K] float32 @ W.T, reading the packed bytes."""
+    return _KERNELS.module.int4_decode(rows, packed, scales, offsets, lut, group_size)
+
+
+def widen(packed, scales, offsets, lut, group_size: int, start: int, stop: int) -> torch.Tensor:
+    """Rows start:stop of W widened to float32."""
+    return _KERNELS.module.int4_widen(packed, scales, offsets, lut, group_size, start, stop)
