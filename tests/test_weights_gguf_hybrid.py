@@ -126,3 +126,23 @@ def test_logits_and_greedy_equal_transformers(loaded):
             tokens.append(int(logits[-1].argmax()))
             logits = ours(single_sequence_batch([tokens[-1]], len(ids) + step, slots), caches)
     assert tokens == theirs.tolist()
+
+
+@pytest.mark.parametrize("arch, tensor, fragments", [
+    ("mamba2", np.zeros((2, 64), np.float32), ("mamba2", "qwen35", "qwen3next")),
+    ("qwen35", np.zeros((2, 64), np.float32), ("qwen35.ssm.",)),  # a hybrid without its GDN metadata
+])
+def test_serve_refuses_unsupported_gguf_with_one_line(tmp_path, arch, tensor, fragments):
+    import subprocess
+    import sys
+
+    from server_util import free_port
+    from test_weights_gguf import write_gguf
+
+    path = write_gguf(tmp_path / f"{arch}.gguf", {"blk.0.ffn_up.weight": tensor}, arch=arch)
+    done = subprocess.run([sys.executable, "-m", "deltaserve.server.serve", "--log-level", "warning",
+                           "--port", str(free_port()), "--model", str(path)], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    errors = [line for line in done.stderr.splitlines() if "error:" in line]
+    assert len(errors) == 1 and all(f in errors[0] for f in fragments), done.stderr

@@ -476,6 +476,9 @@ def gguf_config(meta: dict, tensor_names: set[str]) -> dict:
     }
     if arch in ("qwen35", "qwen35moe", "qwen3next"):
         # llama.cpp's converter: d_state = key head dim, n_group = key heads, dt_rank = value heads.
+        for name in ("ssm.conv_kernel", "ssm.state_size", "ssm.group_count", "ssm.time_step_rank", "ssm.inner_size"):
+            if key(name) is None:
+                raise SpecError(f"GGUF metadata lacks {arch}.{name}, which a {arch} model needs")
         v_heads = key("ssm.time_step_rank")
         config.update(linear_conv_kernel_dim=key("ssm.conv_kernel"), linear_key_head_dim=key("ssm.state_size"),
                       linear_num_key_heads=key("ssm.group_count"), linear_num_value_heads=v_heads,

@@ -151,7 +151,7 @@ def gguf_config(reader: GGUFReader, path: Path) -> dict:
         if original is not None:
             config["rope_scaling"]["original_max_position_embeddings"] = original
     if arch in gguf_hybrid.ARCHITECTURES:
-        config = gguf_hybrid.hybrid_config(arch, meta, config)
+        config = gguf_hybrid.hybrid_config(arch, meta, required, config)
     return config
 
 

@@ -30,8 +30,14 @@ BARE_NAMES = {"ssm_a": "linear_attn.A_log"}  # tensors with no .weight / .bias s
 PLUS_ONE_NORMS = ("input_layernorm", "post_attention_layernorm", "q_norm", "k_norm", "model.norm")
 
 
-def hybrid_config(arch: str, meta, config: dict) -> dict:
-    """`config` (the common keys) completed with the hybrid's GDN, layer pattern and rotary keys."""
+SSM_KEYS = ("ssm.conv_kernel", "ssm.state_size", "ssm.group_count", "ssm.time_step_rank", "ssm.inner_size")
+
+
+def hybrid_config(arch: str, meta, required, config: dict) -> dict:
+    """`config` (the common keys) completed with the hybrid's GDN, layer pattern and rotary keys; `required(key)`
+    raises the one-line error for a missing key."""
+    for key in SSM_KEYS:
+        required(key)
     v_heads = meta("ssm.time_step_rank")
     recurrent = meta("attention.recurrent_layers")
     if recurrent is None:
