@@ -25,7 +25,8 @@ QK_NORM_TYPES = ("qwen3",) + HYBRID_TYPES
 FLOAT_DTYPES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2}
 VISION_RE = re.compile(r"(^|\.)(visual|vision_tower|vision_model)\.")
 MTP_RE = re.compile(r"^(model\.)?mtp\.")
-GGUF_ARCHS = {"llama": "llama", "qwen3": "qwen3", "qwen35": "qwen3_5_text", "qwen3next": "qwen3_next"}
+GGUF_ARCHS = {"llama": "llama", "qwen3": "qwen3", "qwen35": "qwen3_5_text", "qwen35moe": "qwen3_5_moe_text",
+              "qwen3next": "qwen3_next"}
 
 
 class SpecError(ValueError):
@@ -471,11 +472,17 @@ def gguf_config(meta: dict, tensor_names: set[str]) -> dict:
         "max_position_embeddings": key("context_length", 4096),
         "tie_word_embeddings": "output.weight" not in tensor_names,
     }
-    if arch in ("qwen35", "qwen3next"):
+    if arch in ("qwen35", "qwen35moe", "qwen3next"):
         # llama.cpp's converter: d_state = key head dim, n_group = key heads, dt_rank = value heads.
+        for name in ("ssm.conv_kernel", "ssm.state_size", "ssm.group_count", "ssm.time_step_rank", "ssm.inner_size"):
+            if key(name) is None:
+                raise SpecError(f"GGUF metadata lacks {arch}.{name}, which a {arch} model needs")
         v_heads = key("ssm.time_step_rank")
         config.update(linear_conv_kernel_dim=key("ssm.conv_kernel"), linear_key_head_dim=key("ssm.state_size"),
                       linear_num_key_heads=key("ssm.group_count"), linear_num_value_heads=v_heads,
                       linear_value_head_dim=key("ssm.inner_size") // v_heads,
                       full_attention_interval=key("full_attention_interval", 4))
+        recurrent = meta.get(f"{arch}.attention.recurrent_layers")
+        if recurrent:  # the converter's per-layer truth; its full_attention_interval may be a default
+            config["layer_types"] = ["linear_attention" if r else "full_attention" for r in recurrent]
     return config

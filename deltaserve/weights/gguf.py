@@ -13,12 +13,15 @@ from gguf import GGMLQuantizationType as Q
 from gguf import GGUFReader, GGUFValueType
 from gguf.quants import dequantize
 
-from deltaserve.kernels.int4 import Int4Codes, held_bytes, packable
+from deltaserve.kernels.int4 import held_bytes, packable
+from deltaserve.weights import gguf_hybrid
+from deltaserve.weights.gguf_int4 import int4_codes
 from deltaserve.weights.errors import CheckpointError
 from deltaserve.weights.gguf_tokenizer import gguf_tokenizer
 
-SUPPORTED_TYPES = (Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K)
-SUPPORTED_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+SUPPORTED_TYPES = (Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_NL, Q.IQ4_XS)
+SUPPORTED_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                           **{arch: names[0] for arch, names in gguf_hybrid.ARCHITECTURES.items()}}
 GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 LAYER_NAMES = {
     "attn_norm": "input_layernorm",
@@ -32,10 +35,14 @@ LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    **gguf_hybrid.LAYER_NAMES,
 }
+HYBRID_MODEL_TYPES = {names[1] for names in gguf_hybrid.ARCHITECTURES.values()}
 GGUF_MAGIC = b"GGUF"
-Q4_BLOCK = 32  # weights per Q4_0 / Q4_1 block
-INT4_TYPES = (Q.Q4_0, Q.Q4_1)  # blocks that are exactly Int4Codes; kept packed when asked
+Q4_BLOCK = 32  # weights per scale of every 4-bit GGUF type
+# 4-bit types kept packed when asked: the affine ones, which the int4pack kernel takes (it has no level table, so
+# IQ4_NL / IQ4_XS, read as Int4Codes just as exactly by gguf_int4, are dequantized until a kernel takes `lut`)
+INT4_TYPES = (Q.Q4_0, Q.Q4_1, Q.Q4_K)
 
 
 class _PlainViewReader(GGUFReader):
@@ -143,12 +150,19 @@ def gguf_config(reader: GGUFReader, path: Path) -> dict:
         original = meta("rope.scaling.original_context_length")
         if original is not None:
             config["rope_scaling"]["original_max_position_embeddings"] = original
+    if arch in gguf_hybrid.ARCHITECTURES:
+        config = gguf_hybrid.hybrid_config(arch, meta, required, config)
     return config
 
 
 def hf_name(gguf_name: str) -> str | None:
     """The transformers parameter name of a GGUF tensor name, None when there is none."""
     stem, dot, suffix = gguf_name.rpartition(".")
+    parts = gguf_name.split(".")
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in gguf_hybrid.BARE_NAMES:
+        return f"model.layers.{parts[1]}.{gguf_hybrid.BARE_NAMES[parts[2]]}"
+    if stem.endswith(".ssm_dt") and suffix == "bias":  # the converter's name for dt_bias
+        return f"{hf_name(stem + '.weight')[:-len('.weight')]}_bias"
     if not dot or suffix not in ("weight", "bias"):
         return None
     if stem in GLOBAL_NAMES:
@@ -184,7 +198,7 @@ def read_gguf_tokenizer(path: Path):
 def load_gguf(path: Path, dtype: torch.dtype, skip_prefixes: tuple[str, ...], keep_int4: bool = False):
     """(config, tensors, tokenizer, generation_config, skipped) of a GGUF file, tensors dequantized.
 
-    With `keep_int4`, Q4_0 / Q4_1 matrices come as Int4Codes (read from their blocks, not dequantized)."""
+    With `keep_int4`, Q4_0 / Q4_1 / Q4_K matrices come as Int4Codes (read from their blocks, not dequantized)."""
     reader = open_gguf(path)
     config = gguf_config(reader, path)
     tokenizer = gguf_tokenizer(reader, path)
@@ -203,15 +217,22 @@ def load_gguf(path: Path, dtype: torch.dtype, skip_prefixes: tuple[str, ...], ke
         heads = None
         if config["model_type"] == "llama" and kind in ("attn_q", "attn_k"):
             heads = config["num_attention_heads" if kind == "attn_q" else "num_key_value_heads"]
-        if keep_int4 and kept_int4(tensor.tensor_type, tensor.name, shape):
+        hybrid = config["model_type"] in HYBRID_MODEL_TYPES
+        if (keep_int4 and kept_int4(tensor.tensor_type, tensor.name, shape)
+                and not (hybrid and gguf_hybrid.column_order(config, name) is not None)):
             codes = int4_codes(tensor.data, tensor.tensor_type, shape)
             if heads is not None:
                 codes = codes.rows(torch.from_numpy(unpermute_rotary(np.arange(shape[0]), heads)))
+            rows = gguf_hybrid.row_order(config, name) if hybrid else None
+            if rows is not None:
+                codes = codes.rows(torch.from_numpy(np.argsort(rows)))
             tensors[name] = codes
             continue
         values = dequantize(tensor.data, tensor.tensor_type).reshape(shape)
         if heads is not None:
             values = unpermute_rotary(values, heads)
+        if hybrid:
+            values = gguf_hybrid.to_checkpoint(config, name, values)
         tensors[name] = torch.from_numpy(np.array(values, dtype=np.float32)).to(dtype)
     eos = tokenizer.eos_token_ids
     generation_config = {"bos_token_id": tokenizer.bos_token_id,
@@ -226,28 +247,11 @@ def unpermute_rotary(rows: np.ndarray, heads: int) -> np.ndarray:
 
 
 def kept_int4(kind: Q, gguf_name: str, shape: tuple[int, ...]) -> bool:
-    """Whether loading with `keep_int4` holds this tensor (HF-order `shape`) packed: a Q4_0 / Q4_1 matrix the CPU
+    """Whether loading with `keep_int4` holds this tensor (HF-order `shape`) packed: an INT4_TYPES matrix the CPU
     kernel takes, other than the embedding (looked up by row, so held as floats)."""
     return kind in INT4_TYPES and not gguf_name.startswith("token_embd") and packable(shape, Q4_BLOCK)
 
 
 def int4_held_bytes(params: int) -> int:
-    """Bytes a kept Q4_0 / Q4_1 tensor of `params` weights holds once packed (Q4_1's own size)."""
+    """Bytes a kept INT4_TYPES tensor of `params` weights holds once packed (Q4_1's own size)."""
     return held_bytes(params, Q4_BLOCK)
-
-
-def int4_codes(data: np.ndarray, kind: Q, shape: tuple[int, int]) -> Int4Codes:
-    """The codes, scales and offsets of a Q4_0 / Q4_1 matrix, straight from its blocks.
-
-    Q4_0 block: float16 scale d, 16 bytes of codes, w = d * (q - 8). Q4_1 block: float16 d and m, 16 bytes of
-    codes, w = d * q + m. Byte j holds code j in its low nibble and code j + 16 in its high nibble."""
-    head = 2 if kind == Q.Q4_0 else 4
-    blocks = np.ascontiguousarray(data).view(np.uint8).reshape(-1, head + Q4_BLOCK // 2)
-    scales = blocks[:, 0:2].copy().view(np.float16)[:, 0]
-    offsets = -8 * scales.astype(np.float32) if kind == Q.Q4_0 else blocks[:, 2:4].copy().view(np.float16)[:, 0]
-    qs = blocks[:, head:]
-    codes = np.concatenate([qs & 0x0F, qs >> 4], axis=1)
-    rows, groups = shape[0], shape[1] // Q4_BLOCK
-    return Int4Codes(torch.from_numpy(codes.reshape(shape)),
-                     torch.from_numpy(scales.astype(np.float32).reshape(rows, groups)),
-                     torch.from_numpy(np.asarray(offsets, dtype=np.float32).reshape(rows, groups)), Q4_BLOCK)

@@ -1,0 +1,122 @@
+"""llama.cpp's GGUF form of the Gated-DeltaNet hybrids (qwen35, qwen35moe, qwen3next), mapped back to transformers'.
+
+llama.cpp's converter (conversion/qwen.py: Qwen3NextModel, _LinearAttentionVReorderBase) stores, per GDN layer:
+A_log as -exp(A_log) (`ssm_a`), dt_bias as `ssm_dt.bias`, the conv kernel squeezed to [channels, kernel], every
+RMSNorm weight but the GDN output norm plus one (transformers' Qwen3.5 norms scale by 1 + w; llama.cpp's by w),
+and, when there are more value heads than key heads, the value heads reordered from grouped-by-key-head to tiled
+(rows of the v part of in_proj_qkv, of in_proj_z / in_proj_a / in_proj_b, A_log, dt_bias, the conv's v channels;
+columns of out_proj). Each is undone here, so the tensors equal the checkpoint the converter read.
+"""
+
+import numpy as np
+
+ARCHITECTURES = {
+    "qwen35": ("Qwen3_5ForCausalLM", "qwen3_5_text"),
+    "qwen35moe": ("Qwen3_5MoeForCausalLM", "qwen3_5_moe_text"),
+    "qwen3next": ("Qwen3NextForCausalLM", "qwen3_next"),
+}
+LAYER_NAMES = {
+    "post_attention_norm": "post_attention_layernorm",
+    "attn_qkv": "linear_attn.in_proj_qkv",
+    "attn_gate": "linear_attn.in_proj_z",
+    "ssm_alpha": "linear_attn.in_proj_a",
+    "ssm_beta": "linear_attn.in_proj_b",
+    "ssm_conv1d": "linear_attn.conv1d",
+    "ssm_norm": "linear_attn.norm",
+    "ssm_out": "linear_attn.out_proj",
+    "ssm_dt": "linear_attn.dt",  # ssm_dt.bias -> linear_attn.dt_bias (see hf_name)
+}
+BARE_NAMES = {"ssm_a": "linear_attn.A_log"}  # tensors with no .weight / .bias suffix
+PLUS_ONE_NORMS = ("input_layernorm", "post_attention_layernorm", "q_norm", "k_norm", "model.norm")
+
+
+SSM_KEYS = ("ssm.conv_kernel", "ssm.state_size", "ssm.group_count", "ssm.time_step_rank", "ssm.inner_size")
+
+
+def hybrid_config(arch: str, meta, required, config: dict) -> dict:
+    """`config` (the common keys) completed with the hybrid's GDN, layer pattern and rotary keys; `required(key)`
+    raises the one-line error for a missing key."""
+    for key in SSM_KEYS:
+        required(key)
+    v_heads = meta("ssm.time_step_rank")
+    recurrent = meta("attention.recurrent_layers")
+    if recurrent is None:
+        interval = meta("full_attention_interval", 4)
+        recurrent = [(i + 1) % interval != 0 for i in range(config["num_hidden_layers"])]
+    head_dim = config["head_dim"]
+    rope = {"rope_type": "default", "rope_theta": config.pop("rope_theta"),
+            "partial_rotary_factor": meta("rope.dimension_count", head_dim) / head_dim}
+    sections = meta("rope.dimension_sections")
+    if arch in ("qwen35", "qwen35moe") and sections:
+        rope.update(mrope_section=[s for s in sections if s][:3], mrope_interleaved=True)
+    architecture, model_type = ARCHITECTURES[arch]
+    config.update(
+        architectures=[architecture], model_type=model_type, rope_parameters=rope,
+        layer_types=["linear_attention" if r else "full_attention" for r in recurrent],
+        linear_conv_kernel_dim=meta("ssm.conv_kernel"), linear_key_head_dim=meta("ssm.state_size"),
+        linear_num_key_heads=meta("ssm.group_count"), linear_num_value_heads=v_heads,
+        linear_value_head_dim=meta("ssm.inner_size") // v_heads)
+    if meta("expert_count"):
+        config.update(num_experts=meta("expert_count"), num_experts_per_tok=meta("expert_used_count"),
+                      moe_intermediate_size=meta("expert_feed_forward_length"),
+                      shared_expert_intermediate_size=meta("expert_shared_feed_forward_length"))
+    return config
+
+
+def value_head_order(config: dict, head_dim: int) -> np.ndarray | None:
+    """perm with gguf_rows = hf_rows[perm] over num_value_heads * head_dim rows (None: no reorder was applied).
+
+    The converter reshapes [key_heads, values_per_key, head_dim] to [values_per_key, key_heads, head_dim]."""
+    k_heads, v_heads = config["linear_num_key_heads"], config["linear_num_value_heads"]
+    if k_heads == v_heads or config["model_type"] == "qwen3_next":
+        return None
+    index = np.arange(v_heads * head_dim).reshape(k_heads, v_heads // k_heads, head_dim)
+    return index.transpose(1, 0, 2).reshape(-1)
+
+
+def row_order(config: dict, hf: str) -> np.ndarray | None:
+    """perm with stored_rows = hf_rows[perm] for a GDN tensor's output rows, None when stored in HF order."""
+    if ".linear_attn." not in hf:
+        return None
+    key_dim = config["linear_num_key_heads"] * config["linear_key_head_dim"]
+    if hf.endswith(("in_proj_qkv.weight", "conv1d.weight")):
+        order = value_head_order(config, config["linear_value_head_dim"])
+        return None if order is None else np.concatenate([np.arange(2 * key_dim), 2 * key_dim + order])
+    if hf.endswith("in_proj_z.weight"):
+        return value_head_order(config, config["linear_value_head_dim"])
+    if hf.endswith(("in_proj_a.weight", "in_proj_b.weight", "A_log", "dt_bias")):
+        return value_head_order(config, 1)
+    return None
+
+
+def column_order(config: dict, hf: str) -> np.ndarray | None:
+    """perm with stored_columns = hf_columns[perm] (out_proj's value-head inputs), None when in HF order."""
+    if hf.endswith("linear_attn.out_proj.weight"):
+        return value_head_order(config, config["linear_value_head_dim"])
+    return None
+
+
+def to_checkpoint(config: dict, hf: str, values: np.ndarray) -> np.ndarray:
+    """A dequantized tensor in HF shape (reversed ne) mapped back to the checkpoint's values and layout."""
+    rows = row_order(config, hf)
+    if rows is not None:
+        values = _unpermute(values, rows, axis=0)
+    columns = column_order(config, hf)
+    if columns is not None:
+        values = _unpermute(values, columns, axis=1)
+    if hf.endswith("A_log"):
+        values = np.log(-values.astype(np.float64)).astype(np.float32)
+    elif hf.endswith("conv1d.weight"):
+        values = values[:, None, :]
+    elif hf.endswith(".weight") and hf[:-len(".weight")].endswith(PLUS_ONE_NORMS):
+        values = values - np.float32(1)
+    return values
+
+
+def _unpermute(values: np.ndarray, perm: np.ndarray, axis: int) -> np.ndarray:
+    """x with x.take(perm, axis) == values: the inverse of a gather by perm."""
+    out = np.empty_like(values)
+    index = [slice(None)] * values.ndim
+    index[axis] = perm
+    out[tuple(index)] = values
+    return out

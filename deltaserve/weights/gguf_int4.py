@@ -1,0 +1,82 @@
+"""GGUF's 4-bit blocks read as Int4Codes (codes, per-32 scales and offsets, optional level table), not dequantized.
+
+Block layouts (ggml-common.h): Q4_0 / Q4_1 and IQ4_NL hold 32 weights, byte j of the 16 code bytes holding code j
+in its low nibble and code j + 16 in its high one. Q4_K and IQ4_XS hold 256 weights in 8 sub-blocks of 32: IQ4_XS
+as 8 such 16-byte runs; Q4_K's code bytes come in 4 runs of 32, byte j of run r holding sub-block 2r's code j (low
+nibble) and sub-block 2r+1's (high). Per sub-block: Q4_K w = d * sc * q - dmin * m (6-bit sc, m packed in 12 bytes); IQ4_XS w = d * (ls - 32) *
+lut[q] (6-bit ls: 4 low bits in scales_l, 2 high in scales_h); IQ4_NL w = d * lut[q]. Every product here is the one
+gguf-py's dequantize computes in float32, so Int4Codes.dequantize equals it bit for bit.
+"""
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType as Q
+
+from deltaserve.kernels.int4 import Int4Codes
+
+GROUP = 32  # weights per scale in every 4-bit GGUF type
+IQ4_LEVELS = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)  # kvalues_iq4nl
+TYPES = (Q.Q4_0, Q.Q4_1, Q.IQ4_NL, Q.Q4_K, Q.IQ4_XS)
+
+
+def _f16(blocks: np.ndarray, start: int) -> np.ndarray:
+    """The float16 at byte `start` of each block, as float32 [blocks, 1]."""
+    return blocks[:, start:start + 2].copy().view(np.float16).astype(np.float32)
+
+
+def _split_nibbles(qs: np.ndarray) -> np.ndarray:
+    """[blocks, 16] code bytes -> [blocks, 32] codes: low nibbles then high nibbles."""
+    return np.concatenate([qs & 0x0F, qs >> 4], axis=1)
+
+
+def _super_block_codes(qs: np.ndarray) -> np.ndarray:
+    """[blocks, 128] code bytes of a 256-weight super-block -> [blocks, 256] codes in weight order."""
+    runs = qs.reshape(-1, 4, 32)
+    return np.stack([runs & 0x0F, runs >> 4], axis=2).reshape(-1, 256)
+
+
+def _k_scale_min(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K's 12 packed bytes -> (sc, m) [blocks, 8], 6 bits each (ggml's get_scale_min_k4)."""
+    d, m, mh = scales[:, 0:4], scales[:, 4:8], scales[:, 8:12]
+    sc = np.concatenate([d & 0x3F, (mh & 0x0F) | ((d >> 6) << 4)], axis=1)
+    mn = np.concatenate([m & 0x3F, (mh >> 4) | ((m >> 6) << 4)], axis=1)
+    return sc.astype(np.float32), mn.astype(np.float32)
+
+
+def _blocks(data: np.ndarray, width: int) -> np.ndarray:
+    return np.ascontiguousarray(data).view(np.uint8).reshape(-1, width)
+
+
+def int4_codes(data: np.ndarray, kind: Q, shape: tuple[int, int]) -> Int4Codes:
+    """The Int4Codes of a 4-bit GGUF matrix of HF-order `shape`, straight from its blocks."""
+    lut = None
+    if kind in (Q.Q4_0, Q.Q4_1):
+        head = 2 if kind == Q.Q4_0 else 4
+        blocks = _blocks(data, head + 16)
+        scales = _f16(blocks, 0)
+        offsets = -8 * scales if kind == Q.Q4_0 else _f16(blocks, 2)
+        codes = _split_nibbles(blocks[:, head:])
+    elif kind == Q.IQ4_NL:
+        blocks = _blocks(data, 18)
+        scales, offsets = _f16(blocks, 0), np.zeros((len(blocks), 1), np.float32)
+        codes, lut = _split_nibbles(blocks[:, 2:]), IQ4_LEVELS
+    elif kind == Q.Q4_K:
+        blocks = _blocks(data, 144)
+        sc, mn = _k_scale_min(blocks[:, 4:16])
+        scales, offsets = _f16(blocks, 0) * sc, -(_f16(blocks, 2) * mn)
+        codes = _super_block_codes(blocks[:, 16:])
+    elif kind == Q.IQ4_XS:
+        blocks = _blocks(data, 136)
+        high = blocks[:, 2:4].copy().view(np.uint16).astype(np.int32)
+        low = blocks[:, 4:8]
+        low = np.stack([low & 0x0F, low >> 4], axis=2).reshape(-1, 8).astype(np.int32)
+        ls = low | (((high >> (2 * np.arange(8))) & 3) << 4)
+        scales, offsets = _f16(blocks, 0) * (ls - 32).astype(np.float32), np.zeros((len(blocks), 8), np.float32)
+        codes, lut = _split_nibbles(blocks[:, 8:].reshape(-1, 16)).reshape(-1, 256), IQ4_LEVELS
+    else:
+        raise ValueError(f"GGUF type {kind.name} is not a 4-bit type; 4-bit: {', '.join(t.name for t in TYPES)}")
+    rows, groups = shape[0], shape[1] // GROUP
+    return Int4Codes(torch.from_numpy(np.ascontiguousarray(codes).reshape(shape)),
+                     torch.from_numpy(np.ascontiguousarray(scales, dtype=np.float32).reshape(rows, groups)),
+                     torch.from_numpy(np.ascontiguousarray(offsets, dtype=np.float32).reshape(rows, groups)),
+                     GROUP, None if lut is None else torch.tensor(lut, dtype=torch.float32))
