@@ -197,9 +197,12 @@ def _build_once(kernels: CompiledKernels, folder: Path, log):
 
 def _build(kernels: CompiledKernels, folder: Path, log):
     """Compile in a private scratch folder, then rename it into place whole; the module loaded from the build."""
-    from torch.utils.cpp_extension import load_inline
+    from torch.utils import cpp_extension
 
     _ninja_on_path()
+    # torch renames a second build of one name in a process (name_v1, ...); our cache already keys builds, and the
+    # library must keep its own name to be found and imported by it
+    cpp_extension.JIT_EXTENSION_VERSIONER.entries.pop(kernels.name, None)
     for stale in folder.parent.glob(folder.name + ".tmp-*"):  # left by builders that were killed
         shutil.rmtree(stale, ignore_errors=True)
     scratch = folder.with_name(f"{folder.name}.tmp-{os.getpid()}")
@@ -209,7 +212,7 @@ def _build(kernels: CompiledKernels, folder: Path, log):
         log(f"compiling CPU kernels: {kernels.what} (one time, about {BUILD_SECONDS} s) in {scratch.parent}")
     started = time.monotonic()
     try:
-        module = load_inline(kernels.name, cpp_sources=[kernels.source], functions=kernels.functions,
+        module = cpp_extension.load_inline(kernels.name, cpp_sources=[kernels.source], functions=kernels.functions,
                              extra_cflags=kernels.flags, extra_ldflags=["-fopenmp"], build_directory=str(scratch),
                              verbose=False, is_python_module=True)
     except Exception as e:  # the compiler's output is in the message: keep it where the error points
