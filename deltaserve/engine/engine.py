@@ -4,12 +4,6 @@
 once at the granted size, and logs predicted vs measured bytes. `submit` is thread-safe and answers at once:
 a RequestStream, RequestRefused (400: never fits) or QueueFull (429). `start()` runs the step loop on a background
 thread; an exception inside a step fails that step's requests with finish_reason "error", never the loop.
-
-A step's forward runs outside the engine's lock, so nothing may free what it holds meanwhile: while a step is in
-flight `abort` only queues the request id, and the step loop applies the queued aborts at the step's end, before
-anything else runs (between steps, with no step in flight, an abort applies at once). One client's leaving therefore never frees a page or a state slot under a running forward, and
-never fails the requests batched beside it. Errors sent to clients carry no request's content: an internal error
-gets an id, and the log carries the id with the detail.
 """
 
 from __future__ import annotations
@@ -17,10 +11,8 @@ from __future__ import annotations
 import random
 import threading
 import time
-import traceback
 import uuid
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -36,7 +28,7 @@ from deltaserve.engine.request import Request, RequestStream, SamplingParams, To
 from deltaserve.engine.runner import ModelRunner
 from deltaserve.engine.sampler import sample
 from deltaserve.engine.scheduler import QueueFull, RequestRefused, Scheduler
-from deltaserve.kernels import fused_cpu, linear_cpu, paged_cpu
+from deltaserve.kernels import fused_cpu, int4_cpu, linear_cpu, paged_cpu
 from deltaserve.models.spec import spec_from_checkpoint
 
 __all__ = ["Completion", "Engine", "EngineStats", "LLM", "QueueFull", "RequestRefused"]
@@ -100,6 +92,7 @@ class Engine:
         if self.device.type == "cpu":
             fused_cpu.load(self._log)  # each built once per machine (~1 min), then loaded from torch's cache
             linear_cpu.load(self._log)
+            int4_cpu.load(self._log)
             if c.attention_backend == "paged":
                 paged_cpu.load(self._log)
         self.vocab_size = int(loaded.model.lm_head.out_features)
@@ -109,11 +102,6 @@ class Engine:
         self._seeds = random.Random(c.seed)  # seeds of requests that name none: reproducible per engine start
         self._thread: threading.Thread | None = None
         self._stopping = False
-        self._aborts: list[str] = []  # request ids to abort at the end of the step in flight
-        self._in_step = False  # a step's plan is out (its forward may be running outside the lock)
-        # called with the name of each point of a step ("schedule", "forward", "sample", "complete"): tests use it
-        # to act at an exact point (a client leaving mid-forward) instead of sleeping
-        self.step_hook: Callable[[str], None] | None = None
         measured = {name: n for name, n in self.measured_bytes().items() if n or budget.line(name).bytes}
         for check in measure_vs_predicted(budget, measured):
             self._log(f"measured {check}")
@@ -159,19 +147,9 @@ class Engine:
         return request.stream
 
     def abort(self, request_id: str) -> None:
-        """Stop a request wherever it is (thread-safe). Its pages and slot are freed at once when no step is in
-        flight, else by the step loop at that step's end: never under a running forward."""
+        """Stop a request wherever it is (thread-safe); its pages and slot are free when this returns."""
         with self._cond:
-            if request_id in self._live:
-                self._aborts.append(request_id)
-                if not self._in_step:
-                    self._apply_aborts()
-                self._cond.notify_all()
-
-    def _apply_aborts(self) -> None:
-        """Abort what was asked for since the last boundary (under the lock, with no forward running)."""
-        while self._aborts:
-            request = self._live.pop(self._aborts.pop(), None)
+            request = self._live.pop(request_id, None)
             if request is not None:
                 self.scheduler.abort(request)
 
@@ -192,30 +170,16 @@ class Engine:
         if self._thread is not None and threading.current_thread() is not self._thread:
             raise RuntimeError("Engine.step() called while the background loop runs; use one or the other")
         with self._cond:
-            self._apply_aborts()
             try:
                 plan = self.scheduler.schedule()
             except Exception as e:  # a bug in scheduling: fail what is running, keep serving
                 self._fail(list(self.scheduler.running), e)
                 return True
-            if plan is None:
-                return False
-            self._in_step = True
-        try:
-            return self._run_step(plan)
-        finally:
-            with self._cond:
-                self._in_step = False
-                self._apply_aborts()  # those that came during the step, now that nothing holds their resources
-
-    def _run_step(self, plan) -> bool:
-        self._at("schedule")
+        if plan is None:
+            return False
         started = time.perf_counter()
         try:
-            logits = self.runner.forward(plan)
-            self._at("forward")
-            sampled = sample(logits, plan.sampling)
-            self._at("sample")
+            sampled = sample(self.runner.forward(plan), plan.sampling)
         except Exception as e:  # includes torch.OutOfMemoryError: this step's requests fail, not the process
             with self._cond:
                 self._fail(plan.requests, e)
@@ -231,21 +195,12 @@ class Engine:
             elapsed = time.perf_counter() - started
             s = self.scheduler
             s.seconds_per_token += STEP_TIME_SMOOTHING * (elapsed - s.seconds_per_token)
-        self._at("complete")
         return True
 
-    def _at(self, point: str) -> None:
-        if self.step_hook is not None:
-            self.step_hook(point)
-
     def _fail(self, requests: list[Request], error: Exception) -> None:
-        """Fail these requests with a message that names no request's content; the log has the detail and an id."""
-        error_id = uuid.uuid4().hex[:12]
-        kind = "out of memory" if isinstance(error, torch.OutOfMemoryError) else "internal error"
-        self._log(f"step failed for {len(requests)} requests (error id {error_id}): {type(error).__name__}: "
-                  f"{error}\n{traceback.format_exc()}")
-        self.scheduler.fail(requests, f"{kind} in the step that ran this request (error id {error_id}; the server "
-                                      f"log has the details)")
+        message = f"{type(error).__name__}: {error}"
+        self._log(f"step failed for {len(requests)} requests: {message}")
+        self.scheduler.fail(requests, message)
         for request in requests:
             self._live.pop(request.request_id, None)
 
@@ -278,7 +233,6 @@ class Engine:
             for request in list(self.scheduler.running) + list(self.scheduler.waiting):
                 self.scheduler.abort(request)
             self._live.clear()
-            self._aborts.clear()
 
 
 @dataclass
