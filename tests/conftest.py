@@ -1,8 +1,22 @@
-"""Fixtures shared by the model tests."""
+"""Fixtures shared by the tests: the CPU kernel paths (native C++ build, AVX2 build, portable PyTorch) and the
+hypothesis profile."""
+
+import os
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, settings
 
-from deltaserve.kernels import fused_cpu, int4_cpu, linear_cpu
+from deltaserve.kernels import fused_cpu, int4_cpu, linear_cpu, paged_cpu
+
+# Property tests are derandomized: a newcomer's `make test` runs the same examples every time, so it never fails at
+# random; what a property finds is fixed, not skipped. HYPOTHESIS_PROFILE=explore searches afresh.
+settings.register_profile("ci", derandomize=True, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile("explore", deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+KERNEL_MODULES = (fused_cpu, linear_cpu, paged_cpu, int4_cpu)
 
 
 @pytest.fixture(params=["fused", "portable"])
@@ -16,4 +30,39 @@ def cpu_kernels(request):
         with fused_cpu.disabled(), linear_cpu.disabled(), int4_cpu.disabled():
             yield request.param
     else:
+        yield request.param
+
+
+def _has_avx2() -> bool:
+    try:
+        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+    except (OSError, StopIteration):
+        return False
+    return " avx2 " in f" {flags} " and " fma " in f" {flags} "
+
+
+@pytest.fixture(scope="session")
+def avx2_kernels():
+    """The CPU kernels built for AVX2 + FMA without AVX-512 (x86-64-v3), two compiles at a time."""
+    if not _has_avx2():
+        pytest.skip("this CPU has no AVX2: the AVX2 build cannot run here")
+    variants = [m.KERNELS.variant("avx2") for m in KERNEL_MODULES]
+    with ThreadPoolExecutor(2) as pool:
+        modules = list(pool.map(lambda v: v.load(print), variants))
+    assert all(modules), [v.error for v in variants]
+    return modules
+
+
+@pytest.fixture(params=["native", "avx2"])
+def isa(request):
+    """Each build of the C++ kernels in turn: -march=native (AVX-512 where the CPU has it) and AVX2 only, so the
+    kernels' vector-width branches are both checked on one machine."""
+    for m in KERNEL_MODULES:
+        assert m.load() is not None
+    if request.param == "native":
+        yield request.param
+        return
+    modules = request.getfixturevalue("avx2_kernels")
+    with fused_cpu.KERNELS.using(modules[0]), linear_cpu.KERNELS.using(modules[1]), \
+            paged_cpu.KERNELS.using(modules[2]), int4_cpu.KERNELS.using(modules[3]):
         yield request.param

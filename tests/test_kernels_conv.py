@@ -13,6 +13,9 @@ from deltaserve.kernels import conv_decode, conv_prefill, fused_cpu
 from deltaserve.kernels.conv import causal_conv1d as portable_conv1d
 from deltaserve.kernels.conv import causal_conv1d_step
 
+# every test here runs on each build of the C++ kernels: native and AVX2-only (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("isa")
+
 
 def fused_conv1d(x, weight, bias=None, *, cu_seqlens=None, initial_state=None, activation="silu"):
     return fused_cpu.causal_conv1d(x, weight, bias, cu_seqlens, initial_state, activation)

@@ -9,6 +9,9 @@ from deltaserve.kernels import fused_cpu
 from deltaserve.models.hybrid import GatedRMSNorm, ZeroCentredRMSNorm
 from deltaserve.models.layers import RMSNorm
 
+# every test here runs on each build of the C++ kernels: native and AVX2-only (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("isa")
+
 EPS = 1e-6
 
 

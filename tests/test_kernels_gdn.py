@@ -7,6 +7,9 @@ import torch.nn.functional as F
 from deltaserve.kernels import gated_delta, gated_delta_decode, gated_delta_decode_in_place, gated_delta_prefill
 from deltaserve.kernels.gated_delta import CPU_CHUNK_SIZE, chunk_gated_delta_rule, recurrent_gated_delta_rule_step
 
+# every test here runs on each build of the C++ kernels: native and AVX2-only (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("isa")
+
 TOL = 1e-4   # max abs error relative to the output's scale (max |o_ref|)
 
 

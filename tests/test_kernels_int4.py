@@ -12,6 +12,9 @@ from deltaserve.kernels import int4_cpu
 from deltaserve.kernels.int4 import Int4Codes, int4_linear, pack, packable
 from deltaserve.weights import load_checkpoint
 
+# every test here runs on each build of the C++ kernels: native and AVX2-only (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("isa")
+
 
 @pytest.fixture(scope="module")
 def q4_checkpoint(tmp_path_factory):

@@ -6,6 +6,9 @@ import torch.nn.functional as F
 
 from deltaserve.kernels import linear_cpu
 
+# every test here runs on each build of the C++ kernels: native and AVX2-only (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("isa")
+
 
 @pytest.fixture(scope="module", autouse=True)
 def built():

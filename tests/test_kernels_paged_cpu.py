@@ -7,6 +7,9 @@ import torch
 from deltaserve.kernels import paged_cpu
 from deltaserve.kernels.attention import _decode_attention
 
+# every test here runs on each build of the C++ kernels: native and AVX2-only (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("isa")
+
 
 @pytest.fixture(scope="module")
 def kernel():

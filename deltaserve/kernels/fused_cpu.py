@@ -383,31 +383,31 @@ std::vector<torch::Tensor> rms_norm(torch::Tensor x, torch::Tensor weight, doubl
 }
 """
 
-_KERNELS = CompiledKernels("deltaserve_fused_cpu", _SOURCE,
+KERNELS = CompiledKernels("deltaserve_fused_cpu", _SOURCE,
                            ["causal_conv1d", "rms_norm", "gdn_prefill", "gdn_decode"],
                            "fused CPU kernels (conv, RMSNorm, gated delta rule)", "the portable PyTorch ops")
 
 
 def load(log=None):
-    """The compiled module (built once per machine, cached by torch), or None when it cannot be built here."""
-    return _KERNELS.load(log)
+    """The compiled module (built once per machine into our kernel cache), or None when it cannot be built here."""
+    return KERNELS.load(log)
 
 
 def disabled():
     """Inside the block every caller takes its portable PyTorch path (the built module is kept); for comparisons."""
-    return _KERNELS.disabled()
+    return KERNELS.disabled()
 
 
 def serves(*tensors: torch.Tensor) -> bool:
     """Whether the built kernels take these inputs (all float32 on CPU); never waits for a compiler."""
-    return _KERNELS.module is not None and all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
+    return KERNELS.module is not None and all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
 
 
 def causal_conv1d(x, weight, bias, cu_seqlens, initial_state, activation):
     """conv.causal_conv1d's contract (x [T, C], weight [C, W], cu_seqlens [N+1]) in one pass over the rows."""
     if cu_seqlens is None:
         cu_seqlens = torch.tensor([0, x.shape[0]])
-    return tuple(_KERNELS.module.causal_conv1d(x.contiguous(), weight, bias, cu_seqlens.cpu(), initial_state,
+    return tuple(KERNELS.module.causal_conv1d(x.contiguous(), weight, bias, cu_seqlens.cpu(), initial_state,
                                                activation == "silu"))
 
 
@@ -417,13 +417,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 
     d = x.shape[-1]
     rows = x.reshape(-1, d)
     gate_rows = None if gate is None else gate.reshape(-1, d)
-    return _KERNELS.module.rms_norm(rows, weight, eps, offset, gate_rows, None)[0].view(x.shape)
+    return KERNELS.module.rms_norm(rows, weight, eps, offset, gate_rows, None)[0].view(x.shape)
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
                  offset: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(x + residual), x + residual) in one pass; x and residual [R, D]."""
-    normed, total = _KERNELS.module.rms_norm(x, weight, eps, offset, None, residual)
+    normed, total = KERNELS.module.rms_norm(x, weight, eps, offset, None, residual)
     return normed, total
 
 
@@ -441,7 +441,7 @@ def gdn_prefill(q, k, v, g, beta, cu_seqlens: list[int], state, chunk_size: int,
                 use_qk_l2norm: bool) -> torch.Tensor:
     """chunk_gated_delta_rule's arithmetic, one (sequence, value head) per task: o [T, Hv, Dv] float32; `state`
     [N, Hv, Dk, Dv] (float32, contiguous) enters as the initial states and leaves as the final ones."""
-    return _KERNELS.module.gdn_prefill(q, k, v, g.float().contiguous(), beta.float().contiguous(), cu_seqlens, state,
+    return KERNELS.module.gdn_prefill(q, k, v, g.float().contiguous(), beta.float().contiguous(), cu_seqlens, state,
                                        chunk_size, scale, use_qk_l2norm)
 
 
@@ -449,5 +449,5 @@ def gdn_decode(q, k, v, g, beta, states: torch.Tensor, slots: torch.Tensor, scal
                use_qk_l2norm: bool) -> torch.Tensor:
     """One token per sequence (recurrent_gated_delta_rule_step's arithmetic) on states[slots[b]] in place, with no
     gather or scatter of the states: o [B, Hv, Dv] float32. `states` [S, Hv, Dk, Dv] float32, contiguous."""
-    return _KERNELS.module.gdn_decode(q, k, v, g.float().contiguous(), beta.float().contiguous(), states,
+    return KERNELS.module.gdn_decode(q, k, v, g.float().contiguous(), beta.float().contiguous(), states,
                                       slots.long().contiguous(), scale, use_qk_l2norm)

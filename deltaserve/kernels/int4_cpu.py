@@ -171,23 +171,23 @@ torch::Tensor int4_widen(torch::Tensor packed, torch::Tensor scales, torch::Tens
 }
 """
 
-_KERNELS = CompiledKernels("deltaserve_int4_cpu", _SOURCE, ["int4_decode", "int4_widen"],
+KERNELS = CompiledKernels("deltaserve_int4_cpu", _SOURCE, ["int4_decode", "int4_widen"],
                            "CPU packed 4-bit kernel", "torch (widened weights)")
 
 
 def load(log=None):
     """The compiled module (built once per machine, cached by torch), or None when it cannot be built here."""
-    return _KERNELS.load(log)
+    return KERNELS.load(log)
 
 
 def disabled():
     """Inside the block the portable torch path serves (the built module is kept); for comparisons and tests."""
-    return _KERNELS.disabled()
+    return KERNELS.disabled()
 
 
 def built() -> bool:
     """Whether the compiled module is loaded (never compiles)."""
-    return _KERNELS.module is not None
+    return KERNELS.module is not None
 
 
 def serves(rows: torch.Tensor) -> bool:
@@ -197,9 +197,9 @@ def serves(rows: torch.Tensor) -> bool:
 
 def decode(rows, packed, scales, offsets, lut, group_size: int) -> torch.Tensor:
     """rows [M, K] float32 @ W.T, reading the packed bytes."""
-    return _KERNELS.module.int4_decode(rows, packed, scales, offsets, lut, group_size)
+    return KERNELS.module.int4_decode(rows, packed, scales, offsets, lut, group_size)
 
 
 def widen(packed, scales, offsets, lut, group_size: int, start: int, stop: int) -> torch.Tensor:
     """Rows start:stop of W widened to float32."""
-    return _KERNELS.module.int4_widen(packed, scales, offsets, lut, group_size, start, stop)
+    return KERNELS.module.int4_widen(packed, scales, offsets, lut, group_size, start, stop)

@@ -102,24 +102,24 @@ torch::Tensor linear_rows(torch::Tensor x, torch::Tensor w) {
 }
 """
 
-_KERNELS = CompiledKernels("deltaserve_linear_cpu", _SOURCE, ["linear_rows"],
+KERNELS = CompiledKernels("deltaserve_linear_cpu", _SOURCE, ["linear_rows"],
                            "CPU decode linear kernel", "torch's F.linear")
 
 
 def load(log=None):
-    """The compiled module (built once per machine, cached by torch), or None when it cannot be built here."""
-    return _KERNELS.load(log)
+    """The compiled module (built once per machine into our kernel cache), or None when it cannot be built here."""
+    return KERNELS.load(log)
 
 
 def disabled():
     """Inside the block every linear takes F.linear (the built module is kept); for comparisons."""
-    return _KERNELS.disabled()
+    return KERNELS.disabled()
 
 
 def serves(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether the built kernel takes x [..., K] @ weight [N, K].T: float32 on CPU, 1 to MAX_ROWS rows, K a
     multiple of 16; never waits for a compiler."""
-    if _KERNELS.module is None or x.device.type != "cpu" or not x.dtype == weight.dtype == torch.float32:
+    if KERNELS.module is None or x.device.type != "cpu" or not x.dtype == weight.dtype == torch.float32:
         return False
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     return 0 < rows <= MAX_ROWS and x.shape[-1] % 16 == 0 and weight.is_contiguous()
@@ -129,7 +129,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """F.linear(x, weight, bias), through the kernel where `serves` says it takes the inputs."""
     if not serves(x, weight):
         return F.linear(x, weight, bias)
-    y = _KERNELS.module.linear_rows(x.reshape(-1, x.shape[-1]).contiguous(), weight)
+    y = KERNELS.module.linear_rows(x.reshape(-1, x.shape[-1]).contiguous(), weight)
     if bias is not None:
         y += bias
     return y.view(*x.shape[:-1], weight.shape[0])

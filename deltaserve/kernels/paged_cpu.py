@@ -225,22 +225,22 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
 # The cache dtypes paged_decode reads (its TORCH_CHECK says the same); queries are always float32.
 CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
-_KERNELS = CompiledKernels("deltaserve_paged_cpu", _SOURCE, ["paged_decode"], "paged CPU decode attention",
+KERNELS = CompiledKernels("deltaserve_paged_cpu", _SOURCE, ["paged_decode"], "paged CPU decode attention",
                            "the portable gather + SDPA path")
 
 
 def load(log=None):
-    """The compiled module (built once per machine, cached by torch), or None when it cannot be built here."""
-    return _KERNELS.load(log)
+    """The compiled module (built once per machine into our kernel cache), or None when it cannot be built here."""
+    return KERNELS.load(log)
 
 
 def ready():
     """The module if `load()` built it already, else None: a forward step never waits for a compiler."""
-    return _KERNELS.module
+    return KERNELS.module
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            context_slots: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
     """q [B, Hq, D] over each sequence's cached rows context_slots[b, :context_lens[b]]; [B, Hq, D] float32."""
-    return _KERNELS.module.paged_decode(q.contiguous(), k_cache, v_cache, context_slots.contiguous(),
+    return KERNELS.module.paged_decode(q.contiguous(), k_cache, v_cache, context_slots.contiguous(),
                                         context_lens.contiguous(), scale)

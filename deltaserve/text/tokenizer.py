@@ -188,7 +188,11 @@ class IncrementalDetokenizer:
 
 
 class StopStringMatcher:
-    """Cuts a text stream at the first stop string; holds back text that may begin one."""
+    """Cuts a text stream at the stop string that completes first; holds back text that may begin one.
+
+    As vLLM and SGLang do, a stop string takes effect when it completes in the stream: of the stops in the text, the
+    one that ends first wins (at the same end, the one that starts first, i.e. the longer), and the output is the
+    text before it. The result does not depend on how the text was split into pieces."""
 
     def __init__(self, stops: list[str]):
         self.stops = [s for s in stops if s]
@@ -200,9 +204,10 @@ class StopStringMatcher:
         if self.stopped:
             return "", True
         self.pending += text
-        hits = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
-        if hits:
-            out, self.pending, self.stopped = self.pending[:min(hits)], "", True
+        found = [(i + len(s), i) for s in self.stops if (i := self.pending.find(s)) >= 0]
+        if found:
+            _, start = min(found)
+            out, self.pending, self.stopped = self.pending[:start], "", True
             return out, True
         held = max((n for s in self.stops for n in range(min(len(s) - 1, len(self.pending)), 0, -1)
                     if self.pending.endswith(s[:n])), default=0)

@@ -1,0 +1,102 @@
+"""The one-time kernel build (kernels/cpp_build.py) survives what a newcomer's first start meets: a build killed while
+the compiler runs, a lock left by a dead process, a second environment with other flags, a compiler error."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from deltaserve.kernels import cpp_build, fused_cpu, linear_cpu
+from deltaserve.kernels.cpp_build import CompiledKernels
+
+TINY = "int64_t add_one(int64_t x) { return x + 1; }\n"
+
+
+def tiny(name: str = "deltaserve_test_tiny", source: str = TINY) -> CompiledKernels:
+    return CompiledKernels(name, source, ["add_one"], "test kernel", "nothing")
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("DELTASERVE_KERNEL_CACHE", str(tmp_path / "kernels"))
+    return tmp_path / "kernels"
+
+
+BUILD_IN_CHILD = """
+import sys
+from deltaserve.kernels.cpp_build import CompiledKernels
+kernels = CompiledKernels("deltaserve_test_tiny", sys.argv[1], ["add_one"], "test kernel", "nothing")
+print("built" if kernels.load(print) is not None else kernels.error, flush=True)
+"""
+
+
+def test_a_build_killed_while_compiling_does_not_wedge_the_next_start(cache):
+    child = subprocess.Popen([sys.executable, "-c", BUILD_IN_CHILD, TINY], start_new_session=True,
+                             env=os.environ.copy(), stdout=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 300
+    while not any(cache.glob("*.tmp-*/build.ninja")):  # the compiler is running in the child's scratch folder
+        assert child.poll() is None and time.monotonic() < deadline, "the child never started compiling"
+        time.sleep(0.2)
+    time.sleep(1.0)
+    os.killpg(child.pid, signal.SIGKILL)  # the child, ninja and the compiler: a closed terminal
+    child.wait()
+    assert list(cache.glob("*.lock")), "the killed builder's lock should be left behind"
+    messages: list[str] = []
+    module = tiny().load(messages.append)
+    assert module is not None and module.add_one(41) == 42
+    assert any("interrupted" in m for m in messages), messages
+    assert not list(cache.glob("*.lock")) and not list(cache.glob("*.tmp-*"))
+    again: list[str] = []
+    assert tiny().load(again.append).add_one(1) == 2  # the next start loads the build, compiling nothing
+    assert not any("compiling" in m for m in again), again
+
+
+def test_a_live_builders_lock_is_waited_for_and_its_build_loaded(cache, tmp_path):
+    built_cache = tmp_path / "built"
+    os.environ["DELTASERVE_KERNEL_CACHE"] = str(built_cache)
+    assert tiny().load() is not None  # what the other process is about to finish
+    os.environ["DELTASERVE_KERNEL_CACHE"] = str(cache)
+    kernels = tiny()
+    [built] = [p for p in built_cache.iterdir() if p.is_dir()]
+    cache.mkdir(parents=True)
+    lock = cache / (built.name + ".lock")
+    lock.write_text(f"{os.getppid()} {socket.gethostname()}\n")  # a live process (our parent) holds it
+
+    def other_builder_finishes():
+        time.sleep(1.0)
+        shutil.copytree(built, cache / "copying")
+        os.replace(cache / "copying", cache / built.name)  # a build lands whole, as _build renames it
+        lock.unlink()
+
+    threading.Thread(target=other_builder_finishes).start()
+    messages: list[str] = []
+    assert kernels.load(messages.append).add_one(1) == 2
+    assert any("waiting for pid" in m for m in messages), messages
+    assert not any("compiling CPU kernels" in m for m in messages), messages
+
+
+def test_other_flags_or_sources_build_elsewhere():
+    for module in (fused_cpu, linear_cpu):
+        native, avx2 = module.KERNELS, module.KERNELS.variant("avx2")
+        assert "-march=native" in native.flags and "-march=x86-64-v3" in avx2.flags
+        assert cpp_build.build_key(native) != cpp_build.build_key(avx2)
+        assert avx2.name != native.name  # a module of its own, so both load in one process
+    assert cpp_build.build_key(tiny()) != cpp_build.build_key(tiny(source=TINY + "// changed\n"))
+
+
+def test_a_compiler_error_names_the_log_and_falls_back(cache):
+    broken = tiny("deltaserve_test_broken", "int64_t add_one(int64_t x) { return x + ; }\n")
+    messages: list[str] = []
+    assert broken.load(messages.append) is None
+    assert "build log is" in broken.error and any("using nothing" in m for m in messages)
+    log = next(cache.glob("deltaserve_test_broken-*.log"))
+    assert "error" in log.read_text()
+    assert not list(cache.glob("*.lock")) and not list(cache.glob("*.tmp-*"))
