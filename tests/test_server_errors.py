@@ -174,3 +174,14 @@ def test_errors_are_counted_in_metrics(server):
     text = server.get("/metrics").text
     assert 'deltaserve_http_errors_total{status="400",type="invalid_request_error"}' in text
     assert 'deltaserve_http_errors_total{status="401",type="invalid_request_error"}' in text
+
+
+def test_n_beyond_running_plus_queue_is_400_not_429_forever(server):
+    """n copies beyond --max-running-requests 1 + --max-queue 1 could never be admitted together: 400 with the
+    arithmetic on an idle server; n at the limit is served."""
+    too_many = server.post("/v1/chat/completions", headers=AUTH, json={"messages": USER, "max_tokens": 2, "n": 3})
+    assert_openai_error(too_many, 400, "3 choices", "at most 2", "--max-queue 1")
+    assert too_many.json()["error"]["param"] == "n"
+    at_limit = server.post("/v1/chat/completions", headers=AUTH, json={"messages": USER, "max_tokens": 2, "n": 2})
+    assert at_limit.status_code == 200 and len(at_limit.json()["choices"]) == 2
+    _healthy(server)

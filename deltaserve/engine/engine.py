@@ -4,6 +4,11 @@
 once at the granted size, and logs predicted vs measured bytes. `submit` is thread-safe and answers at once:
 a RequestStream, RequestRefused (400: never fits) or QueueFull (429). `start()` runs the step loop on a background
 thread; an exception inside a step fails that step's requests with finish_reason "error", never the loop.
+
+A step holds its requests' pages and state slots from `schedule` to `complete`, the forward running outside the
+lock; so `abort` only queues while a step is in flight, and the step applies the queued aborts once it completes.
+Freeing under a running forward would let the next submit take the same slot mid-step (PoolCorruption, and every
+co-batched request failed). Error text reaching a client never carries a request's content: see engine/errors.py.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import threading
 import time
 import uuid
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -22,6 +28,7 @@ from deltaserve.cache.kv_pool import KVPool
 from deltaserve.cache.state_pool import StatePool
 from deltaserve.config import EngineConfig, device_memory_bytes
 from deltaserve.engine.admission import AdmissionPolicy
+from deltaserve.engine.errors import internal_error
 from deltaserve.engine.grammar import GrammarError, Grammars
 from deltaserve.engine.loader import LoadedModel, default_model_path, load_model
 from deltaserve.engine.request import Request, RequestStream, SamplingParams, TokenLogprob
@@ -35,6 +42,8 @@ __all__ = ["Completion", "Engine", "EngineStats", "LLM", "QueueFull", "RequestRe
 
 IDLE_WAIT_S = 0.5  # the loop re-checks for shutdown this often when there is no work
 STEP_TIME_SMOOTHING = 0.2  # weight of the newest step in the running step-time estimate
+# Where `Engine.step_hook` is called, in order, each outside the lock (so the hook may call abort or submit).
+STEP_POINTS = ("before_schedule", "after_schedule", "during_forward", "after_sampling", "before_complete")
 
 
 @dataclass
@@ -102,6 +111,10 @@ class Engine:
         self._seeds = random.Random(c.seed)  # seeds of requests that name none: reproducible per engine start
         self._thread: threading.Thread | None = None
         self._stopping = False
+        self._in_step = False  # a plan is out: its requests' pages and slots must not be freed
+        self._pending_aborts: list[str] = []
+        # Tests set this to act at a precise point of a step (STEP_POINTS); called as hook(point).
+        self.step_hook: Callable[[str], None] | None = None
         measured = {name: n for name, n in self.measured_bytes().items() if n or budget.line(name).bytes}
         for check in measure_vs_predicted(budget, measured):
             self._log(f"measured {check}")
@@ -147,11 +160,31 @@ class Engine:
         return request.stream
 
     def abort(self, request_id: str) -> None:
-        """Stop a request wherever it is (thread-safe); its pages and slot are free when this returns."""
+        """Stop a request wherever it is (thread-safe). Between steps its pages and slot are free when this
+        returns; while a step runs the abort is queued and applied as that step ends."""
         with self._cond:
-            request = self._live.pop(request_id, None)
-            if request is not None:
-                self.scheduler.abort(request)
+            if self._in_step:
+                self._pending_aborts.append(request_id)
+                return
+            self._abort_now(request_id)
+
+    def _abort_now(self, request_id: str) -> None:
+        request = self._live.pop(request_id, None)
+        if request is not None:
+            self.scheduler.abort(request)
+
+    def _apply_pending_aborts(self) -> None:
+        pending, self._pending_aborts = self._pending_aborts, []
+        for request_id in pending:
+            self._abort_now(request_id)
+
+    def most_requests_at_once(self, prompt_tokens: int, max_tokens: int | None) -> int:
+        """How many requests of this size the engine can ever hold at once: those that can run together (state
+        slots, and whole reservations in the KV pool) plus a full queue. More copies than this (a large `n`)
+        could never be admitted together."""
+        policy = self.scheduler.policy
+        pages = max(1, policy.reservation(prompt_tokens, max_tokens).kv_pages)
+        return min(policy.state_slots, policy.kv_pool_pages // pages) + policy.max_queue
 
     def stats(self) -> EngineStats:
         with self._cond:
@@ -169,24 +202,43 @@ class Engine:
         """Run one step in the calling thread (when the background loop is not started); False when idle."""
         if self._thread is not None and threading.current_thread() is not self._thread:
             raise RuntimeError("Engine.step() called while the background loop runs; use one or the other")
+        self._hook("before_schedule")
         with self._cond:
             try:
                 plan = self.scheduler.schedule()
             except Exception as e:  # a bug in scheduling: fail what is running, keep serving
                 self._fail(list(self.scheduler.running), e)
                 return True
-        if plan is None:
-            return False
+            if plan is None:
+                return False
+            self._in_step = True
+        try:
+            self._run(plan)
+        finally:
+            with self._cond:
+                self._in_step = False
+                self._apply_pending_aborts()
+        return True
+
+    def _run(self, plan) -> None:
+        """Forward, sample and complete one planned step; failures fail only the requests they belong to."""
         started = time.perf_counter()
         try:
-            sampled = sample(self.runner.forward(plan), plan.sampling)
+            self._hook("after_schedule")
+            logits = self.runner.forward(plan)
+            self._hook("during_forward")
+            sampled = sample(logits, plan.sampling)
+            self._hook("after_sampling")
+            self._hook("before_complete")
         except Exception as e:  # includes torch.OutOfMemoryError: this step's requests fail, not the process
             with self._cond:
                 self._fail(plan.requests, e)
-            return True
+            return
         with self._cond:
             try:
-                self.scheduler.complete(plan, sampled)
+                for request, error in self.scheduler.complete(plan, sampled):
+                    self.scheduler.finish(request, "error", internal_error(
+                        self._log, f"request {request.request_id} failed while completing a step", error))
             except Exception as e:
                 self._fail(plan.requests, e)
             for request in plan.requests:
@@ -195,11 +247,14 @@ class Engine:
             elapsed = time.perf_counter() - started
             s = self.scheduler
             s.seconds_per_token += STEP_TIME_SMOOTHING * (elapsed - s.seconds_per_token)
-        return True
+
+    def _hook(self, point: str) -> None:
+        if self.step_hook is not None:
+            self.step_hook(point)
 
     def _fail(self, requests: list[Request], error: Exception) -> None:
-        message = f"{type(error).__name__}: {error}"
-        self._log(f"step failed for {len(requests)} requests: {message}")
+        """Fail a whole step's requests: the client sees an error id, the log the detail (which may hold ids)."""
+        message = internal_error(self._log, f"a step failed for {len(requests)} requests", error)
         self.scheduler.fail(requests, message)
         for request in requests:
             self._live.pop(request.request_id, None)
@@ -215,7 +270,7 @@ class Engine:
     def _loop(self) -> None:
         while True:
             with self._cond:
-                while not self._stopping and not self.scheduler.has_work:
+                while not self._stopping and not self.scheduler.has_work and not self._pending_aborts:
                     self._cond.wait(IDLE_WAIT_S)
                 if self._stopping:
                     return
@@ -230,6 +285,7 @@ class Engine:
             self._thread.join()
             self._thread = None
         with self._cond:
+            self._pending_aborts.clear()
             for request in list(self.scheduler.running) + list(self.scheduler.waiting):
                 self.scheduler.abort(request)
             self._live.clear()

@@ -148,20 +148,29 @@ class Scheduler:
         except PoolExhausted as e:
             self.finish(request, "error", f"KV allocation failed: {e}")
 
-    def complete(self, plan: StepPlan, sampled: list[Sampled]) -> None:
-        """Advance the caches' fill, append the sampled tokens, stream the deltas, finish what stopped."""
+    def complete(self, plan: StepPlan, sampled: list[Sampled]) -> list[tuple[Request, Exception]]:
+        """Advance the caches' fill, append the sampled tokens, stream the deltas, finish what stopped.
+
+        A request whose own token fails (decoding, a stop check) is returned with its error, for the engine to
+        fail alone; the others in the step go on."""
+        failures = []
         for request, n in plan.sequences:
-            if not request.finished:  # an abort may have come while the step ran
+            if not request.finished:  # ended early by an allocation failure at schedule time
                 request.num_cached += n
         self.prompt_tokens_total += sum(n for _, n in plan.prefill)
         for request, choice in zip(plan.sampling, sampled):
             if request.finished:
                 continue
-            output = request.append_token(choice.token_id, self._logprob(request, choice))
+            try:
+                output = request.append_token(choice.token_id, self._logprob(request, choice))
+            except Exception as e:
+                failures.append((request, e))
+                continue
             self.generation_tokens_total += 1
             request.stream.put(output)
             if output.finished:
                 self._release(request, output.finish_reason)
+        return failures
 
     def _logprob(self, request: Request, choice: Sampled) -> TokenLogprob | None:
         if request.params.logprobs is None or choice.logprob is None:
@@ -172,7 +181,9 @@ class Scheduler:
     # -- ending -----------------------------------------------------------------------------------------------
 
     def finish(self, request: Request, reason: str, error: str | None = None) -> None:
-        """End a request early (abort or error): free its pages and slot at once and close its stream."""
+        """End a request early (abort or error): free its pages and slot at once and close its stream.
+
+        Only between steps: the engine defers aborts that arrive while a step holds the request."""
         if request.finished:
             return
         request.finish_reason = reason

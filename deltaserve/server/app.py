@@ -14,7 +14,6 @@ import math
 import sys
 import threading
 import time
-import traceback
 import uuid
 from collections.abc import Callable
 from contextlib import asynccontextmanager
@@ -29,6 +28,7 @@ from starlette.requests import ClientDisconnect
 
 from deltaserve.config import EngineConfig
 from deltaserve.engine.engine import Engine, QueueFull, RequestRefused
+from deltaserve.engine.errors import internal_error
 from deltaserve.engine.request import RequestStream, SamplingParams
 from deltaserve.text.tokenizer import ChatTemplateError
 from deltaserve.server import anthropic, protocol, router_info
@@ -170,9 +170,9 @@ def _add_error_handlers(app: FastAPI, state: ServerState) -> None:
         return Response(status_code=499)
 
     @app.exception_handler(Exception)
-    async def internal_error(request: Request, e: Exception):
-        state.log(f"deltaserve: internal error in {request.method} {request.url.path}:\n{traceback.format_exc()}")
-        return error_response(request, 500, f"internal error: {type(e).__name__}: {e}", code="internal_error")
+    async def unexpected_error(request: Request, e: Exception):
+        message = internal_error(state.log, f"{request.method} {request.url.path}", e)
+        return error_response(request, 500, message, code="internal_error")
 
 
 def _add_routes(app: FastAPI, state: ServerState) -> None:
@@ -447,6 +447,14 @@ def _submit(state: ServerState, engine: Engine, prompts: list[list[int]], req, r
     if len(prompts) * choices > protocol.MAX_CHOICES:
         raise ApiError(400, f"n × prompts = {req.n} × {len(prompts)} exceeds the limit of {protocol.MAX_CHOICES} "
                             f"choices per request", param="n")
+    choices = len(prompts) * req.n
+    shortest = min(len(p) for p in prompts)
+    if choices > 1 and engine.scheduler.policy.refusal(shortest, protocol.max_new_tokens(req)) is None:
+        most = engine.most_requests_at_once(shortest, protocol.max_new_tokens(req))
+        if choices > most:  # its own copies would fill the queue: 429 forever, so say it can never run as sent
+            raise ApiError(400, f"n × prompts = {req.n} × {len(prompts)} = {choices} choices, but this server holds "
+                                f"at most {most} requests of this size at once (running beside each other, plus "
+                                f"--max-queue {engine.config.max_queue} waiting): lower n or max_tokens", param="n")
     base_id = uuid.uuid4().hex
     streams: list[RequestStream] = []
     choice_prompt = []

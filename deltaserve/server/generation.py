@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import time
-import traceback
 from collections.abc import AsyncIterator, Callable
 
 from fastapi.responses import StreamingResponse
 
 from deltaserve.engine.engine import Engine
+from deltaserve.engine.errors import internal_error
 from deltaserve.engine.request import RequestOutput, RequestStream, TokenLogprob
 from deltaserve.server import protocol
 from deltaserve.server.metrics import ServerMetrics
@@ -67,7 +67,7 @@ class Generation:
                 i, out, error = await queue.get()
                 if error is not None:
                     self.failed = True
-                    raise GenerationFailed(f"the engine failed this request: {type(error).__name__}: {error}")
+                    raise GenerationFailed(internal_error(self.log, "reading an engine stream failed", error))
                 if out is None:
                     open_streams -= 1
                     if self.finish_reasons[i] is None:
@@ -179,9 +179,9 @@ async def _failures_as_events(gen: Generation) -> AsyncIterator[tuple[int, Reque
         yield -1, protocol.sse_event(protocol.error_body(e.message, protocol.error_type(e.status),
                                                          code=e.code)) + protocol.SSE_DONE
     except Exception as e:  # an internal failure ends this stream only
-        gen.log(f"deltaserve: internal error in a stream:\n{traceback.format_exc()}")
-        yield -1, protocol.sse_event(protocol.error_body(f"internal error: {type(e).__name__}: {e}",
-                                                         "server_error", code="internal_error")) + protocol.SSE_DONE
+        message = internal_error(gen.log, "a stream failed", e)
+        yield -1, protocol.sse_event(protocol.error_body(message, "server_error", code="internal_error")) \
+            + protocol.SSE_DONE
 
 
 class EventStream(StreamingResponse):
