@@ -8,9 +8,9 @@ one request it happened in.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import math
+import re
 import sys
 import threading
 import time
@@ -20,11 +20,12 @@ from collections.abc import Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect
 
 from deltaserve.config import EngineConfig
@@ -33,10 +34,12 @@ from deltaserve.engine.request import RequestStream
 from deltaserve.engine.tokenizer import ChatTemplateError
 from deltaserve.server import protocol
 from deltaserve.server.generation import EventStream, Generation, GenerationFailed, chat_events, completion_events
+from deltaserve.server.guard import LOOPBACK_HOSTS, RequestGuard, is_loopback
 from deltaserve.server.metrics import ServerMetrics
 
 DISCONNECT_POLL_S = 0.1  # how often a non-streamed request checks that its client is still there
 LOADING_RETRY_AFTER_S = 5
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 class ApiError(Exception):
@@ -116,9 +119,22 @@ def create_app(config: EngineConfig, *, load_engine: Callable[[EngineConfig], En
                   description="OpenAI-compatible API of a deltaserve engine")
     app.state.server = state
     _add_error_handlers(app, state)
+    _add_guards(app, state)
     _add_routes(app, state)
     _use_request_schemas(app)
     return app
+
+
+def _add_guards(app: FastAPI, state: ServerState) -> None:
+    """Host, key and content-type checks on every route; CORS only when origins are named (a browser page may
+    then read answers, so it is the operator's explicit choice)."""
+    config = state.config
+    allowed_hosts = (*LOOPBACK_HOSTS, *config.allowed_hosts) if is_loopback(config.host) else None
+    app.add_middleware(RequestGuard, api_key=config.api_key, allowed_hosts=allowed_hosts,
+                       on_error=lambda status, type_: state.metrics.errors.labels(str(status), type_).inc())
+    if config.allowed_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins), allow_methods=["GET", "POST"],
+                           allow_headers=["Authorization", "Content-Type", "x-api-key"])
 
 
 def _add_error_handlers(app: FastAPI, state: ServerState) -> None:
@@ -156,20 +172,6 @@ def _add_error_handlers(app: FastAPI, state: ServerState) -> None:
 
 
 def _add_routes(app: FastAPI, state: ServerState) -> None:
-    def authorize(request: Request) -> None:
-        key = state.config.api_key
-        if key is None:
-            return
-        given = request.headers.get("authorization", "")
-        scheme, _, token = given.partition(" ")
-        if not given or scheme.lower() != "bearer":
-            raise ApiError(401, "missing API key: send the header 'Authorization: Bearer <key>'",
-                           code="invalid_api_key")
-        if not hmac.compare_digest(token.strip().encode(), key.encode()):
-            raise ApiError(401, "invalid API key", code="invalid_api_key")
-
-    v1 = {"dependencies": [Depends(authorize)]}
-
     @app.get("/health")
     async def health():
         if state.engine is None:
@@ -185,17 +187,17 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         body, content_type = state.metrics.render()
         return Response(body, media_type=content_type)
 
-    @app.get("/v1/models", **v1)
+    @app.get("/v1/models")
     async def models():
         engine = state.ready_engine()
         return protocol.model_list([state.served_name()], state.started_s, engine.context_length)
 
-    @app.get("/v1/budget", **v1)
+    @app.get("/v1/budget")
     async def budget():
         budget_json = state.ready_engine().budget.to_json()
         return json.loads(budget_json) if isinstance(budget_json, str) else budget_json
 
-    @app.post("/v1/chat/completions", openapi_extra=_body_schema("ChatCompletionRequest"), **v1)
+    @app.post("/v1/chat/completions", openapi_extra=_body_schema("ChatCompletionRequest"))
     async def chat_completions(request: Request):
         received_s = time.monotonic()
         engine = state.ready_engine()
@@ -220,7 +222,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         await _collect(request, gen, state)
         return protocol.chat_completion(meta, gen.results(), gen.usage(), token_bytes)
 
-    @app.post("/v1/completions", openapi_extra=_body_schema("CompletionRequest"), **v1)
+    @app.post("/v1/completions", openapi_extra=_body_schema("CompletionRequest"))
     async def completions(request: Request):
         received_s = time.monotonic()
         engine = state.ready_engine()
@@ -244,7 +246,7 @@ def _body_schema(name: str) -> dict:
 
 
 def _use_request_schemas(app: FastAPI) -> None:
-    """The routes read their bodies themselves (any content type, a size limit); document them anyway."""
+    """The routes read their bodies themselves (with a size limit); document them anyway."""
 
     def openapi() -> dict:
         if app.openapi_schema is None:
@@ -258,7 +260,7 @@ def _use_request_schemas(app: FastAPI) -> None:
 
 
 async def _read_json(request: Request, config: EngineConfig):
-    """The body as JSON, whatever its content type, refused with 413 as soon as it passes the size limit."""
+    """The body as JSON (RequestGuard checked its content type), refused with 413 as soon as it passes the limit."""
     limit = config.max_body_bytes
     declared = request.headers.get("content-length", "")
     too_large = f"request body is larger than the limit of {limit} bytes (--max-body-bytes)"
@@ -274,9 +276,36 @@ async def _read_json(request: Request, config: EngineConfig):
     if not body.strip():
         raise ApiError(400, "request body is empty: send a JSON object")
     try:
-        return json.loads(body)
+        value = json.loads(body)
     except (ValueError, RecursionError) as e:
         raise ApiError(400, f"request body is not valid JSON: {e}") from None
+    _refuse_lone_surrogates(value)
+    return value
+
+
+def _refuse_lone_surrogates(body) -> None:
+    """JSON's \\uD800-\\uDFFF escapes decode to lone surrogates when unpaired: no text can hold them, so name where.
+
+    The common case costs one C-speed encode; only a body that fails it is walked (with a stack: bodies nest deep)."""
+    try:
+        json.dumps(body, ensure_ascii=False).encode()
+        return
+    except UnicodeEncodeError:
+        pass
+    stack = [(body, "")]
+    while stack:
+        value, path = stack.pop()
+        if isinstance(value, str):
+            bad = _SURROGATE.search(value)
+            if bad is not None:
+                raise ApiError(400, f"{path or 'request body'}: character {bad.start()} is a lone UTF-16 surrogate "
+                                    f"(\\u{ord(bad.group()):04x} without its pair): send valid Unicode text",
+                               param=path or None)
+        elif isinstance(value, list):
+            stack.extend((item, f"{path}[{i}]") for i, item in enumerate(value))
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                stack.extend([(key, f"{path} (a key)"), (item, f"{path}.{key}" if path else key)])
 
 
 def _prompt_texts(prompt) -> list[str]:
@@ -315,6 +344,12 @@ def _submit(state: ServerState, engine: Engine, prompts: list[list[int]], req, r
     if len(prompts) * req.n > protocol.MAX_CHOICES:
         raise ApiError(400, f"n × prompts = {req.n} × {len(prompts)} exceeds the limit of {protocol.MAX_CHOICES} "
                             f"choices per request", param="n")
+    vocab = engine.vocab_size  # the width of the logits the biases index
+    outside = [key for key in (req.logit_bias or {})
+               if key.isascii() and key.isdigit() and (len(key) > 18 or int(key) >= vocab)]
+    if outside:
+        raise ApiError(400, f"logit_bias: token id {outside[0]} is outside the vocabulary (0..{vocab - 1})",
+                       param="logit_bias")
     base_id = uuid.uuid4().hex
     streams: list[RequestStream] = []
     choice_prompt = []
@@ -333,6 +368,9 @@ def _submit(state: ServerState, engine: Engine, prompts: list[list[int]], req, r
         retry_s = max(1, math.ceil(e.retry_after_s))
         raise ApiError(429, f"the server is busy: {e.message}", code="queue_full",
                        headers={"Retry-After": str(retry_s)}) from None
+    except protocol.ProtocolError:
+        _abort_all(engine, streams)
+        raise
     except ValueError as e:  # SamplingParams' own checks
         _abort_all(engine, streams)
         raise ApiError(400, str(e)) from None
