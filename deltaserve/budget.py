@@ -233,7 +233,7 @@ def _draft(spec: ModelMemorySpec, config: EngineConfig, device_total: int, kind:
     most_pages = math.inf if pricing else math.ceil(c.max_running_requests * context / c.page_size)
     shortfall, problem = 0, ""
     if c.max_total_tokens is not None:
-        kv_pages = math.ceil(c.max_total_tokens / c.page_size)
+        kv_pages = c.max_total_tokens // c.page_size  # whole pages, never more than asked (a note says so)
         if kv_pages * page_bytes > remaining:
             shortfall = kv_pages * page_bytes - remaining
             problem = (f"--max-total-tokens {c.max_total_tokens} needs {_mib(kv_pages * page_bytes)} MiB of KV "
@@ -291,6 +291,9 @@ def _finish(spec: ModelMemorySpec, d: _Draft, kind: str) -> Budget:
     if max_context < d.context:
         notes.append(f"the model's context {d.context:,} is longer than the KV pool: requests are limited "
                      f"to {max_context:,} tokens")
+    if c.max_total_tokens is not None and kv_tokens != c.max_total_tokens:
+        notes.append(f"--max-total-tokens {c.max_total_tokens:,} rounded down to {kv_tokens:,}: the KV pool holds "
+                     f"whole pages of {c.page_size} tokens")
     cap = min(c.max_new_tokens_cap or DEFAULT_MAX_NEW_TOKENS_CAP, max_context)
     if c.max_new_tokens_cap and cap < c.max_new_tokens_cap:
         notes.append(f"--max-new-tokens-cap {c.max_new_tokens_cap:,} lowered to the longest context {cap:,}")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import re
 from dataclasses import dataclass
 
@@ -38,6 +39,8 @@ GPU_MEM_FRACTION = 0.9
 GPU_HEADROOM_BYTES = 512 * MiB  # a desktop compositor / browser on the same GPU (incident 2: ~0.7 GB)
 CPU_PREFILL_CHUNK_TOKENS = 512  # keeps one step's activations small; the CPU is compute-bound well before 512
 GPU_PREFILL_CHUNK_TOKENS = 2048
+
+API_KEY_ENV = "DELTASERVE_API_KEY"
 
 _SIZE_UNITS = {
     "": 1, "b": 1,
@@ -111,7 +114,11 @@ class EngineConfig:
     max_queue: int = 64  # waiting requests; beyond it the server answers 429
     host: str = "127.0.0.1"
     port: int = 8000
-    api_key: str | None = None
+    api_key: str | None = None  # also from --api-key-file or DELTASERVE_API_KEY (`ps` shows a command line)
+    allowed_hosts: tuple[str, ...] = ()  # Host names accepted besides localhost/127.0.0.1/[::1] on a loopback bind
+    allowed_origins: tuple[str, ...] = ()  # CORS origins; none: no CORS headers, browsers cannot read answers
+    header_timeout_s: float = 10.0  # a connection must send a request's headers within this, else 408 and close
+    max_connections: int = 512  # open connections; beyond it a new one gets 503 and is closed
     served_model_name: str | None = None
     max_body_bytes: int = 8 * MiB  # a 100K-token prompt is ~0.5 MB of JSON; escaping can multiply it
     seed: int = 0
@@ -158,7 +165,7 @@ class EngineConfig:
 
     def to_dict(self) -> dict:
         """All settings as plain JSON values (api_key redacted)."""
-        values = dataclasses.asdict(self)
+        values = {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(self).items()}
         if values["api_key"] is not None:
             values["api_key"] = "***"
         return values
@@ -177,6 +184,7 @@ class EngineConfig:
                 raise ConfigError(f"--device {device!r} is not supported: choose auto, cpu, cuda, cuda:N "
                                   f"or a size such as 24GiB") from None
             values["device"] = "cuda"
+        values["api_key"] = _api_key(values.get("api_key"), getattr(args, "api_key_file", None))
         for name, flag in SIZE_FLAGS.items():
             if isinstance(values.get(name), str):
                 try:
@@ -184,6 +192,23 @@ class EngineConfig:
                 except ConfigError as e:
                     raise ConfigError(f"{flag}: {e}") from None
         return cls(**values)
+
+
+def _api_key(given: str | None, key_file: str | None) -> str | None:
+    """The key from --api-key, else --api-key-file (its first line), else $DELTASERVE_API_KEY, else None."""
+    if given is not None and key_file is not None:
+        raise ConfigError("--api-key and --api-key-file are both given: use one")
+    if key_file is not None:
+        try:
+            with open(key_file) as f:
+                given = f.readline().strip()
+        except OSError as e:
+            raise ConfigError(f"--api-key-file {key_file}: cannot read it: {e.strerror or e}") from None
+        if not given:
+            raise ConfigError(f"--api-key-file {key_file}: the first line is empty: put the key there")
+    elif given is None:
+        given = os.environ.get(API_KEY_ENV) or None
+    return given
 
 
 def _validate(c: EngineConfig) -> None:
@@ -198,10 +223,14 @@ def _validate(c: EngineConfig) -> None:
         "--max-total-tokens": c.max_total_tokens, "--context-length": c.context_length,
         "--prefill-chunk-tokens": c.prefill_chunk_tokens, "--device-memory": c.device_memory,
         "--max-new-tokens-cap": c.max_new_tokens_cap, "--default-max-tokens": c.default_max_tokens,
+        "--header-timeout-s": c.header_timeout_s, "--max-connections": c.max_connections,
     }
     for flag, value in positive.items():
         if value is not None and value <= 0:
             raise ConfigError(f"{flag} {value} must be a positive number")
+    if c.max_total_tokens is not None and 0 < c.max_total_tokens < c.page_size:
+        raise ConfigError(f"--max-total-tokens {c.max_total_tokens} is less than one KV page of --page-size "
+                          f"{c.page_size} tokens: the pool holds whole pages")
     if c.cuda_graph_reserve is not None and c.cuda_graph_reserve < 0:
         raise ConfigError(f"--cuda-graph-reserve {c.cuda_graph_reserve} is negative: it must be >= 0 bytes")
     if c.max_new_tokens_cap is not None and c.context_length is not None and c.max_new_tokens_cap > c.context_length:
@@ -238,7 +267,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--mem-fraction", type=float,
                    help="fraction of the device TOTAL memory to budget (0.9 GPU, 0.5 CPU)")
     g.add_argument("--headroom", help="bytes kept free for other processes, e.g. 1.5GiB (512MiB GPU, 0 CPU)")
-    g.add_argument("--max-total-tokens", type=int, help="exact KV pool size in tokens (default: what remains)")
+    g.add_argument("--max-total-tokens", type=int, help="KV pool size in tokens, rounded down to whole "
+                   "pages (default: what remains)")
     g.add_argument("--context-length", type=int, help="longest request, prompt + completion (default: the model's)")
     g.add_argument("--max-running-requests", type=int, help="requests decoded at once = GDN state slots (16)")
     g.add_argument("--prefill-chunk-tokens", type=int, help="prompt tokens read per step (512 CPU, 2048 GPU)")
@@ -253,7 +283,6 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-queue", type=int, help="waiting requests before the server answers 429 (64)")
     g.add_argument("--host", help="listen address (127.0.0.1)")
     g.add_argument("--port", type=int, help="listen port (8000)")
-    g.add_argument("--api-key", help="require this bearer token")
     g.add_argument("--served-model-name", help="model name reported by the API")
     g.add_argument("--max-body-bytes", help="largest request body (8MiB)")
     g.add_argument("--seed", type=int, help="default sampling seed (0)")
@@ -268,6 +297,27 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--reasoning-parser", help=f"{', '.join(REASONING_PARSERS)}: split <think> reasoning from "
                    f"the answer (auto: when the chat template writes <think>)")
     g.add_argument("--chat-template", help="a jinja chat template file used instead of the model's own")
+    _add_http_arguments(parser)
+
+
+def _add_http_arguments(parser: argparse.ArgumentParser) -> None:
+    """Who may talk to the server, and how: key, hosts, origins, connection limits."""
+    g = parser.add_argument_group("access")
+    g.add_argument("--api-key", help=f"require this key on every route but /health (visible in `ps`: prefer "
+                   f"--api-key-file or ${API_KEY_ENV})")
+    g.add_argument("--api-key-file", help="read the key from the first line of this file")
+    g.add_argument("--allowed-hosts", type=_names, help="comma-separated Host names accepted besides localhost, "
+                   "127.0.0.1 and [::1] when bound to a loopback address (DNS-rebinding guard)")
+    g.add_argument("--allowed-origins", type=_names, help="comma-separated browser origins allowed by CORS, e.g. "
+                   "http://localhost:3000 (default: none, no CORS)")
+    g.add_argument("--header-timeout-s", type=float, help="seconds a connection has to send a request's headers "
+                   "before it gets 408 and is closed (10)")
+    g.add_argument("--max-connections", type=int, help="open connections; a new one beyond it gets 503 and is "
+                   "closed (512)")
+
+
+def _names(text: str) -> tuple[str, ...]:
+    return tuple(name.strip() for name in text.split(",") if name.strip())
 
 
 def device_memory_bytes(kind: str) -> tuple[int, int]:

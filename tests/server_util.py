@@ -30,6 +30,7 @@ class Server:
     def __init__(self, url: str, process: subprocess.Popen, log: Path):
         self.url, self.process, self.log = url, process, log
         self.loading_answers: list[httpx.Response] = []
+        self.headers: dict[str, str] = {}  # the API key, for /metrics when the server has one
 
     def get(self, path: str, **kwargs) -> httpx.Response:
         return httpx.get(self.url + path, timeout=kwargs.pop("timeout", 60), trust_env=False, **kwargs)
@@ -39,7 +40,7 @@ class Server:
 
     def metric(self, name: str, labels: str = "") -> float:
         """One sample of /metrics (0 when absent)."""
-        for line in self.get("/metrics", timeout=10).text.splitlines():
+        for line in self.get("/metrics", timeout=10, headers=self.headers).text.splitlines():
             if line.startswith(name + labels + " "):
                 return float(line.split(" ")[1])
         return 0.0
@@ -63,6 +64,7 @@ def running_server(log_dir: Path, *args: str, headers: dict | None = None, probe
             [sys.executable, "-m", "deltaserve.server.serve", "--port", str(port), "--no-access-log",
              "--log-level", "warning", *args], stdout=out, stderr=subprocess.STDOUT, env=env)
     server = Server(f"http://127.0.0.1:{port}", process, log)
+    server.headers = headers or {}
     try:
         _wait_ready(server, headers or {}, probe_while_loading)
         yield server

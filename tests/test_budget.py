@@ -66,11 +66,21 @@ def test_ledger_ignores_what_happens_to_be_free(spec27):
 
 def test_max_total_tokens_is_exact_and_the_rest_is_free(spec27):
     loose = plan(spec27)
-    budget = plan(spec27, max_total_tokens=61_000)
-    assert budget.kv_tokens == math.ceil(61_000 / 16) * 16 and budget.kv_pages == budget.kv_tokens // 16
+    budget = plan(spec27, max_total_tokens=61_008)  # a whole number of 16-token pages: granted exactly
+    assert budget.kv_tokens == 61_008 and budget.kv_pages == 61_008 // 16
+    assert not any("rounded" in note for note in budget.notes)
     assert budget.line("kv_pool").bytes == budget.kv_tokens * budget.kv_bytes_per_token
     freed = loose.line("kv_pool").bytes - budget.line("kv_pool").bytes
     assert budget.line("free").bytes == loose.line("free").bytes + freed > 0
+
+
+def test_max_total_tokens_rounds_down_to_whole_pages_and_says_so(spec27):
+    # 674 gave a 688-token pool: more than asked. Now 674 // 16 = 42 whole pages, and the ledger says so.
+    budget = plan(spec27, max_total_tokens=674)
+    assert (budget.kv_pages, budget.kv_tokens) == (674 // 16, 674 // 16 * 16)
+    served = budget.to_json()  # what GET /v1/budget answers: requested vs granted
+    assert served["settings"]["max_total_tokens"] == 674 and served["kv_tokens"] == 672
+    assert any("--max-total-tokens 674 rounded down to 672" in note for note in served["notes"])
 
 
 def test_free_memory_short_refuses_with_two_fixes_that_work(spec27):

@@ -66,6 +66,9 @@ def test_device_defaults():
     (["--headroom", "lots"], ["--headroom", "cannot read 'lots'"]),
     (["--context-length", "8192", "--max-new-tokens-cap", "16384"], ["--max-new-tokens-cap 16384", "8192"]),
     (["--max-total-tokens", "0"], ["--max-total-tokens 0", "positive"]),
+    (["--max-total-tokens", "15"], ["--max-total-tokens 15", "--page-size 16"]),
+    (["--header-timeout-s", "0"], ["--header-timeout-s 0", "positive"]),
+    (["--api-key", "k", "--api-key-file", "f"], ["--api-key", "--api-key-file"]),
     (["--page-size", "-16"], ["--page-size -16", "positive"]),
     (["--max-running-requests", "0"], ["--max-running-requests 0", "positive"]),
     (["--default-max-tokens", "32000"], ["--default-max-tokens 32000", "16384"]),
@@ -93,3 +96,25 @@ def test_frozen_and_validated_on_replace():
 
 def test_api_key_redacted_in_dict():
     assert EngineConfig(api_key="secret").to_dict()["api_key"] == "***"
+
+
+def test_api_key_from_a_file_or_the_environment_not_only_the_command_line(tmp_path, monkeypatch):
+    monkeypatch.delenv("DELTASERVE_API_KEY", raising=False)
+    assert parse([]).api_key is None
+    monkeypatch.setenv("DELTASERVE_API_KEY", "from-env")
+    assert parse([]).api_key == "from-env"
+    key_file = tmp_path / "key"
+    key_file.write_text("from-file\nignored second line\n")
+    assert parse(["--api-key-file", str(key_file)]).api_key == "from-file"  # a file beats the environment
+    assert parse(["--api-key", "given"]).api_key == "given"
+    assert parse(["--api-key", "given"]).to_dict()["api_key"] == "***"
+    with pytest.raises(ConfigError, match="--api-key-file .*cannot read"):
+        parse(["--api-key-file", str(tmp_path / "missing")])
+    key_file.write_text("\n")
+    with pytest.raises(ConfigError, match="first line is empty"):
+        parse(["--api-key-file", str(key_file)])
+
+
+def test_access_lists_are_comma_separated():
+    c = parse(["--allowed-hosts", "a.lan, b.lan", "--allowed-origins", "http://x:3000"])
+    assert (c.allowed_hosts, c.allowed_origins) == (("a.lan", "b.lan"), ("http://x:3000",))

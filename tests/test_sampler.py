@@ -167,3 +167,32 @@ def test_grammar_masks_only_constrained_rows():
     for row in mixed[:2]:
         assert row.output_ids[-1] in eos, "the grammar ends the output with EOS once the object is complete"
         jsonschema.validate(json.loads(tok.decode(row.output_ids)), schema)
+
+
+def test_logit_bias_is_added_to_the_logits_per_row():
+    # Oracle: the same sampler on the unbiased logits plus the bias written out by hand, same seed, one row alone;
+    # the biased row sits in a batch beside an unbiased one, which must not feel it.
+    x = logits(2, seed=3)
+    bias = {7: 100.0, 11: -100.0, 20: 2.5}
+    biased = SamplingParams(temperature=0.7, logit_bias=tuple(bias.items()), logprobs=1)
+    plain = SamplingParams(temperature=0.7, logprobs=1)
+    by_hand = x[0].clone()
+    for token, b in bias.items():
+        by_hand[token] += b
+    for seed in range(20):
+        rows = [Row(biased, torch.Generator().manual_seed(seed)), Row(plain, torch.Generator().manual_seed(99))]
+        batch = sample(x, rows)
+        alone = sample(by_hand.unsqueeze(0), [Row(plain, torch.Generator().manual_seed(seed))])
+        neighbour = sample(x[1:], [Row(plain, torch.Generator().manual_seed(99))])
+        assert batch[0].token_id == alone[0].token_id and batch[1].token_id == neighbour[0].token_id
+        assert batch[0].token_id != 11  # -100 on a logit of scale 3: never drawn
+        # logprobs stay those of the raw model distribution, as the module documents
+        assert batch[0].logprob == pytest.approx(torch.log_softmax(x[0], -1)[batch[0].token_id].item(), abs=1e-6)
+    greedy = sample(x[:1], [Row(SamplingParams(temperature=0, logit_bias=((11, 100.0),)))])
+    assert greedy[0].token_id == 11
+
+
+@pytest.mark.parametrize("bias", [((3, 100.5),), ((3, -101.0),), ((-1, 1.0),)])
+def test_logit_bias_out_of_range_is_refused(bias):
+    with pytest.raises(ValueError, match="logit_bias"):
+        SamplingParams(logit_bias=bias)

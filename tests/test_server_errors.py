@@ -14,6 +14,7 @@ from server_util import assert_openai_error, running_server
 
 KEY = "test-secret-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
+JSON_AUTH = {**AUTH, "Content-Type": "application/json"}  # raw bodies must say they are JSON (else 415)
 MAX_BODY_BYTES = 65536
 USER = [{"role": "user", "content": "Say hello."}]
 
@@ -84,7 +85,7 @@ BAD_BODIES = [
 @pytest.mark.parametrize("body,status,fragments", BAD_BODIES, ids=[str(i) for i in range(len(BAD_BODIES))])
 def test_bad_chat_request(server, body, status, fragments):
     kwargs = {"content": body} if isinstance(body, bytes) else {"json": body}
-    error = assert_openai_error(server.post("/v1/chat/completions", headers=AUTH, **kwargs), status, *fragments)
+    error = assert_openai_error(server.post("/v1/chat/completions", headers=JSON_AUTH, **kwargs), status, *fragments)
     assert error["type"] == "invalid_request_error"
     _healthy(server)
 
@@ -117,23 +118,25 @@ def test_unknown_route_and_wrong_method(server):
 
 def test_413_over_the_body_limit(server):
     body = json.dumps({"messages": USER, "user": "x" * MAX_BODY_BYTES}).encode()
-    assert_openai_error(server.post("/v1/chat/completions", headers=AUTH, content=body), 413, str(MAX_BODY_BYTES))
+    assert_openai_error(server.post("/v1/chat/completions", headers=JSON_AUTH, content=body), 413,
+                        str(MAX_BODY_BYTES))
 
     def chunks():  # no Content-Length: the limit is enforced on the streamed body itself
         for i in range(0, len(body), 4096):
             yield body[i:i + 4096]
 
-    assert_openai_error(server.post("/v1/chat/completions", headers=AUTH, content=chunks()), 413,
+    assert_openai_error(server.post("/v1/chat/completions", headers=JSON_AUTH, content=chunks()), 413,
                         str(MAX_BODY_BYTES))
     _healthy(server)
 
 
-def test_json_is_read_whatever_the_content_type(server):
+def test_a_body_that_is_not_declared_json_is_refused(server):
+    # A browser form posts text/plain without a CORS preflight (CSRF): it must not reach the model.
     body = json.dumps({"messages": USER, "max_tokens": 2, "temperature": 0})
     for content_type in ("text/plain", "application/x-www-form-urlencoded"):
         r = server.post("/v1/chat/completions", content=body, headers={**AUTH, "Content-Type": content_type})
-        assert r.status_code == 200, r.text
-        assert r.json()["usage"]["completion_tokens"] <= 2
+        assert_openai_error(r, 415, "application/json", content_type)
+    _healthy(server)
 
 
 def _open_stream(server, max_tokens: int):
@@ -171,7 +174,7 @@ def test_429_with_retry_after_when_the_queue_is_full(server):
 
 
 def test_errors_are_counted_in_metrics(server):
-    text = server.get("/metrics").text
+    text = server.get("/metrics", headers=AUTH).text
     assert 'deltaserve_http_errors_total{status="400",type="invalid_request_error"}' in text
     assert 'deltaserve_http_errors_total{status="401",type="invalid_request_error"}' in text
 

@@ -76,6 +76,8 @@ class Engine:
         self.budget: Budget = plan_budget(spec_from_checkpoint(path), config, device_total_bytes=total,
                                           device_kind=kind, device_free_bytes=free)
         self._log(self.budget.to_table())
+        for note in self.budget.notes:  # e.g. --max-total-tokens rounded down to whole pages
+            self._log(f"note: {note}")
         loaded = load_model(config.model, dtype=getattr(torch, self.config.dtype), device=self.config.device,
                             dequantize=self.config.dequantize_weights)
         self._setup(loaded)

@@ -34,6 +34,7 @@ class SamplingParams:
     logprobs: int | None = None  # None: off; 0: the chosen token only; n: plus the top n
     skip_special_tokens: bool = True
     grammar: str | None = None  # an llguidance grammar (from a JSON schema) the output must follow
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit); OpenAI's range is [-100, 100]
 
     def __post_init__(self) -> None:
         problems = []
@@ -51,8 +52,14 @@ class SamplingParams:
             problems.append(f"repetition_penalty {self.repetition_penalty} must be > 0")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             problems.append(f"logprobs {self.logprobs} must be in 0..20")
+        bias = dict(self.logit_bias)
+        bad_bias = next(((t, b) for t, b in bias.items() if t < 0 or not -100 <= b <= 100), None)
+        if bad_bias is not None:
+            problems.append(f"logit_bias {{{bad_bias[0]}: {bad_bias[1]}}}: token ids must be >= 0 and biases in "
+                            f"[-100, 100]")
         if problems:
             raise ValueError("; ".join(problems))
+        object.__setattr__(self, "logit_bias", tuple(sorted(bias.items())))
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
 

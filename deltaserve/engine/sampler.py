@@ -1,8 +1,8 @@
 """Pick the next token of every sampling row of a step, in one batched pass.
 
-Order (as vLLM and transformers): penalties on the logits, then greedy argmax or temperature -> top-k -> top-p ->
-min-p -> a draw. Each request draws from its own torch.Generator, V exponentials per step (the exponential race:
-argmax(p / e) is a sample from p), so the same seed gives the same tokens whatever else is in the batch.
+Order (as vLLM and transformers): penalties and logit_bias on the logits, then greedy argmax or temperature -> top-k
+-> top-p -> min-p -> a draw. Each request draws from its own torch.Generator, V exponentials per step (the exponential
+race: argmax(p / e) is a sample from p), so the same seed gives the same tokens whatever else is in the batch.
 
 A request with a grammar (tool_choice required / named, response_format) has its row masked by its own matcher
 before the choice; the other rows of the batch are not touched.
@@ -44,7 +44,7 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[Sampled]:
     if not rows:
         return []
     raw = logits.float()
-    x = _apply_penalties(raw, rows)
+    x = _apply_logit_bias(_apply_penalties(raw, rows), rows)
     constrained = [i for i, r in enumerate(rows) if getattr(r, "grammar", None) is not None]
     if constrained:
         x = x.clone() if x is raw else x  # raw stays unmasked: logprobs are the model's own
@@ -86,6 +86,18 @@ def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Ten
         if (p.presence_penalty or p.frequency_penalty) and out.numel():
             counts = torch.bincount(out, minlength=vocab).to(x.dtype)
             x[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(x.dtype)
+    return x
+
+
+def _apply_logit_bias(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """OpenAI's logit_bias: each row's own biases added to its logits (before temperature, so greedy rows obey too)."""
+    biased = [i for i, r in enumerate(rows) if r.params.logit_bias]
+    if not biased:
+        return logits
+    x = logits.clone()
+    for i in biased:
+        ids, biases = zip(*rows[i].params.logit_bias)
+        x[i].index_add_(0, torch.tensor(ids, device=x.device), torch.tensor(biases, dtype=x.dtype, device=x.device))
     return x
 
 

@@ -8,9 +8,9 @@ one request it happened in.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import math
+import re
 import sys
 import threading
 import time
@@ -19,11 +19,12 @@ from collections.abc import Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect
 
 from deltaserve.config import EngineConfig
@@ -34,6 +35,7 @@ from deltaserve.text.tokenizer import ChatTemplateError
 from deltaserve.server import anthropic, protocol, router_info
 from deltaserve.server.generation import EventStream, Generation, GenerationFailed, chat_events, completion_events
 from deltaserve.server.chat_setup import OutputRequestError, chat_output
+from deltaserve.server.guard import LOOPBACK_HOSTS, RequestGuard, is_loopback
 from deltaserve.server.metrics import ServerMetrics
 from deltaserve.text.chat_output import ChatOutputParser, parse_whole
 
@@ -41,6 +43,7 @@ ANTHROPIC_PATH = "/v1/messages"
 DISCONNECT_POLL_S = 0.1  # how often a non-streamed request checks that its client is still there
 LOADING_RETRY_AFTER_S = 5
 STOP_TAIL_TOKENS = 16  # decoded end of an output, where a stop sequence that ended it is found
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 class ApiError(Exception):
@@ -123,6 +126,7 @@ def create_app(config: EngineConfig, *, load_engine: Callable[[EngineConfig], En
                   description="OpenAI-compatible API of a deltaserve engine")
     app.state.server = state
     _add_error_handlers(app, state)
+    _add_guards(app, state)
     _add_routes(app, state)
     _use_request_schemas(app)
     return app
@@ -136,6 +140,18 @@ def _read_chat_template(config: EngineConfig) -> str | None:
         return open(config.chat_template, encoding="utf-8").read()
     except OSError as e:
         raise OSError(f"--chat-template {config.chat_template}: {e.strerror}") from None
+
+
+def _add_guards(app: FastAPI, state: ServerState) -> None:
+    """Host, key and content-type checks on every route; CORS only when origins are named (a browser page may
+    then read answers, so it is the operator's explicit choice)."""
+    config = state.config
+    allowed_hosts = (*LOOPBACK_HOSTS, *config.allowed_hosts) if is_loopback(config.host) else None
+    app.add_middleware(RequestGuard, api_key=config.api_key, allowed_hosts=allowed_hosts,
+                       on_error=lambda status, type_: state.metrics.errors.labels(str(status), type_).inc())
+    if config.allowed_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins), allow_methods=["GET", "POST"],
+                           allow_headers=["Authorization", "Content-Type", "x-api-key"])
 
 
 def _add_error_handlers(app: FastAPI, state: ServerState) -> None:
@@ -176,22 +192,6 @@ def _add_error_handlers(app: FastAPI, state: ServerState) -> None:
 
 
 def _add_routes(app: FastAPI, state: ServerState) -> None:
-    def authorize(request: Request) -> None:
-        key = state.config.api_key
-        if key is None:
-            return
-        given = request.headers.get("authorization", "")
-        scheme, _, token = given.partition(" ")
-        if not given and request.headers.get("x-api-key"):  # Anthropic's clients send the key this way
-            given, scheme, token = "x-api-key", "bearer", request.headers["x-api-key"]
-        if not given or scheme.lower() != "bearer":
-            raise ApiError(401, "missing API key: send the header 'Authorization: Bearer <key>'",
-                           code="invalid_api_key")
-        if not hmac.compare_digest(token.strip().encode(), key.encode()):
-            raise ApiError(401, "invalid API key", code="invalid_api_key")
-
-    v1 = {"dependencies": [Depends(authorize)]}
-
     @app.get("/health")
     async def health():
         if state.engine is None:
@@ -207,32 +207,32 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         body, content_type = state.metrics.render()
         return Response(body, media_type=content_type)
 
-    @app.get("/v1/models", **v1)
+    @app.get("/v1/models")
     async def models():
         engine = state.ready_engine()
         return protocol.model_list([state.served_name()], state.started_s, engine.context_length)
 
-    @app.get("/v1/budget", **v1)
+    @app.get("/v1/budget")
     async def budget():
         budget_json = state.ready_engine().budget.to_json()
         return json.loads(budget_json) if isinstance(budget_json, str) else budget_json
 
     # What a router (sglang-router) asks of a worker: its served model name, its model, its load.
-    @app.get("/server_info", **v1)
-    @app.get("/get_server_info", include_in_schema=False, **v1)
+    @app.get("/server_info")
+    @app.get("/get_server_info", include_in_schema=False)
     async def server_info():
         return router_info.server_info(state.ready_engine(), state.served_name())
 
-    @app.get("/model_info", **v1)
-    @app.get("/get_model_info", include_in_schema=False, **v1)
+    @app.get("/model_info")
+    @app.get("/get_model_info", include_in_schema=False)
     async def model_info():
         return router_info.model_info(state.ready_engine())
 
-    @app.get("/get_load", **v1)
+    @app.get("/get_load")
     async def get_load():
         return [router_info.load(state.ready_engine())]
 
-    @app.post("/v1/chat/completions", openapi_extra=_body_schema("ChatCompletionRequest"), **v1)
+    @app.post("/v1/chat/completions", openapi_extra=_body_schema("ChatCompletionRequest"))
     async def chat_completions(request: Request):
         received_s = time.monotonic()
         engine = state.ready_engine()
@@ -255,7 +255,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
             result.reasoning, result.text, result.tool_calls = parse_whole(settings, result.text)
         return protocol.chat_completion(meta, results, gen.usage(), token_bytes)
 
-    @app.post("/v1/messages", **v1)
+    @app.post("/v1/messages")
     async def messages(request: Request):
         received_s = time.monotonic()
         engine = state.ready_engine()
@@ -290,7 +290,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
                                       anthropic.stop_reason(finish, bool(calls), stop), stop, len(prompt_ids),
                                       gen.usage().completion_tokens)
 
-    @app.post("/v1/messages/count_tokens", **v1)
+    @app.post("/v1/messages/count_tokens")
     async def count_tokens(request: Request):
         engine = state.ready_engine()
         req = anthropic.parse(anthropic.CountTokensRequest, await _read_json(request, state.config))
@@ -299,7 +299,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         ids = await asyncio.to_thread(_encode_chat, engine, chat.messages, True, chat.template_kwargs)
         return {"input_tokens": len(ids)}
 
-    @app.post("/tokenize", openapi_extra=_body_schema("TokenizeRequest"), **v1)
+    @app.post("/tokenize", openapi_extra=_body_schema("TokenizeRequest"))
     async def tokenize(request: Request):
         engine = state.ready_engine()
         req = protocol.parse_request(protocol.TokenizeRequest, await _read_json(request, state.config))
@@ -313,7 +313,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
                                           req.add_generation_prompt, protocol.chat_template_kwargs(req))
         return {"count": len(ids), "max_model_len": engine.context_length, "tokens": ids}
 
-    @app.post("/detokenize", openapi_extra=_body_schema("DetokenizeRequest"), **v1)
+    @app.post("/detokenize", openapi_extra=_body_schema("DetokenizeRequest"))
     async def detokenize(request: Request):
         engine = state.ready_engine()
         req = protocol.parse_request(protocol.DetokenizeRequest, await _read_json(request, state.config))
@@ -324,7 +324,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
                                 f"(0..{engine.tokenizer.vocab_size - 1})", param="tokens")
         return {"prompt": engine.tokenizer.decode(req.tokens, skip_special_tokens=False)}
 
-    @app.post("/v1/completions", openapi_extra=_body_schema("CompletionRequest"), **v1)
+    @app.post("/v1/completions", openapi_extra=_body_schema("CompletionRequest"))
     async def completions(request: Request):
         received_s = time.monotonic()
         engine = state.ready_engine()
@@ -348,7 +348,7 @@ def _body_schema(name: str) -> dict:
 
 
 def _use_request_schemas(app: FastAPI) -> None:
-    """The routes read their bodies themselves (any content type, a size limit); document them anyway."""
+    """The routes read their bodies themselves (with a size limit); document them anyway."""
 
     def openapi() -> dict:
         if app.openapi_schema is None:
@@ -362,7 +362,7 @@ def _use_request_schemas(app: FastAPI) -> None:
 
 
 async def _read_json(request: Request, config: EngineConfig):
-    """The body as JSON, whatever its content type, refused with 413 as soon as it passes the size limit."""
+    """The body as JSON (RequestGuard checked its content type), refused with 413 as soon as it passes the limit."""
     limit = config.max_body_bytes
     declared = request.headers.get("content-length", "")
     too_large = f"request body is larger than the limit of {limit} bytes (--max-body-bytes)"
@@ -378,9 +378,36 @@ async def _read_json(request: Request, config: EngineConfig):
     if not body.strip():
         raise ApiError(400, "request body is empty: send a JSON object")
     try:
-        return json.loads(body)
+        value = json.loads(body)
     except (ValueError, RecursionError) as e:
         raise ApiError(400, f"request body is not valid JSON: {e}") from None
+    _refuse_lone_surrogates(value)
+    return value
+
+
+def _refuse_lone_surrogates(body) -> None:
+    """JSON's \\uD800-\\uDFFF escapes decode to lone surrogates when unpaired: no text can hold them, so name where.
+
+    The common case costs one C-speed encode; only a body that fails it is walked (with a stack: bodies nest deep)."""
+    try:
+        json.dumps(body, ensure_ascii=False).encode()
+        return
+    except UnicodeEncodeError:
+        pass
+    stack = [(body, "")]
+    while stack:
+        value, path = stack.pop()
+        if isinstance(value, str):
+            bad = _SURROGATE.search(value)
+            if bad is not None:
+                raise ApiError(400, f"{path or 'request body'}: character {bad.start()} is a lone UTF-16 surrogate "
+                                    f"(\\u{ord(bad.group()):04x} without its pair): send valid Unicode text",
+                               param=path or None)
+        elif isinstance(value, list):
+            stack.extend((item, f"{path}[{i}]") for i, item in enumerate(value))
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                stack.extend([(key, f"{path} (a key)"), (item, f"{path}.{key}" if path else key)])
 
 
 def _prompt_texts(prompt) -> list[str]:
@@ -455,6 +482,12 @@ def _submit(state: ServerState, engine: Engine, prompts: list[list[int]], req, r
             raise ApiError(400, f"n × prompts = {req.n} × {len(prompts)} = {choices} choices, but this server holds "
                                 f"at most {most} requests of this size at once (running beside each other, plus "
                                 f"--max-queue {engine.config.max_queue} waiting): lower n or max_tokens", param="n")
+    vocab = engine.vocab_size  # the width of the logits the biases index
+    outside = [key for key in (req.logit_bias or {})
+               if key.isascii() and key.isdigit() and (len(key) > 18 or int(key) >= vocab)]
+    if outside:
+        raise ApiError(400, f"logit_bias: token id {outside[0]} is outside the vocabulary (0..{vocab - 1})",
+                       param="logit_bias")
     base_id = uuid.uuid4().hex
     streams: list[RequestStream] = []
     choice_prompt = []
@@ -473,6 +506,9 @@ def _submit(state: ServerState, engine: Engine, prompts: list[list[int]], req, r
         retry_s = max(1, math.ceil(e.retry_after_s))
         raise ApiError(429, f"the server is busy: {e.message}", code="queue_full",
                        headers={"Retry-After": str(retry_s)}) from None
+    except protocol.ProtocolError:
+        _abort_all(engine, streams)
+        raise
     except ValueError as e:  # SamplingParams' own checks
         _abort_all(engine, streams)
         raise ApiError(400, str(e)) from None

@@ -32,9 +32,11 @@ StopString = Annotated[str, WithJsonSchema({"type": "string", "minLength": 1})]
 
 
 class _Body(BaseModel):
-    """Unknown fields are ignored (clients send many we do not use); NaN and Infinity are refused."""
+    """Unknown fields are ignored (clients send many we do not use); NaN and Infinity are refused; types are strict
+    ("5" is not a number, "yes" not a boolean, true not a token id), as OpenAI and vLLM answer; a float field still
+    takes an integer (temperature 1)."""
 
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False, strict=True)
 
 
 class StreamOptions(_Body):
@@ -74,6 +76,7 @@ class _SamplingFields(_Body):
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
     repetition_penalty: float | None = Field(None, gt=0, le=10)
+    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None  # token id (a string) -> bias
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     user: str | None = None
@@ -466,11 +469,24 @@ def sampling_params(req: _SamplingFields, choice: int, grammar: str | None = Non
         "seed": None if req.seed is None else (req.seed + choice) % 2**63,
         "stop": stop_strings(req), "stop_token_ids": tuple(req.stop_token_ids or ()),
         "ignore_eos": req.ignore_eos, "logprobs": logprobs_count(req),
-        "skip_special_tokens": req.skip_special_tokens, "grammar": grammar,
+        "skip_special_tokens": req.skip_special_tokens, "grammar": grammar, "logit_bias": logit_bias(req),
     }
     if req.top_k is not None and req.top_k <= 0:
         options["top_k"] = None  # -1 / 0 mean "no top-k" in the OpenAI-compatible dialects
     return SamplingParams(**{k: v for k, v in options.items() if v is not None})
+
+
+def logit_bias(req: _SamplingFields) -> tuple[tuple[int, float], ...] | None:
+    """OpenAI's {"token id": bias} as (id, bias) pairs; a key that is not a token id is a 400 naming it."""
+    if not req.logit_bias:
+        return None
+    pairs = []
+    for key, bias in req.logit_bias.items():
+        if not (key.isascii() and key.isdigit()):
+            raise ProtocolError(f"logit_bias: key {key!r} is not a token id (a non-negative integer in a string)",
+                                "logit_bias")
+        pairs.append((int(key), bias))
+    return tuple(pairs)
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> Usage:

@@ -11,6 +11,7 @@ import uvicorn
 
 from deltaserve.config import ConfigError, EngineConfig, add_engine_arguments
 from deltaserve.server.app import create_app
+from deltaserve.server.connections import protocol_class
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 GRACEFUL_SHUTDOWN_S = 5  # open streams are cut after this on Ctrl-C / SIGTERM
@@ -54,7 +55,8 @@ def run(args: argparse.Namespace) -> int:
         server.should_exit = True
 
     app = create_app(config, on_load_failure=stop)
-    server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level, access_log=not args.no_access_log,
+    http = protocol_class(config.header_timeout_s, config.max_connections)
+    server = uvicorn.Server(uvicorn.Config(app, http=http, log_level=args.log_level, access_log=not args.no_access_log,
                                            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S))
     print(f"deltaserve: listening on http://{host}:{port} (GET /health answers 503 until the model has loaded)",
           file=sys.stderr, flush=True)
