@@ -113,6 +113,9 @@ class EngineConfig:
     attention_backend: str = "auto"  # auto = paged: decode reads the KV pages in place (CPU: a kernel built at start)
     dequantize_weights: bool | None = None  # None: True on CPU (portable path), False on CUDA (packed kernels)
     cuda_graph_reserve: int | None = None  # bytes; None: estimated from the decode batch
+    prefix_cache: bool = True  # reuse the KV pages (and GDN checkpoints) of prompts seen before
+    checkpoint_slots: int = 8  # GDN state checkpoints the prefix cache keeps (hybrid models; its own ledger line)
+    checkpoint_interval_tokens: int = 2048  # a GDN checkpoint every this many prompt tokens (a page multiple)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", normalize_dtype(self.dtype, COMPUTE_DTYPES, "--dtype"))
@@ -190,6 +193,7 @@ def _validate(c: EngineConfig) -> None:
         "--max-total-tokens": c.max_total_tokens, "--context-length": c.context_length,
         "--prefill-chunk-tokens": c.prefill_chunk_tokens, "--device-memory": c.device_memory,
         "--max-new-tokens-cap": c.max_new_tokens_cap, "--default-max-tokens": c.default_max_tokens,
+        "--checkpoint-slots": c.checkpoint_slots, "--checkpoint-interval-tokens": c.checkpoint_interval_tokens,
     }
     for flag, value in positive.items():
         if value is not None and value <= 0:
@@ -203,6 +207,9 @@ def _validate(c: EngineConfig) -> None:
     if c.default_max_tokens is not None and c.default_max_tokens > cap:
         raise ConfigError(f"--default-max-tokens {c.default_max_tokens} exceeds the max-new-tokens cap {cap}: "
                           f"lower it or raise --max-new-tokens-cap")
+    if c.checkpoint_interval_tokens % c.page_size:
+        raise ConfigError(f"--checkpoint-interval-tokens {c.checkpoint_interval_tokens} must be a multiple of "
+                          f"--page-size {c.page_size} (checkpoints sit at page ends)")
     if not 0 <= c.port <= 65535:
         raise ConfigError(f"--port {c.port} is out of range: it must be in 0..65535")
     if c.attention_backend not in ATTENTION_BACKENDS:
@@ -248,6 +255,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--dequantize-weights", action=argparse.BooleanOptionalAction, default=None,
                    help="hold quantized weights dequantized in the compute dtype (default: on CPU)")
     g.add_argument("--cuda-graph-reserve", help="bytes reserved for CUDA graphs (default: estimated)")
+    g.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false", default=None,
+                   help="compute every prompt from its first token (no reuse of earlier prompts' KV and state)")
+    g.add_argument("--checkpoint-slots", type=int, help="GDN state checkpoints the prefix cache keeps on a "
+                   "hybrid model (8); each costs what `plan` shows in KV tokens")
+    g.add_argument("--checkpoint-interval-tokens", type=int,
+                   help="store a GDN checkpoint every this many prompt tokens (2048, a multiple of --page-size)")
 
 
 def device_memory_bytes(kind: str) -> tuple[int, int]:
