@@ -43,8 +43,8 @@ def make_hybrid_checkpoint(folder: Path):
 
 def engine(model: str | None, **settings) -> Engine:
     """A quiet engine on CPU with a small, fixed KV pool, a float32 KV cache and no prefix cache unless told
-    otherwise: these tests hold the engine to transformers' float32 arithmetic exactly; test_engine_kv16.py checks the 16-bit caches (the CPU
-    default is float16) against the same oracle."""
+    otherwise: these tests hold the engine to transformers' float32 arithmetic exactly; test_engine_kv16.py checks
+    the 16-bit caches (the CPU default is float16) against the same oracle."""
     settings.setdefault("max_total_tokens", 8192)
     settings.setdefault("device", "cpu")
     settings.setdefault("kv_dtype", "float32")
