@@ -24,9 +24,9 @@ CUDA_CONTEXT_BYTES = 512 * MiB  # CUDA context and kernel images, outside torch'
 CUDA_GRAPH_BASE_BYTES = 256 * MiB  # graph memory pool segments and per-stream cuBLAS workspaces
 CUDA_GRAPH_PER_SIZE_BYTES = 16 * MiB  # per captured decode batch size (1, 2, 4, ... max_running_requests)
 
-CONSUMER_LINES = ("weights", "kv_pool", "state_pool", "prefill_activations", "gdn_workspace",
+CONSUMER_LINES = ("weights", "kv_pool", "state_pool", "checkpoint_pool", "prefill_activations", "gdn_workspace",
                   "attention_workspace", "sampler", "cuda_graphs")
-POOL_LINES = ("weights", "kv_pool", "state_pool")
+POOL_LINES = ("weights", "kv_pool", "state_pool", "checkpoint_pool")
 
 
 class BudgetError(RuntimeError):
@@ -128,6 +128,7 @@ class Budget:
     model_type: str
     settings: dict
     notes: list[str] = field(default_factory=list)
+    checkpoint_slots: int = 0  # GDN state checkpoints of the prefix cache (0: dense model or no prefix cache)
 
     def line(self, name: str) -> BudgetLine:
         """The line called `name` (KeyError if there is none)."""
@@ -269,6 +270,7 @@ def _fixed_lines(spec: ModelMemorySpec, c: EngineConfig, context: int, kind: str
     return {
         "weights": _weights_line(spec, c),
         "state_pool": _state_line(spec, c),
+        "checkpoint_pool": _checkpoint_line(spec, c),
         "prefill_activations": (rows * _activation_elements_per_row(spec) * DTYPE_BYTES[c.dtype],
                                 f"one step of {rows} rows ({c.prefill_chunk_tokens} prefill + "
                                 f"{c.max_running_requests} decode) through the widest layer, {c.dtype}"),
@@ -283,8 +285,8 @@ def _fixed_lines(spec: ModelMemorySpec, c: EngineConfig, context: int, kind: str
 
 def _finish(spec: ModelMemorySpec, d: _Draft, kind: str) -> Budget:
     c = d.c
-    order = ("weights", "kv_pool", "state_pool", "prefill_activations", "gdn_workspace", "attention_workspace",
-             "sampler", "cuda_graphs", "runtime", "headroom", "free", "outside_fraction")
+    order = ("weights", "kv_pool", "state_pool", "checkpoint_pool", "prefill_activations", "gdn_workspace",
+             "attention_workspace", "sampler", "cuda_graphs", "runtime", "headroom", "free", "outside_fraction")
     kv_tokens = d.kv_pages * c.page_size
     max_context = min(d.context, kv_tokens)
     notes = []
@@ -302,6 +304,7 @@ def _finish(spec: ModelMemorySpec, d: _Draft, kind: str) -> Budget:
         device_kind=kind, device_total_bytes=d.total, mem_fraction=c.mem_fraction, usable_bytes=d.usable,
         kv_tokens=kv_tokens, kv_pages=d.kv_pages, page_size=c.page_size, kv_bytes_per_token=d.bpt,
         kv_dtype=c.kv_dtype, state_slots=c.max_running_requests,
+        checkpoint_slots=c.checkpoint_slots if c.prefix_cache and spec.gdn_layers else 0,
         state_bytes_per_slot=spec.state_bytes_per_slot(c.state_dtype), state_dtype=c.state_dtype,
         compute_dtype=c.dtype, context_length=d.context, max_context_tokens=max_context,
         max_new_tokens_cap=cap, default_max_tokens=c.default_max_tokens,
@@ -332,6 +335,19 @@ def _state_line(spec: ModelMemorySpec, c: EngineConfig) -> tuple[int, str]:
         f"{c.max_running_requests} slots x {per_slot / MiB:,.1f} MiB ({spec.gdn_layers} GDN layers x (conv "
         f"{spec.gdn_conv_dim} x {spec.gdn_conv_kernel - 1} + {spec.gdn_num_v_heads} x {spec.gdn_key_head_dim} x "
         f"{spec.gdn_value_head_dim}) x {c.state_dtype})")
+
+
+def _checkpoint_line(spec: ModelMemorySpec, c: EngineConfig) -> tuple[int, str]:
+    """The prefix cache's GDN state checkpoints: --checkpoint-slots x one state, and what one costs in KV tokens."""
+    if not spec.gdn_layers:
+        return 0, "no GDN layers: the prefix cache needs KV pages alone"
+    if not c.prefix_cache:
+        return 0, "--no-prefix-cache"
+    per_slot = spec.state_bytes_per_slot(c.state_dtype)
+    kv_tokens = per_slot / max(spec.kv_bytes_per_token(c.kv_dtype), 1)
+    return c.checkpoint_slots * per_slot, (
+        f"{c.checkpoint_slots} checkpoints (--checkpoint-slots) x {per_slot / MiB:,.1f} MiB (one GDN state, "
+        f"{c.state_dtype}); one checkpoint costs as much as {kv_tokens:,.0f} tokens of KV ({c.kv_dtype})")
 
 
 def _activation_elements_per_row(spec: ModelMemorySpec) -> int:

@@ -128,6 +128,9 @@ class EngineConfig:
     tool_call_parser: str = "auto"  # auto: picked from the chat template's own tool-call format
     reasoning_parser: str = "auto"  # auto: "think" when the chat template writes <think> blocks
     chat_template: str | None = None  # a jinja file used instead of the model's own chat template
+    prefix_cache: bool = True  # reuse the KV pages (and GDN checkpoints) of prompts seen before
+    checkpoint_slots: int = 8  # GDN state checkpoints the prefix cache keeps (hybrid models; its own ledger line)
+    checkpoint_interval_tokens: int = 2048  # a GDN checkpoint every this many prompt tokens (a page multiple)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", normalize_dtype(self.dtype, COMPUTE_DTYPES, "--dtype"))
@@ -224,6 +227,7 @@ def _validate(c: EngineConfig) -> None:
         "--prefill-chunk-tokens": c.prefill_chunk_tokens, "--device-memory": c.device_memory,
         "--max-new-tokens-cap": c.max_new_tokens_cap, "--default-max-tokens": c.default_max_tokens,
         "--header-timeout-s": c.header_timeout_s, "--max-connections": c.max_connections,
+        "--checkpoint-slots": c.checkpoint_slots, "--checkpoint-interval-tokens": c.checkpoint_interval_tokens,
     }
     for flag, value in positive.items():
         if value is not None and value <= 0:
@@ -240,6 +244,9 @@ def _validate(c: EngineConfig) -> None:
     if c.default_max_tokens is not None and c.default_max_tokens > cap:
         raise ConfigError(f"--default-max-tokens {c.default_max_tokens} exceeds the max-new-tokens cap {cap}: "
                           f"lower it or raise --max-new-tokens-cap")
+    if c.checkpoint_interval_tokens % c.page_size:
+        raise ConfigError(f"--checkpoint-interval-tokens {c.checkpoint_interval_tokens} must be a multiple of "
+                          f"--page-size {c.page_size} (checkpoints sit at page ends)")
     if not 0 <= c.port <= 65535:
         raise ConfigError(f"--port {c.port} is out of range: it must be in 0..65535")
     if c.attention_backend not in ATTENTION_BACKENDS:
@@ -297,6 +304,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--reasoning-parser", help=f"{', '.join(REASONING_PARSERS)}: split <think> reasoning from "
                    f"the answer (auto: when the chat template writes <think>)")
     g.add_argument("--chat-template", help="a jinja chat template file used instead of the model's own")
+    g.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false", default=None,
+                   help="compute every prompt from its first token (no reuse of earlier prompts' KV and state)")
+    g.add_argument("--checkpoint-slots", type=int, help="GDN state checkpoints the prefix cache keeps on a "
+                   "hybrid model (8); each costs what `plan` shows in KV tokens")
+    g.add_argument("--checkpoint-interval-tokens", type=int,
+                   help="store a GDN checkpoint every this many prompt tokens (2048, a multiple of --page-size)")
     _add_http_arguments(parser)
 
 

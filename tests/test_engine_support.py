@@ -42,12 +42,15 @@ def make_hybrid_checkpoint(folder: Path):
 
 
 def engine(model: str | None, **settings) -> Engine:
-    """A quiet engine on CPU with a small, fixed KV pool and a float32 KV cache unless told otherwise: these tests hold
-    the engine to transformers' float32 arithmetic exactly; test_engine_kv16.py checks the 16-bit caches (the CPU
-    default is float16) against the same oracle."""
+    """A quiet engine on CPU with a small, fixed KV pool, a float32 KV cache and no prefix cache unless told
+    otherwise: these tests hold the engine to transformers' float32 arithmetic exactly; test_engine_kv16.py checks
+    the 16-bit caches (the CPU default is float16) against the same oracle."""
     settings.setdefault("max_total_tokens", 8192)
     settings.setdefault("device", "cpu")
     settings.setdefault("kv_dtype", "float32")
+    # The tests that hold every page to account after a run see the engine without the prefix cache;
+    # test_prefix_cache.py turns it on.
+    settings.setdefault("prefix_cache", False)
     return Engine(EngineConfig(model=model, **settings), log=None)
 
 

@@ -25,6 +25,7 @@ import torch
 
 from deltaserve.budget import Budget, measure_vs_predicted, plan_budget
 from deltaserve.cache.kv_pool import KVPool
+from deltaserve.cache.prefix import CheckpointPool, PrefixCache
 from deltaserve.cache.state_pool import StatePool
 from deltaserve.config import EngineConfig, device_memory_bytes
 from deltaserve.engine.admission import AdmissionPolicy
@@ -61,6 +62,13 @@ class EngineStats:
     generation_tokens_total: int
     finished: dict[str, int]
     refused: dict[str, int]
+    prefix_cache_pages: int = 0  # pages the prefix cache holds (some shared with running requests); those it alone
+    # holds are not in kv_pages_used: they count as free and are evicted when a request needs them
+    prefix_cache_hit_tokens_total: int = 0
+    prefix_cache_evicted_pages_total: int = 0
+    checkpoints_used: int = 0
+    checkpoints_total: int = 0
+    checkpoints_evicted_total: int = 0
 
 
 class Engine:
@@ -95,9 +103,17 @@ class Engine:
                               device=self.device)
         self.state_pool = StatePool(geometry, budget.state_slots, dtype=getattr(torch, c.state_dtype),
                                     device=self.device)
+        self.checkpoint_pool = None
+        self.prefix_cache = None
+        if c.prefix_cache:
+            if geometry.gdn_layers:
+                self.checkpoint_pool = CheckpointPool(StatePool(geometry, budget.checkpoint_slots,
+                                                                dtype=getattr(torch, c.state_dtype), device=self.device))
+            self.prefix_cache = PrefixCache(self.kv_pool, self.checkpoint_pool)
         policy = AdmissionPolicy.from_budget(budget, c.max_queue)
         self.scheduler = Scheduler(self.kv_pool, self.state_pool, policy, prefill_chunk_tokens=c.prefill_chunk_tokens,
-                                   token_names=self.tokenizer.token_str)
+                                   token_names=self.tokenizer.token_str, prefix_cache=self.prefix_cache,
+                                   checkpoint_interval_tokens=c.checkpoint_interval_tokens)
         self.runner = ModelRunner(loaded.model, self.kv_pool, self.state_pool, self.device,
                                   paged_kernel=c.attention_backend == "paged")
         if self.device.type == "cpu":
@@ -125,7 +141,8 @@ class Engine:
         """What the engine really holds per ledger line (torch tensor bytes)."""
         # the state dict: parameters and persistent buffers (packed int4 weights), not derived ones (rotary)
         weights = {t.data_ptr(): t.numel() * t.element_size() for t in self.loaded.model.state_dict().values()}
-        return {"weights": sum(weights.values()), "kv_pool": self.kv_pool.bytes, "state_pool": self.state_pool.bytes}
+        return {"weights": sum(weights.values()), "kv_pool": self.kv_pool.bytes, "state_pool": self.state_pool.bytes,
+                "checkpoint_pool": self.checkpoint_pool.bytes if self.checkpoint_pool is not None else 0}
 
     # -- requests ---------------------------------------------------------------------------------------------
 
@@ -188,15 +205,30 @@ class Engine:
         pages = max(1, policy.reservation(prompt_tokens, max_tokens).kv_pages)
         return min(policy.state_slots, policy.kv_pool_pages // pages) + policy.max_queue
 
+    def flush_cache(self) -> int:
+        """Drop every cached page and checkpoint no running request uses (thread-safe); returns pages freed."""
+        with self._cond:
+            return self.prefix_cache.flush() if self.prefix_cache is not None else 0
+
     def stats(self) -> EngineStats:
         with self._cond:
             s = self.scheduler
             return EngineStats(
-                waiting=len(s.waiting), running=len(s.running), kv_pages_used=self.kv_pool.used_pages,
+                waiting=len(s.waiting), running=len(s.running), kv_pages_used=self.kv_pool.used_pages - (
+                    self.prefix_cache.evictable_pages() if self.prefix_cache is not None else 0),
                 kv_pages_reserved=s.ledger.in_use_kv_pages, kv_pages_total=self.kv_pool.num_pages,
                 state_slots_used=self.state_pool.used_slots, state_slots_total=self.state_pool.num_slots,
                 prompt_tokens_total=s.prompt_tokens_total, generation_tokens_total=s.generation_tokens_total,
-                finished=dict(s.finished_by_reason), refused=dict(s.refused_by_reason))
+                finished=dict(s.finished_by_reason), refused=dict(s.refused_by_reason), **self._cache_stats())
+
+    def _cache_stats(self) -> dict[str, int]:
+        cache, ckpt = self.prefix_cache, self.checkpoint_pool
+        if cache is None:
+            return {}
+        return dict(prefix_cache_pages=cache.cached_pages, prefix_cache_hit_tokens_total=cache.hit_tokens_total,
+                    prefix_cache_evicted_pages_total=cache.evicted_pages_total,
+                    checkpoints_used=ckpt.used_slots if ckpt else 0, checkpoints_total=ckpt.num_slots if ckpt else 0,
+                    checkpoints_evicted_total=cache.evicted_checkpoints_total)
 
     # -- the step loop ----------------------------------------------------------------------------------------
 

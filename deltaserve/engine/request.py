@@ -95,6 +95,7 @@ class RequestOutput:
     prompt_tokens: int
     completion_tokens: int
     error: str | None = None
+    cached_tokens: int = 0  # of prompt_tokens, how many came from the prefix cache
 
 
 class RequestStream:
@@ -175,6 +176,8 @@ class Request:
     reservation: object = None
     output_ids: list[int] = field(default_factory=list)
     num_cached: int = 0  # tokens whose K/V (and GDN state) the caches hold
+    cached_tokens: int = 0  # prompt tokens taken from the prefix cache instead of computed
+    checkpoint_at: list[int] = field(default_factory=list)  # prompt positions where the GDN state is stored
     finish_reason: str | None = None
     first_token_s: float | None = None
     grammar: object = None  # (Grammars, its matcher) when params.grammar is set
@@ -204,7 +207,7 @@ class Request:
     def output(self, text: str = "", token_ids: list[int] | None = None, logprobs=None,
                finish_reason: str | None = None, error: str | None = None) -> RequestOutput:
         return RequestOutput(self.request_id, text, token_ids or [], logprobs, finish_reason is not None,
-                             finish_reason, self.prompt_len, len(self.output_ids), error)
+                             finish_reason, self.prompt_len, len(self.output_ids), error, self.cached_tokens)
 
     def append_token(self, token_id: int, logprob: TokenLogprob | None) -> RequestOutput:
         """Add a sampled token; decide whether the request stops; return the stream's delta.

@@ -5,6 +5,11 @@ still being read, up to `prefill_chunk_tokens` in all; a long prompt is read ove
 carried in its slot. Admission happens in `admit` (at submit: refuse or queue) and `start_waiting` (a waiting
 request starts only when its whole reservation fits beside the running ones), both through
 engine/admission.py. Pages are allocated lazily as a sequence grows, never past its reservation.
+
+With a prefix cache, a request that starts takes its hit (shared pages, a loaded GDN checkpoint) and reads its
+prompt from there; a prefill chunk ends at each of its checkpoint positions so the GDN state there exists to be
+stored. Pages only the cache holds count as free: they are evicted when a request grows into them, so the
+reservations alone still decide admission.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from collections import Counter, deque
 from dataclasses import dataclass
 
 from deltaserve.cache.kv_pool import KVPool, PoolCorruption, PoolExhausted
+from deltaserve.cache.prefix import PrefixCache
 from deltaserve.cache.state_pool import StatePool
 from deltaserve.engine.admission import AdmissionLedger, AdmissionPolicy, Reservation
 from deltaserve.engine.request import Request, TokenLogprob
@@ -64,12 +70,15 @@ class Scheduler:
     """Owns the queues; the only place requests are admitted, started, advanced and finished."""
 
     def __init__(self, kv_pool: KVPool, state_pool: StatePool, policy: AdmissionPolicy, *,
-                 prefill_chunk_tokens: int, token_names=None):
+                 prefill_chunk_tokens: int, token_names=None, prefix_cache: PrefixCache | None = None,
+                 checkpoint_interval_tokens: int = 0):
         self.kv_pool = kv_pool
         self.state_pool = state_pool
         self.policy = policy
         self.ledger = AdmissionLedger(policy)
         self.prefill_chunk_tokens = prefill_chunk_tokens
+        self.prefix_cache = prefix_cache
+        self.checkpoint_interval_tokens = checkpoint_interval_tokens  # 0: no periodic checkpoints
         self.token_names = token_names or (lambda token_id: "")  # token id -> text, for logprobs
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -112,6 +121,23 @@ class Scheduler:
             self.waiting.popleft()
             self.state_pool.take(request)
             self.running.append(request)
+            if self.prefix_cache is not None:
+                self._take_hit(request)
+
+    def _take_hit(self, request: Request) -> None:
+        """Start the request from its cached prefix and pick where its prefill stores GDN checkpoints."""
+        cache, ps = self.prefix_cache, self.kv_pool.page_size
+        limit = (request.prompt_len - 1) // ps * ps  # the prompt's last token is computed here, for its logits
+        _, kv_depth = cache.match(request.prompt_ids, limit)
+        depth = cache.attach(request, request.prompt_ids, limit, self.state_pool)
+        request.num_cached = request.cached_tokens = depth
+        if cache.checkpoints is None:
+            return
+        positions = {request.prompt_len // ps * ps, kv_depth}  # the prompt's end, and where it branches off
+        step = self.checkpoint_interval_tokens
+        if step > 0:
+            positions.update(range(step, request.prompt_len + 1, step))
+        request.checkpoint_at = sorted(p for p in positions if depth < p <= request.prompt_len and p % ps == 0)
 
     # -- one step ---------------------------------------------------------------------------------------------
 
@@ -130,6 +156,8 @@ class Scheduler:
                 break
             if not request.prefilled:
                 n = min(request.prompt_len - request.num_cached, budget)
+                ahead = [p - request.num_cached for p in request.checkpoint_at if p > request.num_cached]
+                n = min([n] + ahead[:1])  # the chunk ends at the next checkpoint position
                 prefill.append((request, n))
                 budget -= n
         plan = StepPlan(decode, prefill)
@@ -144,6 +172,9 @@ class Scheduler:
             if self.kv_pool.pages_for(num_tokens) > request.reserved_pages:
                 raise PoolExhausted(f"request needs {self.kv_pool.pages_for(num_tokens)} pages, "
                                     f"beyond its reservation of {request.reserved_pages}")
+            missing = self.kv_pool.pages_for(num_tokens) - len(self.kv_pool.pages(request))
+            if self.prefix_cache is not None and missing > self.kv_pool.free_pages:
+                self.prefix_cache.evict(missing - self.kv_pool.free_pages)
             self.kv_pool.ensure(request, num_tokens)
         except PoolExhausted as e:
             self.finish(request, "error", f"KV allocation failed: {e}")
@@ -157,6 +188,8 @@ class Scheduler:
         for request, n in plan.sequences:
             if not request.finished:  # ended early by an allocation failure at schedule time
                 request.num_cached += n
+                if self.prefix_cache is not None and request.num_cached in request.checkpoint_at:
+                    self.prefix_cache.store(request, request.prompt_ids, request.num_cached, self.state_pool)
         self.prompt_tokens_total += sum(n for _, n in plan.prefill)
         for request, choice in zip(plan.sampling, sampled):
             if request.finished:
@@ -199,6 +232,10 @@ class Scheduler:
 
     def _release(self, request: Request, reason: str) -> None:
         self.finished_by_reason[reason] += 1
+        if self.prefix_cache is not None and reason in ("stop", "length") and request in self.running:
+            # the state slot holds the state after exactly num_cached tokens: a checkpoint when page-aligned
+            self.prefix_cache.store(request, request.prompt_ids + request.output_ids, request.num_cached,
+                                    self.state_pool if request.num_cached % self.kv_pool.page_size == 0 else None)
         if request in self.running:
             self.running.remove(request)
             self.ledger.release(request)
@@ -215,11 +252,17 @@ class Scheduler:
         problems = []
         if set(self.ledger.reservations) != running:
             problems.append("ledger and running queue differ")
-        if not set(self.kv_pool.owners()) <= running:
+        cache = self.prefix_cache
+        if not {o for o in self.kv_pool.owners() if cache is None or not cache.owns(o)} <= running:
             problems.append("a page is held by a request that is not running")
         if self.state_pool.used_slots != len(running):
             problems.append(f"{self.state_pool.used_slots} state slots held by {len(running)} running requests")
         if any(self.kv_pool.capacity(r) > r.reserved_pages * self.kv_pool.page_size for r in self.running):
             problems.append("a request holds more pages than it reserved")
+        if cache is not None:
+            try:
+                cache.check()
+            except AssertionError as e:
+                problems.append(f"prefix cache: {e}")
         if problems:
             raise PoolCorruption("scheduler: " + "; ".join(problems))

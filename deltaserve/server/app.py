@@ -214,8 +214,19 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.get("/v1/budget")
     async def budget():
-        budget_json = state.ready_engine().budget.to_json()
-        return json.loads(budget_json) if isinstance(budget_json, str) else budget_json
+        engine = state.ready_engine()
+        budget_json = engine.budget.to_json()
+        body = json.loads(budget_json) if isinstance(budget_json, str) else budget_json
+        s = engine.stats()
+        body["prefix_cache"] = {"enabled": engine.prefix_cache is not None, "pages": s.prefix_cache_pages,
+                                "hit_tokens_total": s.prefix_cache_hit_tokens_total,
+                                "checkpoints_used": s.checkpoints_used, "checkpoints_total": s.checkpoints_total}
+        return body
+
+    @app.post("/flush_cache", **v1)
+    async def flush_cache():
+        """Drop every cached page and checkpoint that no running request uses."""
+        return {"freed_pages": state.ready_engine().flush_cache()}
 
     # What a router (sglang-router) asks of a worker: its served model name, its model, its load.
     @app.get("/server_info")

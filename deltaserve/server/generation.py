@@ -39,6 +39,7 @@ class Generation:
         self.finish_reasons: list[str | None] = [None] * count
         self.completion_tokens = [0] * count
         self.token_ids: list[list[int]] = [[] for _ in range(count)]  # each choice's output ids (stop reasons)
+        self.cached_tokens = [0] * count  # prompt tokens each choice took from the prefix cache
         self._seen_token = [False] * count
         self._closed = False
         self.failed = False
@@ -91,6 +92,7 @@ class Generation:
         if out.logprobs:
             self.logprobs[i] = (self.logprobs[i] or []) + list(out.logprobs)
         self.completion_tokens[i] = max(self.completion_tokens[i], out.completion_tokens)
+        self.cached_tokens[i] = max(self.cached_tokens[i], out.cached_tokens)
         if not out.finished:
             return
         self.finish_reasons[i] = out.finish_reason
@@ -107,8 +109,14 @@ class Generation:
                 for i in range(len(self.streams))]
 
     def usage(self) -> protocol.Usage:
-        """Prompt tokens count once per prompt (not per choice); completion tokens add up over choices."""
-        return protocol.usage(sum(len(p) for p in self.prompts), sum(self.completion_tokens))
+        """Prompt tokens count once per prompt (not per choice); completion tokens add up over choices.
+
+        A prompt's cached tokens are its first choice's (the choices of one prompt are computed once each)."""
+        first_choice = {}
+        for i, p in enumerate(self.choice_prompt):
+            first_choice.setdefault(p, i)
+        cached = sum(self.cached_tokens[i] for i in first_choice.values())
+        return protocol.usage(sum(len(p) for p in self.prompts), sum(self.completion_tokens), cached)
 
     def close(self) -> None:
         """Abort every choice that has not finished (the client left, or the request failed); idempotent."""

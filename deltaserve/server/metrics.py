@@ -38,12 +38,22 @@ class EngineCollector(Collector):
             "state_slots_used": ("GDN state slots held by requests", s.state_slots_used),
             "state_slots_free": ("GDN state slots free", s.state_slots_total - s.state_slots_used),
             "state_slots_total": ("GDN state slots in the pool", s.state_slots_total),
+            "prefix_cache_pages": ("KV pages the prefix cache holds (those no request shares count as free)",
+                                   s.prefix_cache_pages),
+            "checkpoints_used": ("GDN state checkpoints the prefix cache holds", s.checkpoints_used),
+            "checkpoints_total": ("GDN state checkpoint slots in the pool", s.checkpoints_total),
         }
         for name, (doc, value) in gauges.items():
             yield GaugeMetricFamily(f"{PREFIX}_{name}", doc, value=value)
         yield CounterMetricFamily(f"{PREFIX}_prompt_tokens", "prompt tokens prefilled", value=s.prompt_tokens_total)
         yield CounterMetricFamily(f"{PREFIX}_generation_tokens", "tokens decoded",
                                   value=s.generation_tokens_total)
+        yield CounterMetricFamily(f"{PREFIX}_prefix_cache_hit_tokens", "prompt tokens taken from the prefix cache",
+                                  value=s.prefix_cache_hit_tokens_total)
+        yield CounterMetricFamily(f"{PREFIX}_prefix_cache_evicted_pages", "cached KV pages evicted for room",
+                                  value=s.prefix_cache_evicted_pages_total)
+        yield CounterMetricFamily(f"{PREFIX}_checkpoints_evicted", "GDN state checkpoints evicted for room",
+                                  value=s.checkpoints_evicted_total)
         yield _by_reason("requests_finished", "requests finished, by finish reason", s.finished)
         yield _by_reason("requests_refused", "requests the engine refused, by reason", s.refused)
 

@@ -104,10 +104,15 @@ class CompletionRequest(_SamplingFields):
     best_of: int | None = Field(None, ge=1, le=MAX_CHOICES)
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0  # prompt tokens the prefix cache supplied instead of computing them
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
 
 
 class TopLogprob(BaseModel):
@@ -489,9 +494,11 @@ def logit_bias(req: _SamplingFields) -> tuple[tuple[int, float], ...] | None:
     return tuple(pairs)
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> Usage:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> Usage:
+    """OpenAI's usage object; `cached_tokens` (of `prompt_tokens`) came from the prefix cache."""
     return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                 total_tokens=prompt_tokens + completion_tokens)
+                 total_tokens=prompt_tokens + completion_tokens,
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens))
 
 
 def _logprob(value: float) -> float:

@@ -1,0 +1,125 @@
+"""The prefix cache: greedy outputs with it equal those without it, on the dense built-in model and the tiny hybrid,
+over random multi-turn conversations, branches and evictions; pool invariants with sharing; nothing leaked after a
+flush. The oracle is the same engine with --no-prefix-cache (itself held to transformers by test_engine_*.py)."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from deltaserve.engine.request import SamplingParams
+from test_engine_support import HYBRID_VOCAB, engine, make_hybrid_checkpoint, random_prompt, run_all, tokens_of
+
+PAGE = 16
+SMALL = dict(page_size=PAGE, prefill_chunk_tokens=48, max_running_requests=4)
+
+
+@pytest.fixture(scope="module")
+def hybrid_pair(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("hybrid")
+    make_hybrid_checkpoint(folder)
+    # A pool of 40 pages and 3 checkpoints: conversations below outgrow both, so pages and checkpoints are evicted.
+    cached = engine(str(folder), prefix_cache=True, max_total_tokens=640, checkpoint_slots=3,
+                    checkpoint_interval_tokens=64, **SMALL)
+    plain = engine(str(folder), prefix_cache=False, max_total_tokens=640, **SMALL)
+    return cached, plain
+
+
+@pytest.fixture(scope="module")
+def dense_pair():
+    cached = engine(None, prefix_cache=True, max_total_tokens=640, **SMALL)
+    plain = engine(None, prefix_cache=False, max_total_tokens=640, **SMALL)
+    return cached, plain
+
+
+def conversation(data, vocab: int, turns: int) -> list[tuple[list[int], int]]:
+    """Prompts as an agent sends them: each turn resends a previous prompt (the last one, or an earlier one cut at
+    a random point: a branch) and adds new tokens; with each, how many tokens to generate."""
+    prompts: list[list[int]] = []
+    plan = []
+    for turn in range(turns):
+        base: list[int] = []
+        if prompts:
+            source = data.draw(st.sampled_from(prompts), label="resent prompt")
+            cut = data.draw(st.integers(1, len(source)), label="resent length")
+            base = source[:cut]
+        new = data.draw(st.integers(1, 70), label="new tokens")
+        prompt = base + random_prompt(new, data.draw(st.integers(0, 10_000), label="seed"), vocab)
+        prompt = prompt[-300:]  # within the pool beside the generation
+        prompts.append(prompt)
+        plan.append((prompt, data.draw(st.integers(1, 6), label="max_tokens")))
+    return plan
+
+
+def greedy(eng, prompt: list[int], max_tokens: int) -> tuple[list[int], int]:
+    out = run_all(eng, [(prompt, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))])[0]
+    return tokens_of(out), out[-1].cached_tokens
+
+
+def check_equal_over(pair, data, vocab: int, turns: int) -> None:
+    cached, plain = pair
+    for prompt, max_tokens in conversation(data, vocab, turns):
+        got, hit = greedy(cached, prompt, max_tokens)
+        want, no_hit = greedy(plain, prompt, max_tokens)
+        assert got == want, f"cached output differs after a hit of {hit} of {len(prompt)} prompt tokens"
+        assert no_hit == 0 and hit % PAGE == 0 and hit < len(prompt)
+        cached.scheduler.check()
+    assert cached.stats().kv_pages_used == 0  # pages only the cache holds count as free
+
+
+def assert_flush_leaves_nothing(eng) -> None:
+    eng.flush_cache()
+    eng.scheduler.check()
+    assert eng.kv_pool.used_pages == 0 and eng.prefix_cache.cached_pages == 0
+    if eng.checkpoint_pool is not None:
+        assert eng.checkpoint_pool.used_slots == 0
+
+
+@settings(max_examples=6, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_hybrid_cached_equals_uncached(hybrid_pair, data):
+    check_equal_over(hybrid_pair, data, HYBRID_VOCAB, turns=5)
+
+
+@settings(max_examples=3, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_dense_cached_equals_uncached(dense_pair, data):
+    check_equal_over(dense_pair, data, 2000, turns=4)
+
+
+@pytest.mark.parametrize("model", ["hybrid", "dense"])
+def test_hits_at_every_depth_and_nothing_leaks(hybrid_pair, dense_pair, model):
+    """A prompt resent with one more page each time hits one page deeper each time (the hybrid through its
+    prompt-end checkpoints), and the outputs stay equal; after a flush no page or checkpoint is held."""
+    cached, plain = hybrid_pair if model == "hybrid" else dense_pair
+    cached.flush_cache()
+    vocab = HYBRID_VOCAB if model == "hybrid" else 2000
+    tokens = random_prompt(8 * PAGE + 1, 7, vocab)
+    for pages in range(1, 9):
+        prompt = tokens[:pages * PAGE + 1]
+        got, hit = greedy(cached, prompt, 2)
+        assert hit == (pages - 1) * PAGE
+        assert got == greedy(plain, prompt, 2)[0]
+    assert_flush_leaves_nothing(cached)
+
+
+def test_a_hit_pins_its_pages_against_eviction(hybrid_pair):
+    """While a request runs on a hit, its shared pages cannot be evicted, even when another request needs room."""
+    cached, plain = hybrid_pair
+    cached.flush_cache()
+    base = random_prompt(5 * PAGE, 11, HYBRID_VOCAB)
+    greedy(cached, random_prompt(3 * PAGE + 1, 13, HYBRID_VOCAB), 1)  # 3 pages the next requests must evict
+    greedy(cached, base + [1], 1)  # caches 5 pages and a checkpoint at the prompt's end
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    first = cached.submit(base + [2, 3], params)
+    cached.step()  # the hit is taken: the first 5 pages are shared
+    big = random_prompt(640 - 6 * PAGE - 4, 12, HYBRID_VOCAB)  # with the first's 6 pages: the whole pool
+    second = cached.submit(big, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    while not (first.finished and second.finished):
+        cached.step()
+        cached.scheduler.check()
+    outs = first.drain()
+    assert outs[-1].cached_tokens == 5 * PAGE and cached.prefix_cache.evicted_pages_total >= 3
+    assert tokens_of(outs) == greedy(plain, base + [2, 3], 4)[0]
+    assert_flush_leaves_nothing(cached)
