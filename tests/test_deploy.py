@@ -74,9 +74,10 @@ def metric(url: str, name: str) -> float:
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
 
 
-def wait_for(predicate, timeout_s: float, what: str):
+def wait_for(predicate, timeout_s: float, what: str, process: subprocess.Popen | None = None):
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
+        assert process is None or process.poll() is None, f"`deltaserve up` exited while waiting for {what}"
         try:
             value = predicate()
             if value:
@@ -106,7 +107,7 @@ def test_up_routes_by_role_and_brings_a_killed_instance_back(tmp_path):
         return reply.model
 
     try:
-        wait_for(lambda: ask("chat") == "chat", 600, "the deployment to answer")
+        wait_for(lambda: ask("chat") == "chat", 600, "the deployment to answer", up)
         for role in ("chat", "agents", "chat", "agents"):
             before = {r: metric(u, "deltaserve_http_requests_total") for r, u in urls.items()}
             assert ask(role) == role
@@ -127,8 +128,8 @@ def test_up_routes_by_role_and_brings_a_killed_instance_back(tmp_path):
         # the chat role is untouched meanwhile
         assert ask("chat") == "chat"
         wait_for(lambda: metric(f"http://127.0.0.1:{metrics_port}", 'deltaserve_deploy_restarts_total{instance="agents"}') >= 1,
-                 60, "the supervisor to count the restart")
-        wait_for(lambda: ask("agents") == "agents", 600, "the restarted instance to answer through the router")
+                 60, "the supervisor to count the restart", up)
+        wait_for(lambda: ask("agents") == "agents", 600, "the restarted instance to answer through the router", up)
         assert _listener_pid(ports["agents"]) != pid
     finally:
         up.send_signal(signal.SIGTERM)

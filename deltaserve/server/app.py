@@ -223,7 +223,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
                                 "checkpoints_used": s.checkpoints_used, "checkpoints_total": s.checkpoints_total}
         return body
 
-    @app.post("/flush_cache", **v1)
+    @app.post("/flush_cache")
     async def flush_cache():
         """Drop every cached page and checkpoint that no running request uses."""
         return {"freed_pages": state.ready_engine().flush_cache()}
