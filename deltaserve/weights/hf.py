@@ -7,7 +7,9 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from deltaserve.kernels.int4 import Int4Codes, packable
 from deltaserve.text.tokenizer import Tokenizer
+from deltaserve.weights import compressed_tensors
 from deltaserve.weights.errors import CheckpointError
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -91,24 +93,27 @@ def read_hf_index(folder: Path) -> dict[str, tuple[str, tuple[int, ...], int]]:
     return index
 
 
-def load_hf(folder: Path, dtype: torch.dtype, skip_prefixes: tuple[str, ...]):
+def load_hf(folder: Path, dtype: torch.dtype, skip_prefixes: tuple[str, ...], keep_int4: bool = False):
     """(config, tensors, tokenizer, generation_config, skipped) of an HF folder.
 
-    Floating-point tensors are converted to `dtype`; integer ones (packed quantized weights) are kept.
+    Floating-point tensors are converted to `dtype`; a compressed-tensors checkpoint's quantized modules become one
+    `<module>.weight` each (weights/compressed_tensors.py). Skipped groups are named with their bytes on disk.
     """
     config = read_hf_config(folder)
+    check_quant_method(config, folder)
     generation_config = read_json(folder / "generation_config.json", required=False)
     files = safetensors_files(folder)
     tokenizer = Tokenizer.from_hf_dir(folder)
-    tensors, skipped = {}, {}
+    tensors, skipped, skipped_bytes = {}, {}, {}
     for file in files:
-        read_safetensors_header(file)  # a clear message for a truncated shard before safetensors' own
+        header = read_safetensors_header(file)  # a clear message for a truncated shard before safetensors' own
         try:
             with safe_open(file, framework="pt") as shard:
                 for name in shard.keys():
                     prefix = next((p for p in skip_prefixes if name.startswith(p)), None)
                     if prefix is not None:
                         skipped[prefix] = skipped.get(prefix, 0) + 1
+                        skipped_bytes[prefix] = skipped_bytes.get(prefix, 0) + header[name][2]
                         continue
                     tensor = shard.get_tensor(name)
                     tensors[name] = tensor.to(dtype) if tensor.is_floating_point() else tensor
@@ -116,4 +121,26 @@ def load_hf(folder: Path, dtype: torch.dtype, skip_prefixes: tuple[str, ...]):
             raise
         except Exception as e:
             raise CheckpointError(file, f"cannot read safetensors: {e}") from e
-    return config, tensors, tokenizer, generation_config, [f"{p}* ({n} tensors)" for p, n in skipped.items()]
+    if compressed_tensors.is_compressed_tensors(config):
+        tensors = compressed_tensors.decode(config, tensors, folder, dtype)
+        tensors = {name: held_int4(t, dtype, keep_int4) for name, t in tensors.items()}
+    return config, tensors, tokenizer, generation_config, [f"{p}* ({n} tensors, {skipped_bytes[p]:,} bytes)"
+                                                           for p, n in skipped.items()]
+
+
+def held_int4(tensor, dtype: torch.dtype, keep_int4: bool):
+    """An Int4Codes as the model should get it: kept when asked and the packed layer takes it as is (no column
+    permutation, a group size it packs), else dequantized to `dtype` (exact)."""
+    if not isinstance(tensor, Int4Codes):
+        return tensor
+    if keep_int4 and tensor.perm is None and packable(tensor.shape, tensor.group_size):
+        return tensor
+    return tensor.dequantize(dtype)
+
+
+def check_quant_method(config: dict, folder: Path) -> None:
+    """Refuse a quantization_config we cannot decode before reading any tensor."""
+    qc = config.get("quantization_config") or (config.get("text_config") or {}).get("quantization_config")
+    if qc and not compressed_tensors.is_compressed_tensors({"quantization_config": qc}):
+        raise CheckpointError(folder / "config.json", f"quantization_config quant_method {qc.get('quant_method')!r} "
+                                                      f"is not supported; supported: {compressed_tensors.QUANT_METHOD}")
