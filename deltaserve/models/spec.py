@@ -325,13 +325,20 @@ class _QuantRules:
                      or any("embed_tokens" in t for t in targets)), None)
 
     def describe(self) -> str:
-        linear = str(self.linear_scheme) if self.override else ", ".join(str(s) for _, s in self.groups) or "none"
+        if self.override:
+            linear = str(self.linear_scheme)
+        else:  # the embedding's own group is named under "embedding", not as a linear scheme
+            linear = ", ".join(dict.fromkeys(str(s) for t, s in self.groups if not self._embedding_group(t)))
         parts = [f"linear {linear or 'none'}"]
-        if self.embed_given:
-            parts.append(f"embedding {self.embed_override or 'none'}")
-        if self.lm_head_given:
-            parts.append(f"lm_head {self.lm_head_override or 'none'}")
+        if self.embed_given or self.embedding() is not None:
+            parts.append(f"embedding {self.embedding() or 'none'}")
+        if self.lm_head_given or (self.groups and not self.override):
+            parts.append(f"lm_head {self.linear('lm_head') or 'none'}")
         return "; ".join(parts)
+
+    @staticmethod
+    def _embedding_group(targets: list[str]) -> bool:
+        return bool(targets) and all(t == "Embedding" or "embed_tokens" in t for t in targets)
 
 
 def _config_bits(config: dict) -> int:
