@@ -215,3 +215,14 @@ def test_ledger_weights_line_equals_resident_bytes(case):
     budget = plan_budget(spec_from_checkpoint(ckpt.path), EngineConfig(max_total_tokens=64),
                          device_total_bytes=4 * 2**30, device_kind="cpu")
     assert abs(budget.line("weights").bytes - (sum(storages.values()) - rotary)) <= 0.01 * budget.line("weights").bytes
+
+
+def test_load_logs_progress_in_bytes_per_second(case, caplog):
+    import logging
+
+    _, _, _, ckpt, state = case
+    with caplog.at_level(logging.INFO, logger="deltaserve.weights.hf"):
+        load_checkpoint(ckpt.path)
+    line = caplog.records[-1].getMessage()
+    size = sum(t.numel() * t.element_size() for t in state.values())
+    assert line.startswith("read 1/1 shards") and f"{size / 2**20:,.1f} MiB in" in line and "MiB/s" in line

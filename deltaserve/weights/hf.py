@@ -1,7 +1,9 @@
 """Hugging Face model folders: config.json, (sharded) safetensors, generation_config.json."""
 
 import json
+import logging
 import struct
+import time
 from pathlib import Path
 
 import torch
@@ -15,6 +17,9 @@ from deltaserve.weights.errors import CheckpointError
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 HEADER_LIMIT_BYTES = 100 * 1024 * 1024  # safetensors' own cap on the JSON header
+MiB = 1024 * 1024
+
+log = logging.getLogger(__name__)
 
 
 def read_json(path: Path, *, required: bool) -> dict:
@@ -105,7 +110,8 @@ def load_hf(folder: Path, dtype: torch.dtype, skip_prefixes: tuple[str, ...], ke
     files = safetensors_files(folder)
     tokenizer = Tokenizer.from_hf_dir(folder)
     tensors, skipped, skipped_bytes = {}, {}, {}
-    for file in files:
+    started, read_bytes = time.monotonic(), 0
+    for number, file in enumerate(files, 1):
         header = read_safetensors_header(file)  # a clear message for a truncated shard before safetensors' own
         try:
             with safe_open(file, framework="pt") as shard:
@@ -116,11 +122,15 @@ def load_hf(folder: Path, dtype: torch.dtype, skip_prefixes: tuple[str, ...], ke
                         skipped_bytes[prefix] = skipped_bytes.get(prefix, 0) + header[name][2]
                         continue
                     tensor = shard.get_tensor(name)
+                    read_bytes += header[name][2]
                     tensors[name] = tensor.to(dtype) if tensor.is_floating_point() else tensor
         except CheckpointError:
             raise
         except Exception as e:
             raise CheckpointError(file, f"cannot read safetensors: {e}") from e
+        seconds = max(time.monotonic() - started, 1e-9)
+        log.info("read %d/%d shards of %s: %s MiB in %.1f s (%s MiB/s)", number, len(files), folder.name,
+                 f"{read_bytes / MiB:,.1f}", seconds, f"{read_bytes / MiB / seconds:,.0f}")
     if compressed_tensors.is_compressed_tensors(config):
         tensors = compressed_tensors.decode(config, tensors, folder, dtype)
         tensors = {name: held_int4(t, dtype, keep_int4) for name, t in tensors.items()}
