@@ -43,6 +43,18 @@ HYBRID = (transformers.Qwen3_5TextConfig, transformers.Qwen3_5ForCausalLM, dict(
     linear_value_head_dim=32, tie_word_embeddings=False,
     rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5,
                          mrope_section=[4, 2, 2], mrope_interleaved=True)))
+VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=128, patch_size=4,
+              num_position_embeddings=16)
+
+
+def multimodal_config(vocab_size: int, initializer_range: float, tie_word_embeddings: bool, **text):
+    """The layout Qwen3.5 checkpoints ship in: model.language_model.*, model.visual.*."""
+    return transformers.Qwen3_5Config(text_config=dict(text, vocab_size=vocab_size,
+                                                       initializer_range=initializer_range),
+                                      vision_config=VISION, tie_word_embeddings=tie_word_embeddings)
+
+
+MULTIMODAL = (multimodal_config, transformers.Qwen3_5ForConditionalGeneration, HYBRID[2])
 
 
 def w(bits: int, group: int | None, symmetric: bool = True) -> dict:
@@ -61,6 +73,9 @@ CASES = {
     # in_proj_a / b ignored: the library's own unpacker fails on a zero point packed from fewer than 8 rows.
     "hybrid_w4_asym_g64_tied": (HYBRID, {"body": {"targets": ["Linear"], "weights": w(4, 64, symmetric=False)},
                                          "embed": INT8_EMBED}, ["lm_head", r"re:.*linear_attn\.in_proj_[ab]$"]),
+    "multimodal_w4_g128_int8embed": (MULTIMODAL, {"body": {"targets": ["Linear"], "weights": w(4, 128)},
+                                                  "embed": INT8_EMBED},
+                                     ["lm_head", "re:.*visual.*", r"re:.*linear_attn\.in_proj_[ab]$"]),
     "dense_w4_asym_channel_w8_mlp": (DENSE, {
         "mlp": {"targets": [r"re:.*mlp\..*"], "weights": w(8, 128)},
         "attn": {"targets": ["Linear"], "weights": w(4, None, symmetric=False)}}, ["lm_head"]),
@@ -226,3 +241,13 @@ def test_load_logs_progress_in_bytes_per_second(case, caplog):
     line = caplog.records[-1].getMessage()
     size = sum(t.numel() * t.element_size() for t in state.values())
     assert line.startswith("read 1/1 shards") and f"{size / 2**20:,.1f} MiB in" in line and "MiB/s" in line
+
+
+def test_multimodal_layout_skips_the_vision_tower_by_name_and_bytes(case):
+    name, _, _, ckpt, state = case
+    if not name.startswith("multimodal"):
+        pytest.skip("only the multimodal layout has a vision tower")
+    vision = [t for k, t in state.items() if k.startswith("model.visual.")]
+    nbytes = sum(t.numel() * t.element_size() for t in vision)
+    assert ckpt.skipped == [f"model.visual.* ({len(vision)} tensors, {nbytes:,} bytes)"]
+    assert not any(k.startswith("model.visual.") for k in ckpt.tensors)
