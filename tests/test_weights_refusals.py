@@ -61,7 +61,7 @@ BAD_CONFIGS = {
     "2-bit": (lambda qc: weights_of(qc).update(num_bits=2), "2-bit weights; supported: 4, 8"),
     "w4a8": (lambda qc: body(qc).update(input_activations={"num_bits": 8, "type": "int"}),
              "quantizes activations"),
-    "gptq": (lambda qc: qc.update(quant_method="gptq"), "quant_method 'gptq' is not supported"),
+    "awq": (lambda qc: qc.update(quant_method="awq"), "quant_method 'awq' is not supported"),
     "format": (lambda qc: body(qc).update(format="nvfp4-pack-quantized"), "format 'nvfp4-pack-quantized'"),
 }
 

@@ -11,7 +11,7 @@ from safetensors import safe_open
 
 from deltaserve.kernels.int4 import Int4Codes, packable
 from deltaserve.text.tokenizer import Tokenizer
-from deltaserve.weights import compressed_tensors
+from deltaserve.weights import compressed_tensors, gptq
 from deltaserve.weights.errors import CheckpointError
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -133,7 +133,9 @@ def load_hf(folder: Path, dtype: torch.dtype, skip_prefixes: tuple[str, ...], ke
                  f"{read_bytes / MiB:,.1f}", seconds, f"{read_bytes / MiB / seconds:,.0f}")
     if compressed_tensors.is_compressed_tensors(config):
         tensors = compressed_tensors.decode(config, tensors, folder, dtype)
-        tensors = {name: held_int4(t, dtype, keep_int4) for name, t in tensors.items()}
+    elif gptq.is_gptq_layout(config):
+        tensors = gptq.decode(config, tensors, folder)
+    tensors = {name: held_int4(t, dtype, keep_int4) for name, t in tensors.items()}
     return config, tensors, tokenizer, generation_config, [f"{p}* ({n} tensors, {skipped_bytes[p]:,} bytes)"
                                                            for p, n in skipped.items()]
 
@@ -151,6 +153,7 @@ def held_int4(tensor, dtype: torch.dtype, keep_int4: bool):
 def check_quant_method(config: dict, folder: Path) -> None:
     """Refuse a quantization_config we cannot decode before reading any tensor."""
     qc = config.get("quantization_config") or (config.get("text_config") or {}).get("quantization_config")
-    if qc and not compressed_tensors.is_compressed_tensors({"quantization_config": qc}):
+    if qc and qc.get("quant_method") not in (compressed_tensors.QUANT_METHOD, *gptq.QUANT_METHODS):
         raise CheckpointError(folder / "config.json", f"quantization_config quant_method {qc.get('quant_method')!r} "
-                                                      f"is not supported; supported: {compressed_tensors.QUANT_METHOD}")
+                                                      f"is not supported; supported: {compressed_tensors.QUANT_METHOD}, "
+                                                      f"{', '.join(gptq.QUANT_METHODS)}")
