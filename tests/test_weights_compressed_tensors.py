@@ -76,6 +76,9 @@ CASES = {
     "multimodal_w4_g128_int8embed": (MULTIMODAL, {"body": {"targets": ["Linear"], "weights": w(4, 128)},
                                                   "embed": INT8_EMBED},
                                      ["lm_head", "re:.*visual.*", r"re:.*linear_attn\.in_proj_[ab]$"]),
+    # One int8 per value (format int-quantized), asymmetric 8-bit linears.
+    "dense_w8_asym_g64_int_quantized": (DENSE, {"body": {"targets": ["Linear"], "weights": w(8, 64, False)}},
+                                        ["lm_head"]),
     "dense_w4_asym_channel_w8_mlp": (DENSE, {
         "mlp": {"targets": [r"re:.*mlp\..*"], "weights": w(8, 128)},
         "attn": {"targets": ["Linear"], "weights": w(4, None, symmetric=False)}}, ["lm_head"]),
@@ -109,11 +112,12 @@ def make_checkpoint(name: str, folder):
         for pname, p in model.named_parameters():
             if "norm" in pname or "dt_bias" in pname:
                 p.add_(torch.randn_like(p) * 0.2)
-    qconfig = QuantizationConfig.model_validate(dict(config_groups=groups, ignore=ignore, format="pack-quantized",
+    fmt = "int-quantized" if name.endswith("int_quantized") else "pack-quantized"
+    qconfig = QuantizationConfig.model_validate(dict(config_groups=groups, ignore=ignore, format=fmt,
                                                      quantization_status="frozen"))
     apply_quantization_config(model, qconfig, show_progress=False)
     minmax_qparams_(model)
-    compressor = ModelCompressor.from_pretrained_model(model, "pack-quantized")
+    compressor = ModelCompressor.from_pretrained_model(model, fmt)
     compressor.compress_model(model)
     state = {k: v.contiguous() for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")}
     config.save_pretrained(folder)
@@ -162,6 +166,8 @@ def test_weights_equal_the_library_decompression(case):
     name, ref, ours, ckpt, state = case
     expected = ref.state_dict()
     for module in {k.rpartition(".")[0] for k in state if k.endswith(".weight_scale")}:
+        if name.endswith("int_quantized"):  # stored one int8 a value, not packed
+            assert state[module + ".weight"].dtype == torch.int8 and module + ".weight_packed" not in state
         got = ckpt.tensors[module + ".weight"]
         got = got.dequantize() if isinstance(got, (Int4Codes, Int8Rows)) else got
         bound = 8 * EPS32 * state[module + ".weight_scale"].abs().max() * 256
