@@ -22,11 +22,11 @@ from deltaserve.kernels.int4 import Int4Codes
 from deltaserve.kernels.int8 import Int8Rows
 from deltaserve.models import build_model, skip_prefixes
 from deltaserve.models.layers import Int8Embedding
-from deltaserve.weights import CheckpointError, load_checkpoint
+from deltaserve.weights import load_checkpoint
 from tests.test_models_hybrid import LOGITS_RTOL, VOCAB, greedy, prefill_logits, prompt, rel_error, save_tiny_tokenizer
 
 ct = pytest.importorskip("compressed_tensors")
-from compressed_tensors.compressors import BaseCompressor, ModelCompressor  # noqa: E402
+from compressed_tensors.compressors import ModelCompressor  # noqa: E402
 from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32, unpack_from_int32  # noqa: E402
 from compressed_tensors.quantization import QuantizationConfig, apply_quantization_config  # noqa: E402
 from compressed_tensors.quantization.utils.helpers import calculate_qparams  # noqa: E402
@@ -209,8 +209,9 @@ def test_act_order_g_idx_equals_library_on_permuted_columns(tmp_path):
     tensors = {"m.weight_packed": pack_to_int32(shuffled, 4), "m.weight_scale": packed["weight_scale"],
                "m.weight_zero_point": packed["weight_zero_point"], "m.weight_shape": packed["weight_shape"],
                "m.weight_g_idx": g_idx}
+    group_config = {"targets": ["Linear"], "weights": scheme.weights.model_dump()}
     config = {"quantization_config": {"quant_method": "compressed-tensors", "format": "pack-quantized",
-                                      "config_groups": {"g": {"targets": ["Linear"], "weights": scheme.weights.model_dump()}}}}
+                                      "config_groups": {"g": group_config}}}
     from deltaserve.weights.compressed_tensors import decode
 
     codes = decode(config, tensors, tmp_path, torch.float32)["m.weight"]

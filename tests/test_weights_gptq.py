@@ -15,7 +15,8 @@ from deltaserve.weights import gptq
 pytest.importorskip("auto_round_extension")
 from auto_round_extension.torch import qlinear_torch, qlinear_torch_zp  # noqa: E402
 
-PACKINGS = {"auto_round": qlinear_torch, "auto_round:gptqmodel": qlinear_torch, "auto_round:auto_gptq": qlinear_torch_zp}
+PACKINGS = {"auto_round": qlinear_torch, "auto_round:gptqmodel": qlinear_torch,
+            "auto_round:auto_gptq": qlinear_torch_zp}
 
 
 def packed_module(layer_module, n: int, k: int, group: int, act_order: bool, seed: int):

@@ -85,7 +85,8 @@ def decode(config: dict, tensors: dict[str, torch.Tensor], path: Path, dtype: to
     default_format = qc.get("format") or "dense"
     schemes = [Scheme(name, group, default_format, path) for name, group in (qc.get("config_groups") or {}).items()]
     ignore = list(qc.get("ignore") or [])
-    modules = sorted({name.rpartition(".")[0] for name in tensors if name.endswith((".weight_packed", ".weight_scale"))})
+    quantized = (".weight_packed", ".weight_scale")
+    modules = sorted({name.rpartition(".")[0] for name in tensors if name.endswith(quantized)})
     out = dict(tensors)
     for module in modules:
         parts = {p: out.pop(f"{module}.{p}") for p in PARTS if f"{module}.{p}" in out}

@@ -37,7 +37,7 @@ def zero_offset(qc: dict) -> int:
 def decode(config: dict, tensors: dict[str, torch.Tensor], path: Path) -> dict:
     """The tensors with every packed module's parts replaced by one `<module>.weight` Int4Codes."""
     qc = config["quantization_config"]
-    if qc.get("packing_format", "").find("awq") >= 0:
+    if "awq" in qc.get("packing_format", ""):
         raise CheckpointError(path, f"packing_format {qc['packing_format']!r} (AWQ order) is not supported yet")
     offset = zero_offset(qc)
     extra = qc.get("extra_config") or {}
