@@ -43,6 +43,7 @@ class WeightGroup:
     float_params: int  # elements stored as floats: held in the compute dtype after loading
     quantized_bytes: int  # bytes held when not dequantized: packed codes with their scales / offsets
     excluded: bool = False  # not loaded when only the language model is served (vision tower, mtp)
+    held_dequantized_bytes: int | None = None  # held with dequantize_weights when not params x dtype (INT8 embedding)
 
 
 @dataclass
@@ -317,7 +318,7 @@ def _weights_line(spec: ModelMemorySpec, c: EngineConfig) -> tuple[int, str]:
     cb = DTYPE_BYTES[c.dtype]
     loaded = [g for g in spec.weight_groups if not g.excluded]
     if c.dequantize_weights:
-        held = sum(g.params * cb for g in loaded)
+        held = sum(g.params * cb if g.held_dequantized_bytes is None else g.held_dequantized_bytes for g in loaded)
         how = f"held dequantized in {c.dtype}"
     else:
         held = sum(g.float_params * cb + g.quantized_bytes for g in loaded)

@@ -87,7 +87,10 @@ def test_skip_prefixes(qwen3):
     checkpoint = load_checkpoint(sharded, skip_prefixes=("model.layers.1.", "lm_head."))
     assert not any(n.startswith(("model.layers.1.", "lm_head.")) for n in checkpoint.tensors)
     assert "model.layers.0.self_attn.q_norm.weight" in checkpoint.tensors
-    assert sorted(checkpoint.skipped) == ["lm_head.* (1 tensors)", "model.layers.1.* (11 tensors)"]
+    index = read_tensor_index(sharded)
+    nbytes = {p: sum(i.nbytes for n, i in index.items() if n.startswith(p)) for p in ("lm_head.", "model.layers.1.")}
+    assert sorted(checkpoint.skipped) == [f"lm_head.* (1 tensors, {nbytes['lm_head.']:,} bytes)",
+                                          f"model.layers.1.* (11 tensors, {nbytes['model.layers.1.']:,} bytes)"]
 
 
 def test_integer_tensors_kept(qwen3, tmp_path):

@@ -78,6 +78,7 @@ class Engine:
         kind = config.device_kind()
         self.config = config.for_device(kind)
         self._log = log or (lambda message: None)
+        started = time.monotonic()
         # The ledger comes first: nothing is allocated before it says the device can hold it.
         path = config.model or str(default_model_path())
         total, free = device_memory_bytes(kind)
@@ -89,6 +90,7 @@ class Engine:
         loaded = load_model(config.model, dtype=getattr(torch, self.config.dtype), device=self.config.device,
                             dequantize=self.config.dequantize_weights)
         self._setup(loaded)
+        self._log(f"deltaserve: {loaded.name} ready {time.monotonic() - started:.1f} s after the engine started")
 
     def _setup(self, loaded: LoadedModel) -> None:
         c, budget = self.config, self.budget

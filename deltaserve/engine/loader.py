@@ -58,7 +58,10 @@ def load_model(model: str | Path | None, *, dtype: torch.dtype = torch.float32,
     prefixes = skip_prefixes(read_config(path))
     keep_int4 = not dequantize and torch.device(device).type == "cpu"
     checkpoint = load_checkpoint(path, dtype=dtype, skip_prefixes=prefixes, keep_int4=keep_int4)
-    net = build_model(checkpoint.config, checkpoint.tensors, dtype=dtype, device=device)
+    try:
+        net = build_model(checkpoint.config, checkpoint.tensors, dtype=dtype, device=device)
+    except ValueError as e:  # a tensor missing, unknown or of the wrong shape: the checkpoint's fault, one line
+        raise CheckpointError(checkpoint.path, str(e)) from e
     eos = set(checkpoint.tokenizer.eos_token_ids)
     eos |= set(_ids(checkpoint.generation_config.get("eos_token_id")))
     return LoadedModel(net, checkpoint.tokenizer, checkpoint.config, checkpoint.path,

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from deltaserve.kernels import fused_cpu, linear_cpu
 from deltaserve.kernels.int4 import Int4Codes, PackedInt4, int4_linear, pack
+from deltaserve.kernels.int8 import Int8Rows
 
 
 class RMSNorm(nn.Module):
@@ -183,6 +184,10 @@ def load_weights(module: nn.Module, tensors: dict[str, torch.Tensor], *, dtype: 
             if _held_int4(module, pname, tensor, tensors, device):
                 continue
             tensor = tensor.dequantize()
+        if isinstance(tensor, Int8Rows):
+            if pname not in tied and _held_int8(module, pname, tensor, device, dtype):
+                continue
+            tensor = tensor.dequantize()
         if tuple(tensor.shape) != tuple(param.shape):
             raise ValueError(f"{name}: tensor {source} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
         if source in shared:
@@ -211,4 +216,34 @@ def _held_int4(module: nn.Module, pname: str, codes: Int4Codes, tensors: dict, d
     parent_name, _, child = owner_name.rpartition(".")
     parent = module.get_submodule(parent_name) if parent_name else module
     setattr(parent, child, Int4Linear(codes, None if bias is None else bias.to(device=device, dtype=torch.float32)))
+    return True
+
+
+class Int8Embedding(nn.Module):
+    """An embedding whose table stays int8 (kernels/int8.py): a lookup widens only the rows it reads."""
+
+    def __init__(self, rows: Int8Rows, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.dtype = dtype  # of the rows it returns: the compute dtype
+        self.num_embeddings, self.embedding_dim = rows.shape
+        self.group_size = rows.group_size
+        self.register_buffer("codes", rows.codes)
+        self.register_buffer("scales", rows.scales.float())
+        self.register_buffer("offsets", rows.offsets.float())
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return Int8Rows(self.codes, self.scales, self.offsets, self.group_size).gather(ids, self.dtype)
+
+
+def _held_int8(module: nn.Module, pname: str, rows: Int8Rows, device, dtype: torch.dtype) -> bool:
+    """Swap the nn.Embedding owning `pname` for an Int8Embedding; False (dequantize) for anything else."""
+    owner_name, _, leaf = pname.rpartition(".")
+    owner = module.get_submodule(owner_name) if owner_name else module
+    if leaf != "weight" or type(owner) is not nn.Embedding:
+        return False
+    if tuple(owner.weight.shape) != rows.shape:
+        raise ValueError(f"tensor {pname} has shape {rows.shape}, expected {tuple(owner.weight.shape)}")
+    parent_name, _, child = owner_name.rpartition(".")
+    parent = module.get_submodule(parent_name) if parent_name else module
+    setattr(parent, child, Int8Embedding(rows, dtype).to(device))
     return True

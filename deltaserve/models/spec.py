@@ -113,9 +113,30 @@ def spec_from_checkpoint(path: str | Path) -> ModelMemorySpec:
     spec, _ = _shape(config)
     bits = _config_bits(config)
     spec.weight_groups = _groups_from_tensors(t for f in files for t in _safetensors_tensors(f, bits))
+    _int8_embedding_held(spec, files)
     spec.weight_source = "checkpoint headers"
     spec.quantization = _describe_config_quant(config)
     return spec
+
+
+def _int8_embedding_held(spec: ModelMemorySpec, files: list[Path]) -> None:
+    """An 8-bit compressed-tensors embedding stays int8 when loaded (models/layers.Int8Embedding): one byte a
+    weight plus a float32 scale and offset per group, not params x dtype. A tied lm_head is not priced here."""
+    from deltaserve.weights.hf import read_safetensors_header
+
+    index = {name: entry for f in files for name, entry in read_safetensors_header(f).items()}
+    embedding = next((g for g in spec.weight_groups if g.name == "embedding"), None)
+    scale = next((n for n in index if n.endswith("embed_tokens.weight_scale")), None)
+    if embedding is None or scale is None:
+        return
+    stem = scale[: -len("weight_scale")]
+    packed, plain = index.get(stem + "weight_packed"), index.get(stem + "weight")
+    if packed is not None:
+        eight_bit = packed[2] == embedding.params  # 8 bits a weight: as many bytes as weights
+    else:
+        eight_bit = plain is not None and plain[0] == "I8"
+    if eight_bit:
+        embedding.held_dequantized_bytes = embedding.params + math.prod(index[scale][1]) * 2 * 4
 
 
 def _read_json(path: Path) -> dict:
@@ -326,13 +347,20 @@ class _QuantRules:
                      or any("embed_tokens" in t for t in targets)), None)
 
     def describe(self) -> str:
-        linear = str(self.linear_scheme) if self.override else ", ".join(str(s) for _, s in self.groups) or "none"
+        if self.override:
+            linear = str(self.linear_scheme)
+        else:  # the embedding's own group is named under "embedding", not as a linear scheme
+            linear = ", ".join(dict.fromkeys(str(s) for t, s in self.groups if not self._embedding_group(t)))
         parts = [f"linear {linear or 'none'}"]
-        if self.embed_given:
-            parts.append(f"embedding {self.embed_override or 'none'}")
-        if self.lm_head_given:
-            parts.append(f"lm_head {self.lm_head_override or 'none'}")
+        if self.embed_given or self.embedding() is not None:
+            parts.append(f"embedding {self.embedding() or 'none'}")
+        if self.lm_head_given or (self.groups and not self.override):
+            parts.append(f"lm_head {self.linear('lm_head') or 'none'}")
         return "; ".join(parts)
+
+    @staticmethod
+    def _embedding_group(targets: list[str]) -> bool:
+        return bool(targets) and all(t == "Embedding" or "embed_tokens" in t for t in targets)
 
 
 def _config_bits(config: dict) -> int:

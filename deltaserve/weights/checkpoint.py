@@ -52,13 +52,13 @@ def load_checkpoint(path: str | Path, *, dtype: torch.dtype = torch.float32,
     """Load config, tensors (converted / dequantized to `dtype`) and tokenizer.
 
     Tensors whose HF name starts with one of `skip_prefixes` are not read; they are counted in
-    `Checkpoint.skipped`. With `keep_int4`, a GGUF's 4-bit matrices come as kernels.int4.Int4Codes.
+    `Checkpoint.skipped`. With `keep_int4`, a GGUF's or compressed-tensors checkpoint's 4-bit matrices come as kernels.int4.Int4Codes.
     """
     kind, path = checkpoint_kind(path)
     if kind == "gguf":
         loaded = gguf.load_gguf(path, dtype, tuple(skip_prefixes), keep_int4=keep_int4)
     else:
-        loaded = hf.load_hf(path, dtype, tuple(skip_prefixes))
+        loaded = hf.load_hf(path, dtype, tuple(skip_prefixes), keep_int4=keep_int4)
     config, tensors, tokenizer, generation_config, skipped = loaded
     return Checkpoint(path=path, config=config, tensors=tensors, tokenizer=tokenizer,
                       generation_config=generation_config, skipped=skipped)

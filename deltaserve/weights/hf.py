@@ -1,18 +1,25 @@
 """Hugging Face model folders: config.json, (sharded) safetensors, generation_config.json."""
 
 import json
+import logging
 import struct
+import time
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
+from deltaserve.kernels.int4 import Int4Codes, packable
 from deltaserve.text.tokenizer import Tokenizer
+from deltaserve.weights import compressed_tensors, gptq
 from deltaserve.weights.errors import CheckpointError
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 HEADER_LIMIT_BYTES = 100 * 1024 * 1024  # safetensors' own cap on the JSON header
+MiB = 1024 * 1024
+
+log = logging.getLogger(__name__)
 
 
 def read_json(path: Path, *, required: bool) -> dict:
@@ -91,29 +98,62 @@ def read_hf_index(folder: Path) -> dict[str, tuple[str, tuple[int, ...], int]]:
     return index
 
 
-def load_hf(folder: Path, dtype: torch.dtype, skip_prefixes: tuple[str, ...]):
+def load_hf(folder: Path, dtype: torch.dtype, skip_prefixes: tuple[str, ...], keep_int4: bool = False):
     """(config, tensors, tokenizer, generation_config, skipped) of an HF folder.
 
-    Floating-point tensors are converted to `dtype`; integer ones (packed quantized weights) are kept.
+    Floating-point tensors are converted to `dtype`; a compressed-tensors checkpoint's quantized modules become one
+    `<module>.weight` each (weights/compressed_tensors.py). Skipped groups are named with their bytes on disk.
     """
     config = read_hf_config(folder)
+    check_quant_method(config, folder)
     generation_config = read_json(folder / "generation_config.json", required=False)
     files = safetensors_files(folder)
     tokenizer = Tokenizer.from_hf_dir(folder)
-    tensors, skipped = {}, {}
-    for file in files:
-        read_safetensors_header(file)  # a clear message for a truncated shard before safetensors' own
+    tensors, skipped, skipped_bytes = {}, {}, {}
+    started, read_bytes = time.monotonic(), 0
+    for number, file in enumerate(files, 1):
+        header = read_safetensors_header(file)  # a clear message for a truncated shard before safetensors' own
         try:
             with safe_open(file, framework="pt") as shard:
                 for name in shard.keys():
                     prefix = next((p for p in skip_prefixes if name.startswith(p)), None)
                     if prefix is not None:
                         skipped[prefix] = skipped.get(prefix, 0) + 1
+                        skipped_bytes[prefix] = skipped_bytes.get(prefix, 0) + header[name][2]
                         continue
                     tensor = shard.get_tensor(name)
+                    read_bytes += header[name][2]
                     tensors[name] = tensor.to(dtype) if tensor.is_floating_point() else tensor
         except CheckpointError:
             raise
         except Exception as e:
             raise CheckpointError(file, f"cannot read safetensors: {e}") from e
-    return config, tensors, tokenizer, generation_config, [f"{p}* ({n} tensors)" for p, n in skipped.items()]
+        seconds = max(time.monotonic() - started, 1e-9)
+        log.info("read %d/%d shards of %s: %s MiB in %.1f s (%s MiB/s)", number, len(files), folder.name,
+                 f"{read_bytes / MiB:,.1f}", seconds, f"{read_bytes / MiB / seconds:,.0f}")
+    if compressed_tensors.is_compressed_tensors(config):
+        tensors = compressed_tensors.decode(config, tensors, folder, dtype)
+    elif gptq.is_gptq_layout(config):
+        tensors = gptq.decode(config, tensors, folder)
+    tensors = {name: held_int4(t, dtype, keep_int4) for name, t in tensors.items()}
+    return config, tensors, tokenizer, generation_config, [f"{p}* ({n} tensors, {skipped_bytes[p]:,} bytes)"
+                                                           for p, n in skipped.items()]
+
+
+def held_int4(tensor, dtype: torch.dtype, keep_int4: bool):
+    """An Int4Codes as the model should get it: kept when asked and the packed layer takes it as is (no column
+    permutation, a group size it packs), else dequantized to `dtype` (exact)."""
+    if not isinstance(tensor, Int4Codes):
+        return tensor
+    if keep_int4 and tensor.perm is None and packable(tensor.shape, tensor.group_size):
+        return tensor
+    return tensor.dequantize(dtype)
+
+
+def check_quant_method(config: dict, folder: Path) -> None:
+    """Refuse a quantization_config we cannot decode before reading any tensor."""
+    qc = config.get("quantization_config") or (config.get("text_config") or {}).get("quantization_config")
+    if qc and qc.get("quant_method") not in (compressed_tensors.QUANT_METHOD, *gptq.QUANT_METHODS):
+        raise CheckpointError(folder / "config.json", f"quantization_config quant_method {qc.get('quant_method')!r} "
+                                                      f"is not supported; supported: {compressed_tensors.QUANT_METHOD}, "
+                                                      f"{', '.join(gptq.QUANT_METHODS)}")

@@ -1,0 +1,95 @@
+"""GPTQ-layout 4-bit checkpoints: AutoRound's exports (quant_method "auto-round", packing_format "auto_round",
+"auto_round:gptqmodel", "auto_round:auto_gptq") and AutoGPTQ's (quant_method "gptq") -> Int4Codes.
+
+Per module: `qweight` int32 [in / 8, out] (eight 4-bit codes per word along the input, lowest row in the lowest
+bits), `qzeros` int32 [groups, out / 8] (the same along the output), `scales` [groups, out], `g_idx` [in] (each
+input column's group; activation order when not sorted). w = scale * (code - zero). AutoGPTQ's convention, and
+AutoRound's "auto_gptq" packing, store zero - 1. `extra_config` (AutoRound) overrides bits / group per module.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+from deltaserve.kernels.int4 import Int4Codes
+from deltaserve.weights.errors import CheckpointError
+
+QUANT_METHODS = ("auto-round", "autoround", "gptq")
+RAW_ZERO_PACKINGS = ("auto_round", "auto_round:gptqmodel")  # AutoRound's formats that store the zero itself
+PARTS = ("qweight", "qzeros", "scales", "g_idx")
+
+
+def is_gptq_layout(config: dict) -> bool:
+    """Whether config.json declares an AutoRound / AutoGPTQ checkpoint."""
+    return (config.get("quantization_config") or {}).get("quant_method") in QUANT_METHODS
+
+
+def zero_offset(qc: dict) -> int:
+    """What to add to a stored zero: 1 where the format stores zero - 1."""
+    if qc["quant_method"] == "gptq":
+        return 0 if qc.get("checkpoint_format") == "gptq_v2" else 1
+    return 0 if qc.get("packing_format", "auto_round:auto_gptq") in RAW_ZERO_PACKINGS else 1
+
+
+def decode(config: dict, tensors: dict[str, torch.Tensor], path: Path) -> dict:
+    """The tensors with every packed module's parts replaced by one `<module>.weight` Int4Codes."""
+    qc = config["quantization_config"]
+    if "awq" in qc.get("packing_format", ""):
+        raise CheckpointError(path, f"packing_format {qc['packing_format']!r} (AWQ order) is not supported yet")
+    offset = zero_offset(qc)
+    extra = qc.get("extra_config") or {}
+    out = dict(tensors)
+    for module in sorted(n[: -len(".qweight")] for n in tensors if n.endswith(".qweight")):
+        parts = {p: out.pop(f"{module}.{p}", None) for p in PARTS}
+        own = extra.get(module) or extra.get(module.replace("model.language_model.", "model.")) or {}
+        bits = int(own.get("bits", qc.get("bits", 4)))
+        if bits != 4:
+            raise CheckpointError(path, f"{module} has {bits}-bit GPTQ-layout weights; supported: 4")
+        out[f"{module}.weight"] = module_codes(module, parts, offset, path)
+    stray = [n for n in out if n.rpartition(".")[2] in PARTS]
+    if stray:
+        raise CheckpointError(path, f"tensor {stray[0]} is not consumed ({len(stray)} such tensors)")
+    return out
+
+
+def nibbles(words: torch.Tensor) -> torch.Tensor:
+    """int32 [R, W] -> uint8 codes [R, 8 W], the lowest 4 bits of each word first."""
+    raw = words.contiguous().view(torch.uint8)
+    if sys.byteorder == "big":
+        raw = raw.view(words.shape[0], -1, 4).flip(-1).reshape(words.shape[0], -1)
+    return torch.stack((raw & 0xF, raw >> 4), dim=-1).view(words.shape[0], -1)
+
+
+def module_codes(module: str, parts: dict, offset: int, path: Path) -> Int4Codes:
+    """One module's Int4Codes from its qweight / qzeros / scales / g_idx."""
+    for p in ("qzeros", "scales"):
+        if parts[p] is None:
+            raise CheckpointError(path, f"tensor {module}.{p} is missing")
+    qweight, scales = parts["qweight"], parts["scales"]
+    k, n = qweight.shape[0] * 8, qweight.shape[1]
+    groups = scales.shape[0]
+    if tuple(scales.shape) != (groups, n) or k % groups:
+        raise CheckpointError(path, f"tensor {module}.scales has shape {tuple(scales.shape)}, expected "
+                                    f"[groups dividing {k}, {n}]")
+    group = k // groups
+    if tuple(parts["qzeros"].shape) != (groups, n // 8):
+        raise CheckpointError(path, f"tensor {module}.qzeros has shape {tuple(parts['qzeros'].shape)}, expected "
+                                    f"{(groups, n // 8)}")
+    codes = nibbles(qweight.t())  # [N, K]
+    zeros = nibbles(parts["qzeros"]).t().float() + offset  # [N, groups]
+    scale = scales.t().float()
+    perm = None
+    g_idx = parts["g_idx"]
+    if g_idx is not None:
+        g_idx = g_idx.long()
+        if tuple(g_idx.shape) != (k,):
+            raise CheckpointError(path, f"tensor {module}.g_idx has shape {tuple(g_idx.shape)}, expected {(k,)}")
+        if not torch.equal(g_idx, torch.arange(k) // group):
+            perm = torch.argsort(g_idx, stable=True)
+            if not torch.equal(g_idx[perm], torch.arange(k) // group):
+                raise CheckpointError(path, f"tensor {module}.g_idx does not put {group} columns in each group")
+            codes = codes[:, perm]
+    return Int4Codes(codes.contiguous(), scale, -zeros * scale, group, perm=perm)

@@ -1,0 +1,260 @@
+"""compressed-tensors checkpoints made by compressed-tensors' own compressor, for a tiny dense Qwen3 and a tiny
+Qwen3.5 hybrid, loaded by deltaserve and compared with the same checkpoint decompressed by compressed-tensors
+itself and run in transformers.
+
+Tolerances: our dequantized weight is scale * code + offset with offset = -(zero + 2^(b-1)) * scale, the
+library's (q - zero) * scale: the same real number rounded differently, so they differ by a few float32 ulps of
+scale * 2^b. Over a float32 forward that is far below the float32 model tolerance the float tests use
+(tests/test_models_hybrid.py LOGITS_RTOL), which therefore holds here too; greedy tokens must be identical.
+"""
+
+from __future__ import annotations
+
+import json
+import zlib
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import save_file
+
+from deltaserve.kernels.int4 import Int4Codes
+from deltaserve.kernels.int8 import Int8Rows
+from deltaserve.models import build_model, skip_prefixes
+from deltaserve.models.layers import Int8Embedding
+from deltaserve.weights import load_checkpoint
+from tests.test_models_hybrid import LOGITS_RTOL, VOCAB, greedy, prefill_logits, prompt, rel_error, save_tiny_tokenizer
+
+ct = pytest.importorskip("compressed_tensors")
+from compressed_tensors.compressors import ModelCompressor  # noqa: E402
+from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32, unpack_from_int32  # noqa: E402
+from compressed_tensors.quantization import QuantizationConfig, apply_quantization_config  # noqa: E402
+from compressed_tensors.quantization.utils.helpers import calculate_qparams  # noqa: E402
+
+GENERATE_TOKENS = 8
+EPS32 = torch.finfo(torch.float32).eps
+
+DENSE = (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, dict(
+    hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+    head_dim=32, tie_word_embeddings=False))
+HYBRID = (transformers.Qwen3_5TextConfig, transformers.Qwen3_5ForCausalLM, dict(
+    hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+    head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32,
+    linear_value_head_dim=32, tie_word_embeddings=False,
+    rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5,
+                         mrope_section=[4, 2, 2], mrope_interleaved=True)))
+VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=128, patch_size=4,
+              num_position_embeddings=16)
+
+
+def multimodal_config(vocab_size: int, initializer_range: float, tie_word_embeddings: bool, **text):
+    """The layout Qwen3.5 checkpoints ship in: model.language_model.*, model.visual.*."""
+    return transformers.Qwen3_5Config(text_config=dict(text, vocab_size=vocab_size,
+                                                       initializer_range=initializer_range),
+                                      vision_config=VISION, tie_word_embeddings=tie_word_embeddings)
+
+
+MULTIMODAL = (multimodal_config, transformers.Qwen3_5ForConditionalGeneration, HYBRID[2])
+
+
+def w(bits: int, group: int | None, symmetric: bool = True) -> dict:
+    """A weights scheme: group None = per output channel."""
+    strategy = {"strategy": "channel"} if group is None else {"strategy": "group", "group_size": group}
+    return {"num_bits": bits, "type": "int", "symmetric": symmetric, **strategy}
+
+
+INT8_EMBED = {"targets": ["Embedding"], "weights": w(8, None)}
+CASES = {
+    # The field's layout: 4-bit body, INT8 embedding, INT4 lm_head.
+    "dense_w4_g32_int8embed_int4head": (DENSE, {"body": {"targets": ["Linear"], "weights": w(4, 32)},
+                                                "embed": INT8_EMBED}, []),
+    "hybrid_w4_g128_int8embed": (HYBRID, {"body": {"targets": ["Linear"], "weights": w(4, 128)},
+                                          "embed": INT8_EMBED}, ["lm_head", r"re:.*linear_attn\.in_proj_[ab]$"]),
+    # in_proj_a / b ignored: the library's own unpacker fails on a zero point packed from fewer than 8 rows.
+    "hybrid_w4_asym_g64_tied": (HYBRID, {"body": {"targets": ["Linear"], "weights": w(4, 64, symmetric=False)},
+                                         "embed": INT8_EMBED}, ["lm_head", r"re:.*linear_attn\.in_proj_[ab]$"]),
+    "multimodal_w4_g128_int8embed": (MULTIMODAL, {"body": {"targets": ["Linear"], "weights": w(4, 128)},
+                                                  "embed": INT8_EMBED},
+                                     ["lm_head", "re:.*visual.*", r"re:.*linear_attn\.in_proj_[ab]$"]),
+    # One int8 per value (format int-quantized), asymmetric 8-bit linears.
+    "dense_w8_asym_g64_int_quantized": (DENSE, {"body": {"targets": ["Linear"], "weights": w(8, 64, False)}},
+                                        ["lm_head"]),
+    "dense_w4_asym_channel_w8_mlp": (DENSE, {
+        "mlp": {"targets": [r"re:.*mlp\..*"], "weights": w(8, 128)},
+        "attn": {"targets": ["Linear"], "weights": w(4, None, symmetric=False)}}, ["lm_head"]),
+}
+
+
+def minmax_qparams_(model: torch.nn.Module) -> None:
+    """Scales and zero points from each group's min / max (what a minmax observer computes), by the library."""
+    for module in model.modules():
+        scheme = getattr(module, "quantization_scheme", None)
+        if scheme is None:
+            continue
+        weight, args = module.weight.detach(), scheme.weights
+        groups = weight.view(weight.shape[0], -1, args.group_size) if args.strategy == "group" else weight[:, None]
+        scale, zero = calculate_qparams(groups.amin(-1), groups.amax(-1), args)
+        module.weight_scale.data.copy_(scale)
+        if hasattr(module, "weight_zero_point"):
+            module.weight_zero_point.data.copy_(zero)
+
+
+def make_checkpoint(name: str, folder):
+    """Save a compressed checkpoint of a tiny random model; return transformers running the library's own
+    decompression of it."""
+    (config_cls, model_cls, kwargs), groups, ignore = CASES[name]
+    tied = name.endswith("_tied")
+    torch.manual_seed(zlib.crc32(name.encode()))
+    config = config_cls(vocab_size=VOCAB, initializer_range=0.1, **dict(kwargs, tie_word_embeddings=tied))
+    config._attn_implementation = "sdpa"
+    model = model_cls(config).eval()
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if "norm" in pname or "dt_bias" in pname:
+                p.add_(torch.randn_like(p) * 0.2)
+    fmt = "int-quantized" if name.endswith("int_quantized") else "pack-quantized"
+    qconfig = QuantizationConfig.model_validate(dict(config_groups=groups, ignore=ignore, format=fmt,
+                                                     quantization_status="frozen"))
+    apply_quantization_config(model, qconfig, show_progress=False)
+    minmax_qparams_(model)
+    compressor = ModelCompressor.from_pretrained_model(model, fmt)
+    compressor.compress_model(model)
+    state = {k: v.contiguous() for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")}
+    config.save_pretrained(folder)
+    save_file(state, folder / "model.safetensors")
+    compressor.update_config(str(folder))
+    save_tiny_tokenizer(folder)
+
+    compressor.decompress_model(model)
+    ref = model_cls(config).eval()
+    plain = ref.state_dict()
+    # Tied: the compressed model's lm_head still holds the float table it shared before compression.
+    keep = {k: v for k, v in model.state_dict().items() if k in plain and not (tied and k == "lm_head.weight")}
+    ref.load_state_dict(keep, strict=not tied)
+    ref.tie_weights()
+    return ref, state
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def case(request, tmp_path_factory):
+    folder = tmp_path_factory.mktemp(request.param)
+    ref, state = make_checkpoint(request.param, folder)
+    ckpt = load_checkpoint(folder, skip_prefixes=skip_prefixes(json.loads((folder / "config.json").read_text())))
+    return request.param, ref, build_model(ckpt.config, ckpt.tensors), ckpt, state
+
+
+def test_logits_match_the_library_decompression(case):
+    _, ref, ours, _, _ = case
+    ids = prompt(33, seed=1)
+    with torch.no_grad():
+        expected = ref(torch.tensor([ids])).logits[0]
+    assert rel_error(prefill_logits(ours, ids), expected) <= LOGITS_RTOL
+
+
+def test_greedy_tokens_identical(case):
+    _, ref, ours, _, _ = case
+    ids = prompt(12, seed=2)
+    with torch.no_grad():
+        expected = ref.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                max_new_tokens=GENERATE_TOKENS, min_new_tokens=GENERATE_TOKENS, do_sample=False,
+                                pad_token_id=0)[0, len(ids):].tolist()
+    assert greedy(ours, ids, GENERATE_TOKENS) == expected
+
+
+def test_weights_equal_the_library_decompression(case):
+    """Every quantized module dequantizes to the library's weight within a few float32 ulps of its scale range."""
+    name, ref, ours, ckpt, state = case
+    expected = ref.state_dict()
+    for module in {k.rpartition(".")[0] for k in state if k.endswith(".weight_scale")}:
+        if name.endswith("int_quantized"):  # stored one int8 a value, not packed
+            assert state[module + ".weight"].dtype == torch.int8 and module + ".weight_packed" not in state
+        got = ckpt.tensors[module + ".weight"]
+        got = got.dequantize() if isinstance(got, (Int4Codes, Int8Rows)) else got
+        bound = 8 * EPS32 * state[module + ".weight_scale"].abs().max() * 256
+        assert (got - expected[module + ".weight"]).abs().max() <= bound, module
+
+
+def test_int8_embedding_stays_int8_and_lm_head_form(case):
+    name, _, ours, ckpt, _ = case
+    if "int8embed" in name or name.endswith("_tied"):
+        assert isinstance(ours.model.embed_tokens, Int8Embedding)
+        assert ours.model.embed_tokens.codes.dtype == torch.int8
+    if name == "dense_w4_g32_int8embed_int4head":
+        assert isinstance(ckpt.tensors["lm_head.weight"], torch.Tensor)  # 4-bit, dequantized by default (exact)
+        assert not any(k.endswith("weight_packed") for k in ckpt.tensors)
+
+
+def test_act_order_g_idx_equals_library_on_permuted_columns(tmp_path):
+    """compressed-tensors 0.20 no longer writes weight_g_idx (older exports do): a module quantized in sorted
+    column order by the library, its codes moved back to the checkpoint's column order and g_idx recording
+    each column's group, must dequantize to the library's weight with the columns put back."""
+    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+    from compressed_tensors.quantization import QuantizationScheme
+
+    torch.manual_seed(5)
+    n, k, group = 32, 128, 32
+    scheme = QuantizationScheme(targets=["Linear"], weights=w(4, group, symmetric=False))
+    sorted_w = torch.randn(n, k)
+    groups = sorted_w.view(n, -1, group)
+    scale, zero = calculate_qparams(groups.amin(-1), groups.amax(-1), scheme.weights)
+    packed = PackedQuantizationCompressor.compress(
+        {"weight": sorted_w, "weight_scale": scale, "weight_zero_point": zero}, scheme)
+    lib = PackedQuantizationCompressor.decompress(dict(packed), scheme)["weight"]
+    order = torch.randperm(k)  # checkpoint column order[j] holds sorted column j
+    values = unpack_from_int32(packed["weight_packed"], 4, torch.Size((n, k)))
+    shuffled = torch.empty_like(values)
+    shuffled[:, order] = values
+    g_idx = torch.empty(k, dtype=torch.int32)
+    g_idx[order] = (torch.arange(k) // group).int()
+    tensors = {"m.weight_packed": pack_to_int32(shuffled, 4), "m.weight_scale": packed["weight_scale"],
+               "m.weight_zero_point": packed["weight_zero_point"], "m.weight_shape": packed["weight_shape"],
+               "m.weight_g_idx": g_idx}
+    group_config = {"targets": ["Linear"], "weights": scheme.weights.model_dump()}
+    config = {"quantization_config": {"quant_method": "compressed-tensors", "format": "pack-quantized",
+                                      "config_groups": {"g": group_config}}}
+    from deltaserve.weights.compressed_tensors import decode
+
+    codes = decode(config, tensors, tmp_path, torch.float32)["m.weight"]
+    assert isinstance(codes, Int4Codes) and codes.perm is not None
+    expected = torch.empty_like(lib)
+    expected[:, order] = lib
+    assert (codes.dequantize() - expected).abs().max() <= 8 * EPS32 * scale.abs().max() * 16
+
+
+def test_ledger_weights_line_equals_resident_bytes(case):
+    """The CPU ledger's weights line (dequantized float32, the INT8 embedding kept int8) = the bytes the loaded
+    model holds, counted once per storage."""
+    from deltaserve.budget import plan_budget
+    from deltaserve.config import EngineConfig
+    from deltaserve.models.spec import spec_from_checkpoint
+
+    name, _, ours, ckpt, _ = case
+    if name.endswith("_tied"):
+        pytest.skip("a tied lm_head widened from an INT8 embedding is not priced by the ledger yet")
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for t in [*ours.parameters(), *ours.buffers()] if t.device.type == "cpu"}
+    rotary = sum(b.untyped_storage().nbytes() for n, b in ours.named_buffers() if "inv_freq" in n)
+    budget = plan_budget(spec_from_checkpoint(ckpt.path), EngineConfig(max_total_tokens=64),
+                         device_total_bytes=4 * 2**30, device_kind="cpu")
+    assert abs(budget.line("weights").bytes - (sum(storages.values()) - rotary)) <= 0.01 * budget.line("weights").bytes
+
+
+def test_load_logs_progress_in_bytes_per_second(case, caplog):
+    import logging
+
+    _, _, _, ckpt, state = case
+    with caplog.at_level(logging.INFO, logger="deltaserve.weights.hf"):
+        load_checkpoint(ckpt.path)
+    line = caplog.records[-1].getMessage()
+    size = sum(t.numel() * t.element_size() for t in state.values())
+    assert line.startswith("read 1/1 shards") and f"{size / 2**20:,.1f} MiB in" in line and "MiB/s" in line
+
+
+def test_multimodal_layout_skips_the_vision_tower_by_name_and_bytes(case):
+    name, _, _, ckpt, state = case
+    if not name.startswith("multimodal"):
+        pytest.skip("only the multimodal layout has a vision tower")
+    vision = [t for k, t in state.items() if k.startswith("model.visual.")]
+    nbytes = sum(t.numel() * t.element_size() for t in vision)
+    assert ckpt.skipped == [f"model.visual.* ({len(vision)} tensors, {nbytes:,} bytes)"]
+    assert not any(k.startswith("model.visual.") for k in ckpt.tensors)
