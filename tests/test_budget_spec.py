@@ -144,7 +144,8 @@ def test_compressed_tensors_header_parts(tmp_path):
     assert layers.quantized_bytes == out_f * in_f // 2 + out_f * 2 * 2 + 16
     assert parse_quant("w4a16-g128").tensor_bytes(out_f, in_f) == layers.quantized_bytes
     gpu = plan_budget(spec, EngineConfig(max_total_tokens=64), device_total_bytes=4 * GiB, device_kind="cuda")
-    cpu = plan_budget(spec, EngineConfig(max_total_tokens=64), device_total_bytes=4 * GiB, device_kind="cpu")
+    cpu = plan_budget(spec, EngineConfig(max_total_tokens=64, dequantize_weights=True), device_total_bytes=4 * GiB,
+                      device_kind="cpu")
     assert gpu.line("weights").bytes == layers.quantized_bytes + (64 + 320 * 64) * 2
     assert cpu.line("weights").bytes == (out_f * in_f + 64 + 320 * 64) * 4  # dequantized, float32
 
