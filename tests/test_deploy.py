@@ -18,6 +18,7 @@ import pytest
 from server_util import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
+FIELD = ROOT / "docs" / "deploy" / "field-two-gpus.toml"
 
 
 def plan(path: Path) -> subprocess.CompletedProcess:
@@ -67,6 +68,15 @@ def test_up_refuses_a_bad_file_and_starts_nothing(tmp_path):
     assert result.returncode == 2 and "port" in result.stderr
     with pytest.raises(httpx.ConnectError):
         httpx.get(f"http://127.0.0.1:{port}/health", timeout=2, trust_env=False)
+
+
+def test_field_deployment_plans_both_gpus():
+    result = plan(FIELD)
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert "chat" in out and "agents" in out and "cuda:0" in out and "cuda:1" in out
+    pool_row = next(line for line in out.splitlines() if line.startswith("KV pool (tokens)"))
+    assert pool_row.split()[-2:] == ["133,120", "159,744"]  # the field's exact pools, as --max-total-tokens
 
 
 def metric(url: str, name: str) -> float:
