@@ -47,7 +47,8 @@ def assert_empty(eng) -> None:
 
 @pytest.mark.parametrize("cap, peak", [(320, 2), (164, 3)])
 def test_hundredth_scale_runs_to_the_end(checkpoint, cap, peak):
-    eng = engine(checkpoint, max_total_tokens=1331, context_length=1331, max_new_tokens_cap=cap)
+    # the pool is whole pages: 1331 tokens asked, 1328 granted, and the context is what the pool holds
+    eng = engine(checkpoint, max_total_tokens=1331, context_length=1331 // 16 * 16, max_new_tokens_cap=cap)
     running, outputs = run_to_end(eng, three_prompts(190))
     assert max(running) == peak and running[0] == peak
     for out in outputs:
@@ -60,7 +61,7 @@ def test_hundredth_scale_runs_to_the_end(checkpoint, cap, peak):
 
 @pytest.mark.parametrize("pool, cap, peak", [(13_312, 3_200, 2), (13_312, 1_638, 3), (6_738, 3_200, 1)])
 def test_tenth_scale_admission(checkpoint, pool, cap, peak):
-    eng = engine(checkpoint, max_total_tokens=pool, context_length=pool, max_new_tokens_cap=cap)
+    eng = engine(checkpoint, max_total_tokens=pool, context_length=pool // 16 * 16, max_new_tokens_cap=cap)
     streams = [eng.submit(p, NO_MAX_TOKENS, request_id=f"r{i}") for i, p in enumerate(three_prompts(1_900))]
     for _ in range(6):  # 1,900-token prompts are read in chunks of 512 (CPU default)
         eng.step()

@@ -87,7 +87,9 @@ def test_a_failing_step_fails_its_requests_not_the_engine(checkpoint):
     try:
         victim = eng.submit(prompt(300, 2), GREEDY)
         outs = list(victim)
-        assert outs[-1].finish_reason == "error" and "OutOfMemoryError" in outs[-1].error
+        # the kind of failure and an id the log carries, never the exception's text (it may hold others' requests)
+        assert outs[-1].finish_reason == "error" and outs[-1].error.startswith("out of memory, id ")
+        assert "simulated" not in outs[-1].error
         assert [t for out in eng.submit(ok, GREEDY) for t in out.token_ids] == before  # still serving
     finally:
         eng.shutdown()

@@ -48,6 +48,9 @@ def engine(model: str | None, **settings) -> Engine:
     settings.setdefault("max_total_tokens", 8192)
     settings.setdefault("device", "cpu")
     settings.setdefault("kv_dtype", "float32")
+    # the twin transformers model reads the engine's float weights; the packed default is held to the dequantized
+    # model in test_models_dense and test_kernels_int4
+    settings.setdefault("dequantize_weights", True)
     # The tests that hold every page to account after a run see the engine without the prefix cache;
     # test_prefix_cache.py turns it on.
     settings.setdefault("prefix_cache", False)

@@ -20,4 +20,6 @@ def internal_error(log: Callable[[str], None], context: str, error: BaseExceptio
     if error is not None:
         detail = "\n" + "".join(traceback.format_exception(type(error), error, error.__traceback__)).rstrip()
     log(f"deltaserve: internal error id {error_id}: {context}{detail}")
-    return f"internal error, id {error_id}: see the server log"
+    # what kind of failure it was is no request's content, and an out-of-memory step is one a user can act on
+    kind = "out of memory" if type(error).__name__ == "OutOfMemoryError" else "internal error"
+    return f"{kind}, id {error_id}: see the server log"
