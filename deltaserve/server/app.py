@@ -481,20 +481,21 @@ def _submit(state: ServerState, engine: Engine, prompts: list[list[int]], req, r
     """One engine request per (prompt, choice); refused as a whole if any part is refused.
 
     `params` (one choice) replaces the OpenAI request's own sampling fields (the Anthropic route)."""
-    choices = 1 if params is not None else req.n
-    if len(prompts) * choices > protocol.MAX_CHOICES:
-        raise ApiError(400, f"n × prompts = {req.n} × {len(prompts)} exceeds the limit of {protocol.MAX_CHOICES} "
+    choices = 1 if params is not None else req.n  # per prompt
+    total = len(prompts) * choices
+    if total > protocol.MAX_CHOICES:
+        raise ApiError(400, f"n × prompts = {choices} × {len(prompts)} exceeds the limit of {protocol.MAX_CHOICES} "
                             f"choices per request", param="n")
-    choices = len(prompts) * req.n
     shortest = min(len(p) for p in prompts)
-    if choices > 1 and engine.scheduler.policy.refusal(shortest, protocol.max_new_tokens(req)) is None:
-        most = engine.most_requests_at_once(shortest, protocol.max_new_tokens(req))
-        if choices > most:  # its own copies would fill the queue: 429 forever, so say it can never run as sent
-            raise ApiError(400, f"n × prompts = {req.n} × {len(prompts)} = {choices} choices, but this server holds "
+    max_new = params.max_tokens if params is not None else protocol.max_new_tokens(req)
+    if total > 1 and engine.scheduler.policy.refusal(shortest, max_new) is None:
+        most = engine.most_requests_at_once(shortest, max_new)
+        if total > most:  # its own copies would fill the queue: 429 forever, so say it can never run as sent
+            raise ApiError(400, f"n × prompts = {choices} × {len(prompts)} = {total} choices, but this server holds "
                                 f"at most {most} requests of this size at once (running beside each other, plus "
                                 f"--max-queue {engine.config.max_queue} waiting): lower n or max_tokens", param="n")
     vocab = engine.vocab_size  # the width of the logits the biases index
-    outside = [key for key in (req.logit_bias or {})
+    outside = [key for key in (getattr(req, "logit_bias", None) or {})
                if key.isascii() and key.isdigit() and (len(key) > 18 or int(key) >= vocab)]
     if outside:
         raise ApiError(400, f"logit_bias: token id {outside[0]} is outside the vocabulary (0..{vocab - 1})",
