@@ -49,7 +49,7 @@ def test_ten_turn_chat_resending_its_history(clients):
         previous_prompt = usage.prompt_tokens
         messages.append({"role": "assistant", "content": got})
     assert server.metric("deltaserve_prefix_cache_hit_tokens_total") > 0
-    assert server.post("/flush_cache").status_code == 200
+    assert server.post("/flush_cache", json={}).status_code == 200
     assert server.metric("deltaserve_prefix_cache_pages") == 0
 
 
