@@ -83,6 +83,23 @@ def test_a_live_builders_lock_is_waited_for_and_its_build_loaded(cache, tmp_path
     assert not any("compiling CPU kernels" in m for m in messages), messages
 
 
+def test_an_empty_lock_left_by_a_builder_killed_mid_write_is_taken_over(cache, tmp_path):
+    """A lock file created but never given its pid (the builder died between the two) is stale after a while."""
+    built_cache = tmp_path / "built"
+    os.environ["DELTASERVE_KERNEL_CACHE"] = str(built_cache)
+    assert tiny().load() is not None
+    os.environ["DELTASERVE_KERNEL_CACHE"] = str(cache)
+    [built] = [p for p in built_cache.iterdir() if p.is_dir()]
+    cache.mkdir(parents=True)
+    lock = cache / (built.name + ".lock")
+    lock.touch()
+    old = time.time() - 2 * cpp_build.UNNAMED_LOCK_S
+    os.utime(lock, (old, old))
+    shutil.copytree(built, cache / built.name)  # the library is there: only the lock stood in the way
+    os.remove(cache / built.name / "deltaserve_test_tiny.so")
+    assert tiny().load() is not None and not lock.exists()
+
+
 def test_other_flags_or_sources_build_elsewhere():
     for module in (fused_cpu, linear_cpu):
         native, avx2 = module.KERNELS, module.KERNELS.variant("avx2")

@@ -38,6 +38,7 @@ COMMON_FLAGS = ["-O3", "-ffast-math", "-fno-finite-math-only", "-fopenmp"]
 ISA_FLAGS = {"native": ["-march=native"], "avx2": ["-march=x86-64-v3"]}
 BUILD_SECONDS = 60  # about what one kernel takes to compile on 2 cores, for the message
 LOCK_POLL_S = 1.0
+UNNAMED_LOCK_S = 10.0  # a lock file still without a pid after this long was left by a builder killed mid-write
 
 # What every kernel source starts with: 16 floats as one value (GCC and Clang vector extensions lower it to one
 # AVX-512 register, two AVX2 or four SSE registers), and its unaligned load and store.
@@ -174,6 +175,10 @@ def _build_once(kernels: CompiledKernels, folder: Path, log):
         if library.exists():
             return _import(kernels.name, library)
         owner = _lock_owner(lock)
+        if owner is None and _age_s(lock) > UNNAMED_LOCK_S:  # its creator died before writing its pid in it
+            with contextlib.suppress(FileNotFoundError):
+                lock.unlink()
+            continue
         if owner is not None and not _alive(owner):
             if log:
                 log(f"{kernels.what}: the build by pid {owner[0]} was interrupted; building again")
@@ -244,6 +249,13 @@ def _lock_owner(lock: Path) -> tuple[int, str] | None:
         return int(pid), host
     except (OSError, ValueError):
         return None  # being written, or already gone: look again
+
+
+def _age_s(path: Path) -> float:
+    try:
+        return time.time() - path.stat().st_mtime
+    except FileNotFoundError:
+        return 0.0
 
 
 def _alive(owner: tuple[int, str]) -> bool:
