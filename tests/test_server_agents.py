@@ -6,6 +6,10 @@ template texts in test_text_parsers.py. Arguments are checked with `jsonschema`,
 """
 
 import json
+import os
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import jsonschema
@@ -243,47 +247,151 @@ def test_anthropic_errors_in_its_shape(server, claude):
 # -- opencode (npm opencode-ai) as the client ---------------------------------------------------------------
 
 def opencode_binary() -> str | None:
-    """OPENCODE_BIN, or `opencode` on PATH (npm install -g opencode-ai); None skips the test."""
-    import os
-    import shutil
+    """OPENCODE_BIN, else the opencode `make install` puts beside the venv (npm's opencode-ai under <venv>/node),
+    else `opencode` on PATH; None skips the test."""
+    local = Path(sys.prefix) / "node" / "node_modules" / ".bin" / "opencode"
+    return os.environ.get("OPENCODE_BIN") or (str(local) if local.exists() else None) or shutil.which("opencode")
 
-    return os.environ.get("OPENCODE_BIN") or shutil.which("opencode")
+
+# opencode, offline: no update check, no models.dev catalogue, no sharing, no LSP or plugin downloads, no Claude
+# Code files from the home folder; its config, data and cache live in the test's own folder.
+OPENCODE_OFFLINE = {"OPENCODE_DISABLE_AUTOUPDATE": "1", "OPENCODE_DISABLE_MODELS_FETCH": "1",
+                    "OPENCODE_DISABLE_SHARE": "1", "OPENCODE_DISABLE_LSP_DOWNLOAD": "1",
+                    "OPENCODE_DISABLE_DEFAULT_PLUGINS": "1", "OPENCODE_DISABLE_CLAUDE_CODE": "1",
+                    "OPENCODE_DISABLE_EXTERNAL_SKILLS": "1"}
 
 
-@pytest.mark.skipif(opencode_binary() is None, reason="opencode not installed (npm install -g opencode-ai), "
-                                                      "or set OPENCODE_BIN")
+class RecordingProxy:
+    """A pass-through HTTP proxy on 127.0.0.1 in front of the server that keeps every exchange: method, path,
+    request body, status and response body. Responses are relayed chunk by chunk as they arrive (streams stay
+    streams) and the connection is closed after each (HTTP/1.0)."""
+
+    def __init__(self, upstream: str):
+        import http.server
+        import threading
+
+        import httpx
+
+        self.exchanges: list[dict] = []
+        proxy = self
+
+        class Relay(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def relay(self):
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                headers = {k: v for k, v in self.headers.items() if k.lower() not in ("host", "connection")}
+                record = {"method": self.command, "path": self.path, "request": body, "status": None,
+                          "response": b""}
+                proxy.exchanges.append(record)
+                with httpx.stream(self.command, upstream + self.path, content=body, headers=headers,
+                                  timeout=600, trust_env=False) as answer:
+                    record["status"] = answer.status_code
+                    self.send_response(answer.status_code)
+                    for key, value in answer.headers.items():
+                        if key.lower() not in ("content-length", "transfer-encoding", "connection"):
+                            self.send_header(key, value)
+                    self.end_headers()
+                    for chunk in answer.iter_raw():
+                        record["response"] += chunk
+                        self.wfile.write(chunk)
+                        self.wfile.flush()
+
+            do_GET = do_POST = relay
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Relay)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+    def log(self) -> str:
+        """One block per exchange: the request's gist, the status, and the answer (a stream as its chunk count,
+        text, finish reasons and usage)."""
+        blocks = []
+        for x in self.exchanges:
+            try:
+                body = json.loads(x["request"] or b"{}")
+            except ValueError:
+                body = {"unparsed": x["request"][:200].decode(errors="replace")}
+            gist = {k: body[k] for k in ("model", "stream", "max_tokens", "tool_choice") if k in body}
+            gist["messages"] = [m.get("role") for m in body.get("messages", [])]
+            gist["tools"] = [t.get("function", {}).get("name") for t in body.get("tools", [])]
+            answer = x["response"].decode(errors="replace")
+            if body.get("stream") and x["status"] == 200:
+                chunks = sse_chunks(x["response"])
+                answer = json.dumps({"chunks": len(chunks), "usage": chunks[-1].get("usage"),
+                                     "finish_reasons": [ch["finish_reason"] for c in chunks for ch in c["choices"]
+                                                        if ch["finish_reason"]],
+                                     "content": "".join(ch["delta"].get("content") or "" for c in chunks
+                                                        for ch in c["choices"])})
+            blocks.append(f"> {x['method']} {x['path']} {json.dumps(gist)}\n< {x['status']} {answer[:2000]}")
+        return "\n".join(blocks)
+
+
+def sse_chunks(raw: bytes) -> list[dict]:
+    """The JSON chunks of an OpenAI stream; each `data:` line must parse, and the stream must end with [DONE]."""
+    data = [line[len("data: "):] for line in raw.decode().split("\n") if line.startswith("data: ")]
+    assert data and data[-1] == "[DONE]", raw[-300:]
+    return [json.loads(d) for d in data[:-1]]
+
+
+@pytest.mark.skipif(opencode_binary() is None, reason="opencode is not installed: `make install` puts npm's "
+                    "opencode-ai under .venv/node when npm is on PATH (or set OPENCODE_BIN)")
 def test_opencode_runs_a_task_against_the_server(server, tmp_path):
-    """opencode, with deltaserve as its OpenAI-compatible provider, runs one task non-interactively: its
-    requests are accepted (no error counted by the server) and its streams parse (opencode reports the step's
-    token usage). The exchange (opencode's JSON events) is printed."""
-    import subprocess
-
+    """opencode, with deltaserve as its OpenAI-compatible provider, runs one task non-interactively (`opencode
+    run`) through a recording proxy: every request it sends is accepted (200, no error counted by the server),
+    every stream it gets parses as OpenAI chunks ending in [DONE], opencode reports the step's token usage (it
+    parsed the stream too), and the whole exchange is printed."""
     model = server.get("/v1/models").json()["data"][0]["id"]
-    project = tmp_path / "project"
+    project, home = tmp_path / "project", tmp_path / "home"
     project.mkdir()
     (project / "hello.py").write_text('print("hello")\n')
-    config = {"$schema": "https://opencode.ai/config.json", "model": f"deltaserve/{model}",
-              "small_model": f"deltaserve/{model}", "share": "disabled", "autoupdate": False,
-              "provider": {"deltaserve": {"npm": "@ai-sdk/openai-compatible", "name": "deltaserve",
-                                          "options": {"baseURL": server.url + "/v1", "apiKey": "unused"},
-                                          "models": {model: {"name": model,
-                                                             "limit": {"context": 8192, "output": 24}}}}},
-              # The small model's context is 8K: opencode's own system prompt and tool list would fill it.
-              "agent": {"build": {"prompt": "You are a coding agent. Answer briefly.",
-                                  "tools": {"*": False, "read": True}}}}
-    (project / "opencode.json").write_text(json.dumps(config))
-    chats_before = server.metric("deltaserve_http_requests_total", '{endpoint="chat"}')
     errors_before = error_count(server)
-    done = subprocess.run([opencode_binary(), "run", "--format", "json", "--pure", "What does hello.py print?"],
-                          cwd=project, env={"HOME": str(tmp_path / "home"), "PATH": "/usr/bin:/bin"},
-                          capture_output=True, text=True, timeout=600)
+    with RecordingProxy(server.url) as proxy:
+        config = {"$schema": "https://opencode.ai/config.json", "model": f"deltaserve/{model}",
+                  "small_model": f"deltaserve/{model}", "share": "disabled", "autoupdate": False,
+                  "provider": {"deltaserve": {"npm": "@ai-sdk/openai-compatible", "name": "deltaserve",
+                                              "options": {"baseURL": proxy.url + "/v1", "apiKey": "unused"},
+                                              "models": {model: {"name": model,
+                                                                 "limit": {"context": 8192, "output": 24}}}}},
+                  # The small model's context is 8K: opencode's own system prompt and tool list would fill it.
+                  "agent": {"build": {"prompt": "You are a coding agent. Answer briefly.",
+                                      "tools": {"*": False, "read": True}}}}
+        (project / "opencode.json").write_text(json.dumps(config))
+        env = {"HOME": str(home), "PATH": "/usr/bin:/bin", "XDG_CONFIG_HOME": str(home / ".config"),
+               "XDG_DATA_HOME": str(home / ".local/share"), "XDG_CACHE_HOME": str(home / ".cache"),
+               "XDG_STATE_HOME": str(home / ".local/state"), **OPENCODE_OFFLINE}
+        # --title: no extra request for a session title; --pure: no external plugins.
+        done = subprocess.run([opencode_binary(), "run", "--format", "json", "--pure", "--title", "hello",
+                               "What does hello.py print?"], cwd=project, env=env, capture_output=True, text=True,
+                              timeout=600)
+    print("the exchange, as the proxy relayed it:\n" + proxy.log())
     print("opencode stdout (its JSON events):\n" + done.stdout + "\nopencode stderr:\n" + done.stderr[-3000:])
     assert done.returncode == 0
     events = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     assert not [e for e in events if e["type"] == "error"]
     finishes = [e["part"] for e in events if e["type"] == "step_finish"]
     assert finishes and finishes[-1]["tokens"]["input"] > 0 and finishes[-1]["tokens"]["output"] > 0
-    assert server.metric("deltaserve_http_requests_total", '{endpoint="chat"}') > chats_before
+    chats = [x for x in proxy.exchanges if x["path"] == "/v1/chat/completions"]
+    assert chats and all(x["status"] == 200 for x in proxy.exchanges), proxy.log()
+    for x in chats:
+        assert json.loads(x["request"])["model"] == model
+        chunks = sse_chunks(x["response"])
+        assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+        assert [ch["finish_reason"] for c in chunks for ch in c["choices"] if ch["finish_reason"]] in (
+            ["stop"], ["length"], ["tool_calls"])
+    text = "".join(e["part"]["text"] for e in events if e["type"] == "text")
+    streamed = "".join(ch["delta"].get("content") or "" for x in chats for c in sse_chunks(x["response"])
+                       for ch in c["choices"])
+    assert text.strip() and text.strip() in streamed  # what opencode shows is what the server streamed
     assert error_count(server) == errors_before, "the server refused or failed one of opencode's requests"
 
 
