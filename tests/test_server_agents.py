@@ -16,7 +16,7 @@ import jsonschema
 import openai
 import pytest
 
-from server_util import SMALL_POOL, assert_openai_error, running_server
+from server_util import SMALL_POOL, assert_openai_error, hf_tokenizer, running_server
 
 TEMPLATE = Path(__file__).parent / "data" / "chat_templates" / "qwen3.jinja"
 READ_SCHEMA = {"type": "object", "additionalProperties": False, "required": ["path", "line"], "properties": {
@@ -104,29 +104,71 @@ def test_response_format_json_schema_strict(client):
         assert isinstance(json.loads(reply.choices[0].message.content), dict)
 
 
-def test_multi_turn_agent_exchange_renders_prior_calls(client, server):
-    """call -> tool result -> next call -> answer; prior calls and results are rendered as the template writes."""
+@pytest.fixture(scope="module")
+def oracle():
+    """The conversation as transformers renders it with the same template file, as text and as token ids of the
+    built-in model's own Hugging Face tokenizer: what the server must render, found independently."""
+    hf_tok, template = hf_tokenizer(), TEMPLATE.read_text()
+
+    def render(messages: list[dict], tokenize: bool = False):
+        out = hf_tok.apply_chat_template(messages, tools=TOOLS, chat_template=template, add_generation_prompt=True,
+                                         tokenize=tokenize)
+        return out if not tokenize or isinstance(out, list) else list(out["input_ids"])
+    return render
+
+
+def as_template_call(call: dict) -> dict:
+    """A prior call as transformers' chat templates take it: arguments as an object, not a JSON string."""
+    function = call["function"]
+    return {"id": call["id"], "type": "function",
+            "function": {"name": function["name"], "arguments": json.loads(function["arguments"])}}
+
+
+THOUGHTS = ["The user wants line 3, so read the file first.", "Line 3 assigns x; run it to see what it does."]
+
+
+def test_multi_turn_agent_exchange_renders_prior_calls_and_reasoning(client, server, oracle):
+    """call -> tool result -> next call -> tool result -> answer -> next question, through the openai package; each
+    assistant turn goes back with the reasoning a thinking model would have returned beside its call. The prompt
+    the server renders (/tokenize, /detokenize) equals transformers' rendering of the same conversation: prior calls
+    as the template writes them, reasoning kept for the turns after the last user query, dropped once a new query
+    comes."""
     model = client.models.list().data[0].id
-    messages = list(ASK)
-    for name in ("read_file", "run"):
+    messages, expected = list(ASK), list(ASK)  # what the client sends; what the oracle renders
+    for name, thought in zip(("read_file", "run"), THOUGHTS):
         reply = client.chat.completions.create(model=model, messages=messages, tools=TOOLS, max_tokens=120,
                                                temperature=0, tool_choice={"type": "function",
                                                                            "function": {"name": name}})
         message = reply.choices[0].message
         check_calls(message.tool_calls, {name})
-        messages.append(message.model_dump(exclude_none=True))
-        messages.append({"role": "tool", "tool_call_id": message.tool_calls[0].id, "content": "x = 3"})
+        sent = {**message.model_dump(exclude_none=True), "reasoning_content": thought}
+        result = {"role": "tool", "tool_call_id": message.tool_calls[0].id, "content": f"x = {len(messages)}"}
+        messages += [sent, result]
+        expected += [{"role": "assistant", "content": message.content or "", "reasoning_content": thought,
+                      "tool_calls": [as_template_call(c) for c in sent["tool_calls"]]}, result]
     answer = client.chat.completions.create(model=model, messages=messages, tools=TOOLS, tool_choice="none",
                                             max_tokens=20, temperature=0)
     assert answer.choices[0].finish_reason in ("stop", "length") and not answer.choices[0].message.tool_calls
-    rendered = server.post("/tokenize", json={"messages": messages, "tools": TOOLS}).json()
-    prompt = server.post("/detokenize", json={"tokens": rendered["tokens"]}).json()["prompt"]
-    for message in messages[2::2]:  # each prior call as the template writes it: JSON inside <tool_call> tags
+    messages.append({"role": "assistant", "content": answer.choices[0].message.content or ""})
+    expected.append(messages[-1])
+
+    def rendered(conversation: list[dict]) -> tuple[dict, str]:
+        tokens = server.post("/tokenize", json={"messages": conversation, "tools": TOOLS}).json()
+        return tokens, server.post("/detokenize", json={"tokens": tokens["tokens"]}).json()["prompt"]
+
+    tokens, prompt = rendered(messages)
+    assert prompt == oracle(expected)
+    assert tokens["tokens"] == oracle(expected, tokenize=True)
+    assert tokens["count"] == len(tokens["tokens"]) and tokens["max_model_len"] > tokens["count"]
+    for message in expected[2::2][:2]:  # each prior call as the template writes it: JSON inside <tool_call> tags
         call = message["tool_calls"][0]["function"]
-        arguments = json.dumps(json.loads(call["arguments"]), ensure_ascii=False)
+        arguments = json.dumps(call["arguments"], ensure_ascii=False)
         assert f'<tool_call>\n{{"name": "{call["name"]}", "arguments": {arguments}}}\n</tool_call>' in prompt
-    assert prompt.count("<tool_response>\nx = 3\n</tool_response>") == 2
-    assert rendered["count"] == len(rendered["tokens"]) and rendered["max_model_len"] > rendered["count"]
+    assert all(f"<think>\n{thought}\n</think>" in prompt for thought in THOUGHTS)
+    follow = {"role": "user", "content": "Thanks. And line 4?"}
+    _, prompt = rendered(messages + [follow])
+    assert prompt == oracle(expected + [follow])
+    assert not any(thought in prompt for thought in THOUGHTS)  # a new query: earlier turns drop their reasoning
 
 
 def test_thinking_is_split_and_can_be_switched_off(client, server):
@@ -200,11 +242,16 @@ def test_anthropic_forced_tool_use(claude):
     jsonschema.validate(uses[0].input, READ_SCHEMA)
 
 
-def test_anthropic_stream_events_and_multi_turn(claude):
-    """any-tool call streamed with the SDK helper, its result sent back, a named call, then a plain answer."""
-    messages = list(ASK[1:])
-    with claude.messages.stream(model="SmolLM2-135M-Instruct", max_tokens=160, messages=messages,
-                                tools=ANTHROPIC_TOOLS, tool_choice={"type": "any"}, extra_body=GREEDY) as stream:
+def test_anthropic_stream_events_and_multi_turn(claude, oracle):
+    """any-tool call streamed with the SDK helper, its result sent back, a named call, then a plain answer; each
+    assistant turn goes back with a thinking block. The server's prompt is the one transformers renders from the
+    same conversation in OpenAI terms (thinking as reasoning_content, tool_use as tool_calls, tool_result as tool
+    messages): equal token counts from count_tokens and from the answer's usage, and thinking counts only for the
+    turns after the last user query."""
+    model = "SmolLM2-135M-Instruct"
+    messages, expected = list(ASK[1:]), list(ASK[1:])
+    with claude.messages.stream(model=model, max_tokens=160, messages=messages, tools=ANTHROPIC_TOOLS,
+                                tool_choice={"type": "any"}, extra_body=GREEDY) as stream:
         kinds = [event.type for event in stream]
         final = stream.get_final_message()
     assert kinds[0] == "message_start" and kinds[-1] == "message_stop" and "message_delta" in kinds
@@ -213,19 +260,41 @@ def test_anthropic_stream_events_and_multi_turn(claude):
     uses = [b for b in final.content if b.type == "tool_use"]
     for use in uses:
         jsonschema.validate(use.input, SCHEMAS[use.name])
-    messages += [{"role": "assistant", "content": [b.model_dump() for b in final.content]},
-                 {"role": "user", "content": [{"type": "tool_result", "tool_use_id": u.id, "content": "x = 3"}
-                                              for u in uses]}]
-    second = claude.messages.create(model="SmolLM2-135M-Instruct", max_tokens=120, messages=messages,
-                                    tools=ANTHROPIC_TOOLS, tool_choice={"type": "tool", "name": "run"},
-                                    extra_body=GREEDY)
+
+    def send_back(reply, thought: str) -> None:
+        """The reply as the next request's assistant turn, with a thinking block, and a result for each call."""
+        blocks = [b.model_dump() for b in reply.content]
+        uses = [b for b in blocks if b["type"] == "tool_use"]
+        messages.extend([{"role": "assistant", "content": [{"type": "thinking", "thinking": thought,
+                                                             "signature": ""}] + blocks},
+                         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": u["id"],
+                                                       "content": "x = 3"} for u in uses]}])
+        expected.append({"role": "assistant", "reasoning_content": thought,
+                         "content": "".join(b["text"] for b in blocks if b["type"] == "text"),
+                         "tool_calls": [{"id": u["id"], "type": "function",
+                                         "function": {"name": u["name"], "arguments": u["input"]}} for u in uses]})
+        expected.extend({"role": "tool", "tool_call_id": u["id"], "content": "x = 3"} for u in uses)
+
+    send_back(final, THOUGHTS[0])
+    second = claude.messages.create(model=model, max_tokens=120, messages=messages, tools=ANTHROPIC_TOOLS,
+                                    tool_choice={"type": "tool", "name": "run"}, extra_body=GREEDY)
     assert second.stop_reason == "tool_use" and second.usage.input_tokens > final.usage.input_tokens
-    messages += [{"role": "assistant", "content": [b.model_dump() for b in second.content]},
-                 {"role": "user", "content": [{"type": "tool_result", "tool_use_id": second.content[-1].id,
-                                               "content": "done"}, {"type": "text", "text": "Summarise."}]}]
-    answer = claude.messages.create(model="SmolLM2-135M-Instruct", max_tokens=10, messages=messages,
-                                    tools=ANTHROPIC_TOOLS, extra_body=GREEDY)
+    send_back(second, THOUGHTS[1])
+    answer = claude.messages.create(model=model, max_tokens=10, messages=messages, tools=ANTHROPIC_TOOLS,
+                                    extra_body=GREEDY)
     assert answer.stop_reason in ("end_turn", "max_tokens")
+    expected_ids = oracle(expected, tokenize=True)
+    assert answer.usage.input_tokens == len(expected_ids)
+    count = claude.messages.count_tokens(model=model, messages=messages, tools=ANTHROPIC_TOOLS).input_tokens
+    assert count == len(expected_ids)
+    unthought = [{**m, "content": [b for b in m["content"] if b["type"] != "thinking"]}
+                 if m["role"] == "assistant" else m for m in messages]
+    assert claude.messages.count_tokens(model=model, messages=unthought, tools=ANTHROPIC_TOOLS).input_tokens < count
+    follow = {"role": "user", "content": "Thanks. Summarise."}
+    count = claude.messages.count_tokens(model=model, messages=messages + [follow], tools=ANTHROPIC_TOOLS)
+    assert count.input_tokens == len(oracle(expected + [follow], tokenize=True))
+    assert count.input_tokens == claude.messages.count_tokens(  # a new query: earlier thinking is dropped
+        model=model, messages=unthought + [follow], tools=ANTHROPIC_TOOLS).input_tokens
 
 
 def test_anthropic_errors_in_its_shape(server, claude):
