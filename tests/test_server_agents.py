@@ -313,6 +313,48 @@ def test_anthropic_errors_in_its_shape(server, claude):
     assert server.get("/health").status_code == 200
 
 
+# -- curl, with the body in a file as users send large ones -------------------------------------------------
+
+def curl_stream(server, path: str, body: dict, tmp_path: Path) -> str:
+    """What `curl -N -d @body.json` prints for a POST of `body` (it fails the test on an HTTP error)."""
+    file = tmp_path / "body.json"
+    file.write_text(json.dumps(body))
+    done = subprocess.run(["curl", "-sS", "-N", "--fail-with-body", "-H", "Content-Type: application/json",
+                           "-d", f"@{file}", server.url + path], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr + done.stdout
+    return done.stdout
+
+
+@pytest.mark.skipif(shutil.which("curl") is None, reason="curl is not installed")
+def test_curl_streams_forced_calls_on_both_apis(server, tmp_path):
+    """A named call streamed to curl by each API: OpenAI chunks whose argument fragments join into valid arguments
+    and finish with tool_calls; Anthropic's event sequence whose input_json_delta pieces do the same."""
+    chunks = sse_chunks(curl_stream(server, "/v1/chat/completions", {
+        "messages": ASK, "tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "run"}},
+        "stream": True, "max_tokens": 80, "temperature": 0}, tmp_path).encode())
+    pieces = [tc for c in chunks for ch in c["choices"] for tc in ch["delta"].get("tool_calls") or []]
+    assert pieces[0]["function"]["name"] == "run" and pieces[0]["id"].startswith("call_")
+    jsonschema.validate(json.loads("".join(p["function"].get("arguments") or "" for p in pieces)), RUN_SCHEMA)
+    assert [ch["finish_reason"] for c in chunks for ch in c["choices"] if ch["finish_reason"]] == ["tool_calls"]
+
+    text = curl_stream(server, "/v1/messages", {
+        "model": "SmolLM2-135M-Instruct", "max_tokens": 80, "messages": ASK[1:], "tools": ANTHROPIC_TOOLS,
+        "tool_choice": {"type": "tool", "name": "read_file"}, "stream": True, "temperature": 0}, tmp_path)
+    events = []
+    for block in text.strip().split("\n\n"):
+        name, data = block.split("\n")
+        assert name.startswith("event: ") and data.startswith("data: "), block
+        events.append((name[len("event: "):], json.loads(data[len("data: "):])))
+    names = [name for name, _ in events]
+    assert names[:2] == ["message_start", "ping"] and names[-2:] == ["message_delta", "message_stop"]
+    assert all(data["type"] == name for name, data in events)
+    starts = [data["content_block"] for name, data in events if name == "content_block_start"]
+    assert [b["type"] for b in starts] == ["tool_use"] and starts[0]["name"] == "read_file"
+    partial = "".join(data["delta"]["partial_json"] for name, data in events if name == "content_block_delta")
+    jsonschema.validate(json.loads(partial), READ_SCHEMA)
+    assert events[-2][1]["delta"]["stop_reason"] == "tool_use"
+
+
 # -- opencode (npm opencode-ai) as the client ---------------------------------------------------------------
 
 def opencode_binary() -> str | None:
