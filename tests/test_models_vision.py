@@ -22,9 +22,9 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLIm
 from deltaserve.images import ImageLimits, preprocess
 from deltaserve.models import build_model, skip_prefixes
 from deltaserve.models.batch import allocate_caches, single_sequence_batch
-from deltaserve.models.vision import ImageGrid, VisionTower, vision_tensors
+from deltaserve.models.vision import ImageGrid, VisionTower, mrope_positions, vision_tensors
 from deltaserve.weights import load_checkpoint
-from tolerance import UNIT_ROUNDOFF, LAMBDA, config_rtol
+from tolerance import LAMBDA, UNIT_ROUNDOFF, logits_rtol
 
 VOCAB = 160
 IMAGE, VISION_START, VISION_END, VIDEO = 150, 151, 152, 153
@@ -150,3 +150,100 @@ def test_tower_equals_transformers(checkpoint, sizes):
     assert got.shape == expected.shape
     err = ((got - expected).abs().max() / expected.abs().max()).item()
     assert err <= tower_rtol(VISION, max(g.patches for g in grids))
+
+
+def image_prompt(grids: list[ImageGrid], seed: int) -> list[int]:
+    """Text, then each image as vision_start, its tokens, vision_end, then text; as the chat template writes it."""
+    rng = torch.Generator().manual_seed(seed)
+    words = lambda n: torch.randint(0, 150, (n,), generator=rng).tolist()  # noqa: E731
+    ids = words(5)
+    for grid in grids:
+        ids += [VISION_START] + [IMAGE] * grid.tokens(MERGE) + [VISION_END] + words(3)
+    return ids + words(4)
+
+
+def model_rtol(ref, context: int) -> float:
+    """tests/tolerance.py's bound over the tower's blocks and the language model's layers together."""
+    text = ref.config.text_config
+    widths = [text.hidden_size, text.intermediate_size, context, 64 * text.linear_key_head_dim,
+              VISION["intermediate_size"], VISION["hidden_size"] * MERGE * MERGE, 3 * 2 * PATCH * PATCH]
+    return logits_rtol(text.num_hidden_layers + VISION["depth"] + 1, max(widths))
+
+
+@pytest.fixture(scope="module")
+def pair(checkpoint):
+    folder, ref = checkpoint
+    config = json.loads((folder / "config.json").read_text())
+    ckpt = load_checkpoint(folder, skip_prefixes=skip_prefixes(config, vision=True))
+    return ref, build_model(ckpt.config, ckpt.tensors, vision=True)
+
+
+def encoded(ours, images: list[Image.Image]):
+    prepared = [preprocess(png(i), LIMITS, patch_size=PATCH, merge_size=MERGE) for i in images]
+    grids = [p.grid for p in prepared]
+    with torch.inference_mode():
+        embeds = ours.encode_images(torch.cat([p.patches for p in prepared]), grids)
+    return grids, embeds
+
+
+def oracle_inputs(ids: list[int], images: list[Image.Image]) -> dict:
+    pixels = oracle_processor()(images=images, return_tensors="pt")
+    ids_t = torch.tensor([ids])
+    return dict(input_ids=ids_t, pixel_values=pixels["pixel_values"], image_grid_thw=pixels["image_grid_thw"],
+                mm_token_type_ids=(ids_t == IMAGE).int())
+
+
+IMAGE_SETS = {"one": [(40, 24)], "other_size": [(61, 97)], "two": [(40, 24), (97, 61)]}
+
+
+@pytest.mark.parametrize("which", list(IMAGE_SETS))
+def test_logits_with_images_equal_transformers(pair, which, cpu_kernels):
+    ref, ours = pair
+    images = [picture(w, h, seed=w) for w, h in IMAGE_SETS[which]]
+    grids, embeds = encoded(ours, images)
+    ids = image_prompt(grids, seed=len(which))
+    with torch.no_grad():
+        expected = ref(**oracle_inputs(ids, images)).logits[0]
+    rope, _ = mrope_positions(ids, grids, IMAGE, MERGE)
+    rows = torch.tensor([i for i, t in enumerate(ids) if t == IMAGE])
+    caches = allocate_caches(ours.geometry, len(ids), 1, torch.float32)
+    with torch.inference_mode():
+        got = ours(single_sequence_batch(ids, 0, torch.arange(len(ids)), all_logits=True, image_rows=rows,
+                                         image_embeds=embeds, rope_positions=rope), caches)
+    err = ((got - expected).abs().max() / expected.abs().max()).item()
+    assert err <= model_rtol(ref, len(ids)), err
+    # the image and its 2D positions change the answer: a model that ignored either would fail the bound above
+    caches = allocate_caches(ours.geometry, len(ids), 1, torch.float32)
+    with torch.inference_mode():
+        flat = ours(single_sequence_batch(ids, 0, torch.arange(len(ids)), all_logits=True, image_rows=rows,
+                                          image_embeds=embeds), caches)
+    assert ((flat - expected).abs().max() / expected.abs().max()).item() > 10 * model_rtol(ref, len(ids))
+    with torch.no_grad():
+        blind = ref(input_ids=torch.tensor([ids])).logits[0]
+    assert ((blind - expected).abs().max() / expected.abs().max()).item() > 100 * model_rtol(ref, len(ids))
+
+
+@pytest.mark.parametrize("which", ["one", "two"])
+def test_greedy_with_images_equals_transformers(pair, which):
+    ref, ours = pair
+    steps = 24
+    images = [picture(w, h, seed=w + 1) for w, h in IMAGE_SETS[which]]
+    grids, embeds = encoded(ours, images)
+    ids = image_prompt(grids, seed=7)
+    with torch.no_grad():
+        expected = ref.generate(**oracle_inputs(ids, images), max_new_tokens=steps, do_sample=False,
+                                min_new_tokens=steps)[0, len(ids):].tolist()
+    rope, delta = mrope_positions(ids, grids, IMAGE, MERGE)
+    rows = torch.tensor([i for i, t in enumerate(ids) if t == IMAGE])
+    slots = torch.arange(len(ids) + steps)
+    caches = allocate_caches(ours.geometry, len(slots), 1, torch.float32)
+    out = []
+    with torch.inference_mode():
+        logits = ours(single_sequence_batch(ids, 0, slots, image_rows=rows, image_embeds=embeds,
+                                            rope_positions=rope), caches)
+        for step in range(steps):
+            out.append(int(logits[-1].argmax()))
+            index = len(ids) + step
+            logits = ours(single_sequence_batch([out[-1]], index, slots,
+                                                rope_positions=torch.full((3, 1), index + delta)), caches)
+    assert out == expected

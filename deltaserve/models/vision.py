@@ -17,7 +17,6 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from deltaserve.models.hybrid import frozen
 from deltaserve.models.layers import linear
 
 LAYER_NORM_EPS = 1e-6  # what the checkpoints were trained with (transformers hard-codes it too)
