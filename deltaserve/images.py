@@ -12,10 +12,13 @@ limit or the problem.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import hashlib
 import io
 import json
 import math
+import urllib.parse
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -150,3 +153,51 @@ def preprocess(data: bytes, limits: ImageLimits, settings: PreprocessorSettings 
     patches = np.ascontiguousarray(frames).reshape(gh * gw, 3 * t * p * p)
     digest = hashlib.blake2b(patches.tobytes(), digest_size=16, person=b"deltaserve-img").digest()
     return PreparedImage(torch.from_numpy(patches), ImageGrid(1, gh, gw), digest)
+
+
+@dataclass(frozen=True)
+class ImageSource:
+    """Where a request names an image (`where`: the JSON path, for error messages) and its URL as sent."""
+
+    where: str
+    url: str
+
+
+def data_url(media_type: str, base64_data: str) -> str:
+    """An Anthropic base64 image source as the data: URL OpenAI's image_url carries."""
+    return f"data:{media_type};base64,{base64_data}"
+
+
+def read_source(source: ImageSource, limits: ImageLimits, local_root: str | None = None) -> bytes:
+    """The encoded image bytes of a data: URL (or, with `local_root`, a file:// path under it); never fetches."""
+    url = source.url.strip()
+    scheme = url.split(":", 1)[0].lower() if ":" in url else ""
+    if scheme == "data":
+        header, sep, payload = url[5:].partition(",")
+        if not sep or not header.lower().endswith(";base64"):
+            raise ImageError("a data: URL must be base64: data:image/png;base64,<data>")
+        if len(payload) > limits.max_bytes * 4 // 3 + 4:
+            raise ImageError(f"image is over the limit of {limits.max_bytes:,} bytes per image")
+        try:
+            return base64.b64decode(payload, validate=True)
+        except (binascii.Error, ValueError):
+            raise ImageError("the data: URL's payload is not valid base64") from None
+    if scheme in ("http", "https"):
+        raise ImageError("the server fetches no URLs: send the image inline as a data: URL "
+                         "(data:image/png;base64,<data>)")
+    if scheme == "file":
+        if local_root is None:
+            raise ImageError("file:// images are off: start the server with --allowed-local-media-path to allow "
+                             "a folder, or send the image as a data: URL")
+        root = Path(local_root).resolve()
+        path = Path(urllib.parse.unquote(urllib.parse.urlparse(url).path)).resolve()
+        if not path.is_relative_to(root):
+            raise ImageError(f"file:// images must lie under --allowed-local-media-path {root}")
+        try:
+            size = path.stat().st_size
+            if size > limits.max_bytes:
+                raise ImageError(f"image is {size:,} bytes, over the limit of {limits.max_bytes:,} bytes per image")
+            return path.read_bytes()
+        except OSError as e:
+            raise ImageError(f"cannot read {path}: {e.strerror or e}") from None
+    raise ImageError(f"unsupported image URL scheme {scheme or url[:16]!r}: send a data: URL")
