@@ -38,7 +38,7 @@ CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m.role }} {{ m.content }
 
 def save_vl_tokenizer(folder) -> None:
     """Words t0..t149 split on spaces, and the family's special tokens (vision markers, chat turns) as single ids."""
-    vocab = {f"t{i}": i for i in range(VOCAB)}
+    vocab = {f"t{i}": i for i in range(VOCAB) if i not in SPECIAL}
     vocab.update({text: i for i, text in SPECIAL.items()})
     tok = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()

@@ -187,8 +187,8 @@ class Engine:
         into the image's tokens here, so admission counts them."""
         prompt_ids = [int(t) for t in prompt_ids]
         prompt_images = None
-        if images:
-            prompt_ids, prompt_images = self._expand_images(prompt_ids, images)
+        if images or (self.vision is not None and self.image_token_id in prompt_ids):  # no image tokens alone
+            prompt_ids, prompt_images = self._expand_images(prompt_ids, images or [])
         if not prompt_ids:
             raise RequestRefused("the prompt is empty: send at least one token", 400, "invalid_prompt")
         bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
@@ -210,7 +210,8 @@ class Engine:
             request = Request(
                 request_id, prompt_ids, params,
                 max_new_tokens=min(reservation.max_new_tokens, self.context_length - len(prompt_ids)),
-                reserved_pages=reservation.kv_pages, stream=RequestStream(request_id), tokenizer=self.tokenizer,
+                reserved_pages=reservation.kv_pages, stream=RequestStream(request_id, len(prompt_ids)),
+                tokenizer=self.tokenizer,
                 eos_token_ids=self.eos_token_ids, generator=torch.Generator(self.device).manual_seed(seed),
                 arrival_s=time.monotonic(), reservation=reservation, grammar=grammar, images=prompt_images)
             self._live[request_id] = request

@@ -105,8 +105,9 @@ class RequestStream:
     The engine thread calls `put`; an async reader binds the stream to the loop that iterates it.
     """
 
-    def __init__(self, request_id: str):
+    def __init__(self, request_id: str, prompt_tokens: int = 0):
         self.request_id = request_id
+        self.prompt_tokens = prompt_tokens  # as the engine counts them (images widened)
         self._cond = threading.Condition()
         self._items: deque[RequestOutput] = deque()
         self._loop: asyncio.AbstractEventLoop | None = None

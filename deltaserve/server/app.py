@@ -299,13 +299,13 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         if req.stream:
             outputs = (out async for _, out in gen.events())
             return EventStream(anthropic.stream_events(outputs, ChatOutputParser(settings), msg_id, model,
-                                                       len(prompt_ids), finish_info, req), gen)
+                                                       gen.prompt_len(0), finish_info, req), gen)
         await _collect(request, gen, state)
         reasoning, text, calls = parse_whole(settings, gen.results()[0].text)
         finish, eos, tail = finish_info()
         stop = anthropic.matched_stop(req, finish, eos, tail)
         return anthropic.message_body(msg_id, model, reasoning, text, calls,
-                                      anthropic.stop_reason(finish, bool(calls), stop), stop, len(prompt_ids),
+                                      anthropic.stop_reason(finish, bool(calls), stop), stop, gen.prompt_len(0),
                                       gen.usage().completion_tokens)
 
     @app.post("/v1/messages/count_tokens")
