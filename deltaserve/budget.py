@@ -42,7 +42,7 @@ class WeightGroup:
     stored_bytes: int  # bytes in the checkpoint; quantized tensors at their packed size
     float_params: int  # elements stored as floats: held in the compute dtype after loading
     quantized_bytes: int  # bytes held when not dequantized: packed codes with their scales / offsets
-    excluded: bool = False  # not loaded when only the language model is served (vision tower, mtp)
+    excluded: bool = False  # not in the language model's weights line (vision tower: its own line; mtp: unloaded)
     held_dequantized_bytes: int | None = None  # held with dequantize_weights when not params x dtype (INT8 embedding)
 
 

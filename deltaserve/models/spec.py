@@ -2,7 +2,8 @@
 
 `spec_from_config` estimates weight bytes from the config and a quantization scheme (what `deltaserve plan` does
 with a config.json alone); `spec_from_checkpoint` reads exact bytes from safetensors headers or GGUF tensor
-infos without touching tensor data. The vision tower and MTP head are counted but marked not loaded.
+infos without touching tensor data. The vision tower and MTP head are counted apart from the language model: the
+MTP head is never loaded, the tower is the ledger's own line (budget.py) unless --language-model-only.
 """
 
 from __future__ import annotations
