@@ -128,8 +128,9 @@ class Scheduler:
         """Start the request from its cached prefix and pick where its prefill stores GDN checkpoints."""
         cache, ps = self.prefix_cache, self.kv_pool.page_size
         limit = (request.prompt_len - 1) // ps * ps  # the prompt's last token is computed here, for its logits
-        _, kv_depth = cache.match(request.prompt_ids, limit)
-        depth = cache.attach(request, request.prompt_ids, limit, self.state_pool)
+        key = request.cache_ids
+        _, kv_depth = cache.match(key, limit)
+        depth = cache.attach(request, key, limit, self.state_pool)
         request.num_cached = request.cached_tokens = depth
         if cache.checkpoints is None:
             return
@@ -158,6 +159,10 @@ class Scheduler:
                 n = min(request.prompt_len - request.num_cached, budget)
                 ahead = [p - request.num_cached for p in request.checkpoint_at if p > request.num_cached]
                 n = min([n] + ahead[:1])  # the chunk ends at the next checkpoint position
+                if request.images is not None:  # ... and before an image the tower has not encoded yet
+                    n = min(n, request.images.ready_until(request.num_cached) - request.num_cached)
+                    if n <= 0:
+                        continue
                 prefill.append((request, n))
                 budget -= n
         plan = StepPlan(decode, prefill)
@@ -188,8 +193,10 @@ class Scheduler:
         for request, n in plan.sequences:
             if not request.finished:  # ended early by an allocation failure at schedule time
                 request.num_cached += n
+                if request.images is not None:
+                    request.images.release_read(request.num_cached)
                 if self.prefix_cache is not None and request.num_cached in request.checkpoint_at:
-                    self.prefix_cache.store(request, request.prompt_ids, request.num_cached, self.state_pool)
+                    self.prefix_cache.store(request, request.cache_ids, request.num_cached, self.state_pool)
         self.prompt_tokens_total += sum(n for _, n in plan.prefill)
         for request, choice in zip(plan.sampling, sampled):
             if request.finished:
@@ -234,7 +241,7 @@ class Scheduler:
         self.finished_by_reason[reason] += 1
         if self.prefix_cache is not None and reason in ("stop", "length") and request in self.running:
             # the state slot holds the state after exactly num_cached tokens: a checkpoint when page-aligned
-            self.prefix_cache.store(request, request.prompt_ids + request.output_ids, request.num_cached,
+            self.prefix_cache.store(request, request.cache_ids + request.output_ids, request.num_cached,
                                     self.state_pool if request.num_cached % self.kv_pool.page_size == 0 else None)
         if request in self.running:
             self.running.remove(request)
