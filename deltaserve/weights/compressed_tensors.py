@@ -99,6 +99,18 @@ def decode(config: dict, tensors: dict[str, torch.Tensor], path: Path, dtype: to
     return out
 
 
+def module_bits(config: dict, module: str) -> int | None:
+    """The weight bits config_groups gives a stored quantized module (the loader's own matching), None when the
+    config gives it no supported scheme (the loader then refuses it)."""
+    qc = config["quantization_config"]
+    try:
+        schemes = [Scheme(name, group, qc.get("format") or "dense", Path("config.json"))
+                   for name, group in (qc.get("config_groups") or {}).items()]
+        return _scheme_of(module, schemes, [], Path("config.json")).bits
+    except CheckpointError:
+        return None
+
+
 def _scheme_of(module: str, schemes: list[Scheme], ignore: list[str], path: Path) -> Scheme:
     # Checkpoints name modules as saved (model.language_model.* in a multimodal one): match that name.
     if any(_target_matches(t, module) for t in ignore):

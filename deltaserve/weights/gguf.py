@@ -40,9 +40,9 @@ LAYER_NAMES = {
 HYBRID_MODEL_TYPES = {names[1] for names in gguf_hybrid.ARCHITECTURES.values()}
 GGUF_MAGIC = b"GGUF"
 Q4_BLOCK = 32  # weights per scale of every 4-bit GGUF type
-# 4-bit types kept packed when asked: the affine ones, which the int4pack kernel takes (it has no level table, so
-# IQ4_NL / IQ4_XS, read as Int4Codes just as exactly by gguf_int4, are dequantized until a kernel takes `lut`)
-INT4_TYPES = (Q.Q4_0, Q.Q4_1, Q.Q4_K)
+# 4-bit types kept packed when asked (kernels/int4.py): the affine ones and the two with a level table
+INT4_TYPES = (Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.IQ4_NL, Q.IQ4_XS)
+LUT_TYPES = (Q.IQ4_NL, Q.IQ4_XS)
 
 
 class _PlainViewReader(GGUFReader):
@@ -198,7 +198,7 @@ def read_gguf_tokenizer(path: Path):
 def load_gguf(path: Path, dtype: torch.dtype, skip_prefixes: tuple[str, ...], keep_int4: bool = False):
     """(config, tensors, tokenizer, generation_config, skipped) of a GGUF file, tensors dequantized.
 
-    With `keep_int4`, Q4_0 / Q4_1 / Q4_K matrices come as Int4Codes (read from their blocks, not dequantized)."""
+    With `keep_int4`, INT4_TYPES matrices come as Int4Codes (read from their blocks, not dequantized)."""
     reader = open_gguf(path)
     config = gguf_config(reader, path)
     tokenizer = gguf_tokenizer(reader, path)
@@ -218,14 +218,16 @@ def load_gguf(path: Path, dtype: torch.dtype, skip_prefixes: tuple[str, ...], ke
         if config["model_type"] == "llama" and kind in ("attn_q", "attn_k"):
             heads = config["num_attention_heads" if kind == "attn_q" else "num_key_value_heads"]
         hybrid = config["model_type"] in HYBRID_MODEL_TYPES
-        if (keep_int4 and kept_int4(tensor.tensor_type, tensor.name, shape)
-                and not (hybrid and gguf_hybrid.column_order(config, name) is not None)):
+        if keep_int4 and kept_int4(tensor.tensor_type, tensor.name, shape):
             codes = int4_codes(tensor.data, tensor.tensor_type, shape)
             if heads is not None:
                 codes = codes.rows(torch.from_numpy(unpermute_rotary(np.arange(shape[0]), heads)))
             rows = gguf_hybrid.row_order(config, name) if hybrid else None
             if rows is not None:
                 codes = codes.rows(torch.from_numpy(np.argsort(rows)))
+            columns = gguf_hybrid.column_order(config, name) if hybrid else None
+            if columns is not None:  # stored column j is the checkpoint's column columns[j]: Int4Codes.perm
+                codes.perm = torch.from_numpy(columns.astype(np.int64))
             tensors[name] = codes
             continue
         values = dequantize(tensor.data, tensor.tensor_type).reshape(shape)
@@ -252,6 +254,6 @@ def kept_int4(kind: Q, gguf_name: str, shape: tuple[int, ...]) -> bool:
     return kind in INT4_TYPES and not gguf_name.startswith("token_embd") and packable(shape, Q4_BLOCK)
 
 
-def int4_held_bytes(params: int) -> int:
-    """Bytes a kept INT4_TYPES tensor of `params` weights holds once packed (Q4_1's own size)."""
-    return held_bytes(params, Q4_BLOCK)
+def int4_held_bytes(params: int, kind: Q) -> int:
+    """Bytes a kept INT4_TYPES tensor of `params` weights holds once packed (kernels/int4.held_bytes)."""
+    return held_bytes(params, Q4_BLOCK, lut=kind in LUT_TYPES)

@@ -141,11 +141,11 @@ def load_hf(folder: Path, dtype: torch.dtype, skip_prefixes: tuple[str, ...], ke
 
 
 def held_int4(tensor, dtype: torch.dtype, keep_int4: bool):
-    """An Int4Codes as the model should get it: kept when asked and the packed layer takes it as is (no column
-    permutation, a group size it packs), else dequantized to `dtype` (exact)."""
+    """An Int4Codes as the model should get it: kept when asked and the packed layer takes its shape and group size
+    (activation-ordered columns included: the layer permutes its input), else dequantized to `dtype` (exact)."""
     if not isinstance(tensor, Int4Codes):
         return tensor
-    if keep_int4 and tensor.perm is None and packable(tensor.shape, tensor.group_size):
+    if keep_int4 and packable(tensor.shape, tensor.group_size):
         return tensor
     return tensor.dequantize(dtype)
 
