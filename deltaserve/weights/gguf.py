@@ -13,7 +13,7 @@ from gguf import GGMLQuantizationType as Q
 from gguf import GGUFReader, GGUFValueType
 from gguf.quants import dequantize
 
-from deltaserve.kernels.int4 import held_bytes, packable
+from deltaserve.kernels.int4 import held_bytes, pack, packable
 from deltaserve.weights import gguf_hybrid
 from deltaserve.weights.gguf_int4 import int4_codes
 from deltaserve.weights.errors import CheckpointError
@@ -198,7 +198,8 @@ def read_gguf_tokenizer(path: Path):
 def load_gguf(path: Path, dtype: torch.dtype, skip_prefixes: tuple[str, ...], keep_int4: bool = False):
     """(config, tensors, tokenizer, generation_config, skipped) of a GGUF file, tensors dequantized.
 
-    With `keep_int4`, INT4_TYPES matrices come as Int4Codes (read from their blocks, not dequantized)."""
+    With `keep_int4`, INT4_TYPES matrices come packed (kernels/int4.PackedInt4, read from their blocks, never
+    dequantized)."""
     reader = open_gguf(path)
     config = gguf_config(reader, path)
     tokenizer = gguf_tokenizer(reader, path)
@@ -228,7 +229,7 @@ def load_gguf(path: Path, dtype: torch.dtype, skip_prefixes: tuple[str, ...], ke
             columns = gguf_hybrid.column_order(config, name) if hybrid else None
             if columns is not None:  # stored column j is the checkpoint's column columns[j]: Int4Codes.perm
                 codes.perm = torch.from_numpy(columns.astype(np.int64))
-            tensors[name] = codes
+            tensors[name] = pack(codes)  # half a byte a weight from here on: no model-wide copy of the codes
             continue
         values = dequantize(tensor.data, tensor.tensor_type).reshape(shape)
         if heads is not None:

@@ -46,8 +46,16 @@ def zero_offset(qc: dict) -> int:
     return 0 if qc.get("packing_format", "auto_round:auto_gptq") in RAW_ZERO_PACKINGS else 1
 
 
-def decode(config: dict, tensors: dict[str, torch.Tensor], path: Path) -> dict:
-    """The tensors with every packed module's parts replaced by one `<module>.weight` Int4Codes."""
+def module_parts(names) -> dict[str, list[str]]:
+    """module -> the stored names `decode` turns into its weight (a module has a qweight)."""
+    names = set(names)
+    modules = {n[: -len(".qweight")] for n in names if n.endswith(".qweight")}
+    return {m: [f"{m}.{p}" for p in PARTS if f"{m}.{p}" in names] for m in modules}
+
+
+def decode(config: dict, tensors: dict[str, torch.Tensor], path: Path, held=None) -> dict:
+    """`tensors` with every packed module's parts replaced by one `<module>.weight` Int4Codes, in place: each
+    module's parts leave as its weight arrives, passed through `held` (e.g. packed) when given."""
     qc = config["quantization_config"]
     awq = is_awq(qc)
     version = str(qc.get("version", "gemm")).lower()
@@ -56,7 +64,7 @@ def decode(config: dict, tensors: dict[str, torch.Tensor], path: Path) -> dict:
                                     f"{', '.join(AWQ_VERSIONS)}")
     offset = 0 if awq else zero_offset(qc)
     extra = qc.get("extra_config") or {}
-    out = dict(tensors)
+    out = tensors
     for module in sorted(n[: -len(".qweight")] for n in tensors if n.endswith(".qweight")):
         parts = {p: out.pop(f"{module}.{p}", None) for p in PARTS}
         own = extra.get(module) or extra.get(module.replace("model.language_model.", "model.")) or {}
@@ -64,7 +72,8 @@ def decode(config: dict, tensors: dict[str, torch.Tensor], path: Path) -> dict:
         if bits != 4:
             raise CheckpointError(path, f"{module} has {bits}-bit {'AWQ' if awq else 'GPTQ'}-layout weights; "
                                         f"supported: 4")
-        out[f"{module}.weight"] = awq_codes(module, parts, path) if awq else module_codes(module, parts, offset, path)
+        weight = awq_codes(module, parts, path) if awq else module_codes(module, parts, offset, path)
+        out[f"{module}.weight"] = weight if held is None else held(weight)
     stray = [n for n in out if n.rpartition(".")[2] in PARTS]
     if stray:
         raise CheckpointError(path, f"tensor {stray[0]} is not consumed ({len(stray)} such tensors)")
