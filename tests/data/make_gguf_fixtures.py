@@ -2,29 +2,35 @@
 
     python tests/data/make_gguf_fixtures.py LLAMA_CPP_DIR
 
-LLAMA_CPP_DIR is a llama.cpp source tree (e.g. vendor/llama.cpp of the llama-cpp-python sdist) whose
-llama-quantize is built (see bench/llamacpp.py for the cmake line; target llama-quantize). The script saves a
-tiny random Qwen3.5 hybrid (transformers' Qwen3_5TextConfig) with a tiny byte-level BPE tokenizer, converts it
-with LLAMA_CPP_DIR/convert_hf_to_gguf.py to F32 and quantizes that with llama-quantize to each type in TYPES.
-Every matrix row is a multiple of 256 so the K-quants and IQ4_XS apply to every matrix (llama-quantize would
-otherwise fall back to another type).
+LLAMA_CPP_DIR is a llama.cpp source tree whose llama-quantize and llama-debug are built in LLAMA_CPP_DIR/build/bin
+(cmake -B build && cmake --build build --target llama-quantize llama-debug). The script saves a tiny random Qwen3.5
+hybrid (transformers' Qwen3_5TextConfig) with a tiny byte-level BPE tokenizer, converts it with
+LLAMA_CPP_DIR/convert_hf_to_gguf.py to Q8_0 (gguf-py's quantizer) and F32, quantizes the F32 file with
+llama-quantize to each type in TYPES, and runs llama-debug --save-logits on each quantized file with PROMPT: the
+prompt's token ids and llama.cpp's own logits at its last position go to <fixture>.llamacpp.json beside it (the
+second peer of tests/test_weights_gguf_quantized.py). Every matrix row is a multiple of 256 so the K-quants and
+IQ4_XS apply to every matrix (llama-quantize would otherwise fall back to another type).
 
 The converter identifies a BPE pre-tokenizer by hashing its output on a fixed text and refuses unknown ones; our
 tiny tokenizer uses Qwen2's split regex, so the script runs the converter in-process with that lookup answering
 "qwen2" (the one patch; nothing else of the converter is touched).
 """
 
+import json
 import runpy
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
+import numpy as np
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast, Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
 OUT = Path(__file__).resolve().parent / "gguf"
-TYPES = ("Q6_K", "Q5_K", "Q4_K", "IQ4_XS", "IQ4_NL")
+TYPES = ("Q4_K", "IQ4_XS")  # the field's IQ4_XS, and the K-quant with a per-block min (offsets)
+PROMPT = "Hello world, the quick brown fox jumps over the lazy dog."
 VOCAB = 384
 QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
                r"|\s*[\r\n]+|\s+(?!\S)|\s+")
@@ -90,6 +96,21 @@ def main() -> None:
         out = OUT / f"tiny-qwen35-{kind.lower()}.gguf"
         # --pure: every tensor in this one type (no mixed recipe); output.weight too
         subprocess.run([str(quantize), "--pure", "--allow-requantize", str(f32), str(out), kind], check=True)
+        save_llamacpp_logits(llama_cpp, out)
+
+
+def save_llamacpp_logits(llama_cpp: Path, gguf_file: Path) -> None:
+    """llama-debug's token ids for PROMPT and its logits at the last position -> <gguf_file>.llamacpp.json."""
+    with tempfile.TemporaryDirectory() as tmp:
+        subprocess.run([str(llama_cpp / "build" / "bin" / "llama-debug"), "-m", str(gguf_file), "-p", PROMPT,
+                        "--save-logits", "--logits-output-dir", tmp, "-c", "256", "-t", "1", "--no-warmup"],
+                       check=True)
+        base = Path(tmp) / f"llamacpp-{gguf_file.stem}"
+        logits = np.fromfile(f"{base}.bin", dtype=np.float32)
+        tokens = np.fromfile(f"{base}-tokens.bin", dtype=np.int32)
+    record = {"tool": "llama-debug --save-logits", "prompt": PROMPT, "tokens": tokens.tolist(),
+              "last_logits": [float(x) for x in logits]}
+    gguf_file.with_suffix(".llamacpp.json").write_text(json.dumps(record) + "\n")
 
 
 if __name__ == "__main__":
