@@ -490,9 +490,10 @@ def _gguf_held(t) -> tuple[str, int, int, bool, int]:
     level table of IQ4_NL / IQ4_XS) is counted at that size; the rest (the embedding included) in the compute dtype."""
     from deltaserve.weights.gguf import int4_held_bytes, kept_int4
 
-    params = int(t.n_elements)
-    if kept_int4(t.tensor_type, t.name, tuple(int(d) for d in reversed(t.shape))):
-        return t.name, params, int(t.n_bytes), False, int4_held_bytes(params, t.tensor_type)
+    params, shape = int(t.n_elements), tuple(int(d) for d in reversed(t.shape))
+    if kept_int4(t.tensor_type, t.name, shape):
+        matrices = shape[0] if len(shape) == 3 else 1  # stacked experts: one packed matrix each
+        return t.name, params, int(t.n_bytes), False, int4_held_bytes(params, t.tensor_type, matrices)
     return t.name, params, int(t.n_bytes), True
 
 
@@ -508,7 +509,7 @@ def gguf_config(meta: dict, tensor_names: set[str]) -> dict:
     vocab = key("vocab_size") or meta.get("tokenizer.ggml.token_count") or len(meta.get("tokenizer.ggml.tokens", []))
     config = {
         "model_type": GGUF_ARCHS[arch], "hidden_size": hidden, "num_hidden_layers": key("block_count"),
-        "intermediate_size": key("feed_forward_length"), "num_attention_heads": heads,
+        "intermediate_size": key("feed_forward_length") or key("expert_shared_feed_forward_length") or 0, "num_attention_heads": heads,
         "num_key_value_heads": key("attention.head_count_kv", heads),
         "head_dim": key("attention.key_length") or hidden // heads, "vocab_size": vocab,
         "max_position_embeddings": key("context_length", 4096),
