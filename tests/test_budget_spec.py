@@ -121,7 +121,8 @@ def test_27b_quantized_sizes_near_the_field_notes():
 
 
 def test_compressed_tensors_header_parts(tmp_path):
-    """A packed W4 weight: stored bytes from the header, logical params from weight_shape, kept packed on GPU."""
+    """A packed W4 weight: stored bytes from the header, logical params from weight_shape, held packed at the
+    kernel's size (kernels/int4.held_bytes: a float32 scale and offset per group where the file has a bf16 scale)."""
     from safetensors.torch import save_file
 
     out_f, in_f, group = 64, 256, 128
@@ -134,15 +135,15 @@ def test_compressed_tensors_header_parts(tmp_path):
     }
     save_file(tensors, str(tmp_path / "model.safetensors"))
     qc = {"quant_method": "compressed-tensors", "config_groups": {"g": {"targets": ["Linear"], "weights": {
-        "num_bits": 4, "group_size": group, "symmetric": True}}}}
+        "num_bits": 4, "strategy": "group", "group_size": group, "symmetric": True}}}}
     (tmp_path / "config.json").write_text(json.dumps(dict(TINY, model_type="llama", num_hidden_layers=1,
                                                           tie_word_embeddings=True, quantization_config=qc)))
     spec = spec_from_checkpoint(tmp_path)
     layers = next(g for g in spec.weight_groups if g.name == "layers")
     assert spec.weight_bytes == sum(t.nbytes for t in tensors.values())
     assert layers.params == out_f * in_f + 64 and layers.float_params == 64
-    assert layers.quantized_bytes == out_f * in_f // 2 + out_f * 2 * 2 + 16
-    assert parse_quant("w4a16-g128").tensor_bytes(out_f, in_f) == layers.quantized_bytes
+    assert parse_quant("w4a16-g128").tensor_bytes(out_f, in_f) == out_f * in_f // 2 + out_f * 2 * 2 + 16
+    assert layers.quantized_bytes == out_f * in_f // 2 + out_f * 2 * 8
     gpu = plan_budget(spec, EngineConfig(max_total_tokens=64), device_total_bytes=4 * GiB, device_kind="cuda")
     cpu = plan_budget(spec, EngineConfig(max_total_tokens=64, dequantize_weights=True), device_total_bytes=4 * GiB,
                       device_kind="cpu")

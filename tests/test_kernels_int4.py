@@ -9,7 +9,7 @@ from gguf import GGMLQuantizationType as Q
 from test_weights_gguf import transformers_dequant, write_gguf
 
 from deltaserve.kernels import int4_cpu
-from deltaserve.kernels.int4 import Int4Codes, int4_linear, pack, packable
+from deltaserve.kernels.int4 import Int4Codes, PackedInt4, int4_linear, pack, packable
 from deltaserve.weights import load_checkpoint
 
 # every test here runs on each build of the C++ kernels: native and AVX2-only (tests/conftest.py)
@@ -36,8 +36,8 @@ def test_codes_read_from_blocks_decode_like_transformers(q4_checkpoint):
     dense = load_checkpoint(path).tensors
     for hf_name in ("model.layers.0.mlp.up_proj.weight", "model.layers.0.self_attn.q_proj.weight"):
         codes = packed[hf_name]
-        assert isinstance(codes, Int4Codes) and codes.group_size == 32
-        assert int(codes.codes.max()) <= 15
+        assert isinstance(codes, PackedInt4) and codes.group_size == 32  # packed as read: no 1-byte codes kept
+        assert codes.packed.dtype == torch.uint8 and codes.packed.shape == (64, 128)
         # the same values as the dequantized load (which undoes the rotary permutation of attn_q) ...
         torch.testing.assert_close(codes.dequantize(), dense[hf_name], rtol=0, atol=1e-6)
     # ... and the plain tensor is transformers' own dequantization of the block bytes.

@@ -162,6 +162,18 @@ def test_greedy_tokens_identical(case):
     assert greedy(ours, ids, GENERATE_TOKENS) == expected
 
 
+def test_packed_load_logits_match_the_library_decompression(case):
+    """The CPU default keeps the 4-bit matrices packed (kernels/int4.py, float32 arithmetic): the same bound."""
+    from deltaserve.engine.loader import load_model
+
+    _, ref, _, ckpt, _ = case
+    packed = load_model(ckpt.path, dequantize=False).model
+    ids = prompt(33, seed=1)
+    with torch.no_grad():
+        expected = ref(torch.tensor([ids])).logits[0]
+    assert rel_error(prefill_logits(packed, ids), expected) <= config_rtol(ref.config, context=len(ids))
+
+
 def test_weights_equal_the_library_decompression(case):
     """Every quantized module dequantizes to the library's weight within a few float32 ulps of its scale range."""
     name, ref, ours, ckpt, state = case
@@ -222,23 +234,34 @@ def test_act_order_g_idx_equals_library_on_permuted_columns(tmp_path):
     assert (codes.dequantize() - expected).abs().max() <= 8 * EPS32 * scale.abs().max() * 16
 
 
-def test_ledger_weights_line_equals_resident_bytes(case):
-    """The CPU ledger's weights line (dequantized float32, the INT8 embedding kept int8) = the bytes the loaded
-    model holds, counted once per storage."""
+def resident_bytes(model: torch.nn.Module) -> int:
+    """What the engine measures (Engine.measured_bytes): every state-dict tensor once per storage."""
+    return sum({t.data_ptr(): t.numel() * t.element_size() for t in model.state_dict().values()}.values())
+
+
+@pytest.mark.parametrize("dequantize", [True, False], ids=["dequantized", "packed"])
+def test_ledger_weights_line_equals_resident_bytes(case, dequantize):
+    """The CPU ledger's weights line = the bytes the loaded model holds, within 1%: dequantized (the INT8 embedding
+    kept int8) and packed (the CPU default: 4-bit codes with a float32 scale and offset per group, where the
+    checkpoint stores a 16-bit scale: 6 bytes a group more than on disk), a tied lm_head over the INT8 embedding
+    its own float matrix."""
     from deltaserve.budget import plan_budget
     from deltaserve.config import EngineConfig
+    from deltaserve.engine.loader import load_model
+    from deltaserve.models.layers import Int4Linear
     from deltaserve.models.spec import spec_from_checkpoint
 
-    name, _, ours, ckpt, _ = case
-    if name.endswith("_tied"):
-        pytest.skip("a tied lm_head widened from an INT8 embedding is not priced by the ledger yet")
-    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-                for t in [*ours.parameters(), *ours.buffers()] if t.device.type == "cpu"}
-    rotary = sum(b.untyped_storage().nbytes() for n, b in ours.named_buffers() if "inv_freq" in n)
-    # the fixture's model holds the 4-bit matrices dequantized (load_checkpoint's default): plan that mode
-    budget = plan_budget(spec_from_checkpoint(ckpt.path), EngineConfig(max_total_tokens=64, dequantize_weights=True),
+    name, _, _, ckpt, state = case
+    model = load_model(ckpt.path, dequantize=dequantize).model
+    packed = [m for m in model.modules() if isinstance(m, Int4Linear)]
+    four_bit = [k for k, t in state.items() if k.endswith("weight_packed") and t.numel() * 8 < 2 * state[
+        k.replace("weight_packed", "weight_scale")].shape[0] * int(state[k.replace("packed", "shape")][1])]
+    assert bool(packed) == (not dequantize and bool(four_bit)), name
+    budget = plan_budget(spec_from_checkpoint(ckpt.path),
+                         EngineConfig(max_total_tokens=64, dequantize_weights=dequantize),
                          device_total_bytes=4 * 2**30, device_kind="cpu")
-    assert abs(budget.line("weights").bytes - (sum(storages.values()) - rotary)) <= 0.01 * budget.line("weights").bytes
+    predicted, measured = budget.line("weights").bytes, resident_bytes(model)
+    assert abs(predicted - measured) <= 0.01 * measured, (name, predicted, measured)
 
 
 def test_load_logs_progress_in_bytes_per_second(case, caplog):

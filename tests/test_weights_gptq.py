@@ -1,8 +1,10 @@
 """GPTQ-layout 4-bit modules (AutoRound's auto_round / auto_round:auto_gptq packings, AutoGPTQ) packed by AutoRound's
-own torch QuantLinear and checked against that layer's own dequantization (its forward on the identity).
+own torch QuantLinear and checked against that layer's own dequantization (its forward on the identity); AWQ-layout
+modules (AutoRound's auto_awq export, AutoAWQ's GEMM layout) packed by AutoRound's WQLinear_GEMM.from_linear (the
+packer its auto_awq export calls) and checked against its dequantize_gemm (AutoAWQ's unpacker, kept in AutoRound).
 
-Its forward computes scale * (code - zero) in float16: the same number as ours (float32) to within half a float16
-ulp, so the tolerance is a relative 2^-11 (float16 has 10 fraction bits)."""
+Both compute scale * (code - zero) in float16: the same number as ours (float32) to within half a float16 ulp, so
+the tolerance is a relative 2^-11 (float16 has 10 fraction bits)."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from deltaserve.kernels.int4 import Int4Codes
 from deltaserve.weights import gptq
 
 pytest.importorskip("auto_round_extension")
+from auto_round.export.export_to_awq.utils import WQLinear_GEMM, dequantize_gemm  # noqa: E402
 from auto_round_extension.torch import qlinear_torch, qlinear_torch_zp  # noqa: E402
 
 PACKINGS = {"auto_round": qlinear_torch, "auto_round:gptqmodel": qlinear_torch,
@@ -57,20 +60,62 @@ def test_auto_gptq_stores_zero_minus_one(tmp_path):
                                rtol=2**-11, atol=0)
 
 
-def test_tiny_qwen3_in_auto_round_layout_matches_transformers(tmp_path):
-    """Every decoder linear of a tiny Qwen3 packed by AutoRound's QuantLinear (auto_round:auto_gptq, group 32, one
-    with activation order): our logits equal transformers run on the package's dequantized weights, within the
-    package's float16 rounding."""
+def awq_module(n: int, k: int, group: int, symmetric: bool, seed: int):
+    """A random [n, k] linear packed by AutoRound's AWQ packer, and its [n, k] weight by AWQ's own unpacker."""
+    torch.manual_seed(seed)
+    linear = torch.nn.Linear(k, n, bias=False)
+    w = linear.weight.data.view(n, k // group, group)
+    if symmetric:  # AutoRound's sym export: one zero point, 8, for every group
+        scales, zeros = (w.abs().amax(-1) / 7).clamp(min=1e-6), 8
+    else:
+        lo, hi = w.amin(-1).clamp(max=0), w.amax(-1).clamp(min=0)
+        scales = ((hi - lo) / 15).clamp(min=1e-6)
+        zeros = torch.round(-lo / scales).clamp(0, 15).t().contiguous()  # [groups, n], as its exporter passes it
+    layer = WQLinear_GEMM.from_linear(linear, 4, group, scales=scales.t().contiguous(), zeros=zeros, device="cpu")
+    tensors = {"m.qweight": layer.qweight, "m.qzeros": layer.qzeros, "m.scales": layer.scales}
+    return tensors, dequantize_gemm(layer.qweight, layer.qzeros, layer.scales, 4, group).t().float()
+
+
+AWQ_CONFIGS = {
+    "awq": {"quant_method": "awq", "bits": 4, "version": "gemm", "zero_point": True},
+    "auto_round:auto_awq": {"quant_method": "auto-round", "bits": 4, "packing_format": "auto_round:auto_awq"},
+}
+
+
+@pytest.mark.parametrize("layout", list(AWQ_CONFIGS))
+@pytest.mark.parametrize("group,symmetric", [(32, False), (128, False), (64, True)])
+def test_awq_layout_equals_the_package_unpacker(tmp_path, layout, group, symmetric):
+    tensors, expected = awq_module(64, 256, group, symmetric, seed=group)
+    config = {"quantization_config": dict(AWQ_CONFIGS[layout], group_size=group)}
+    codes = gptq.decode(config, tensors, tmp_path)["m.weight"]
+    assert isinstance(codes, Int4Codes) and codes.perm is None and codes.group_size == group
+    torch.testing.assert_close(codes.dequantize(), expected, rtol=2**-11, atol=0)
+
+
+@pytest.mark.parametrize("version", ["gemv", "gemv_fast", "marlin"])
+def test_awq_other_versions_refused_by_name(tmp_path, version):
+    from deltaserve.weights import CheckpointError
+
+    tensors, _ = awq_module(32, 128, 32, False, seed=1)
+    config = {"quantization_config": {"quant_method": "awq", "bits": 4, "group_size": 32, "version": version}}
+    with pytest.raises(CheckpointError, match=f"AWQ version '{version}' is not supported"):
+        gptq.decode(config, tensors, tmp_path)
+
+
+@pytest.fixture(scope="module", params=["auto_round:auto_gptq", "awq"])
+def tiny_qwen3(request, tmp_path_factory):
+    """Every decoder linear of a tiny Qwen3 packed by AutoRound's own packer, group 32: its QuantLinear
+    (auto_round:auto_gptq, one module with activation order) or its AWQ export's WQLinear_GEMM (quant_method awq),
+    saved as a checkpoint folder; and transformers holding the package's dequantized weights."""
     import json
 
     import transformers
     from safetensors.torch import save_file
 
-    from deltaserve.models import build_model
-    from deltaserve.weights import load_checkpoint
-    from tests.tolerance import config_rtol
-    from tests.test_models_hybrid import VOCAB, prefill_logits, prompt, rel_error, save_tiny_tokenizer
+    from tests.test_models_hybrid import VOCAB, save_tiny_tokenizer
 
+    layout = request.param
+    folder = tmp_path_factory.mktemp(layout.replace(":", "_"))
     torch.manual_seed(0)
     config = transformers.Qwen3Config(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=2, head_dim=32,
@@ -80,22 +125,60 @@ def test_tiny_qwen3_in_auto_round_layout_matches_transformers(tmp_path):
     for i, (name, linear) in enumerate((n, m) for n, m in ref.named_modules()
                                        if isinstance(m, torch.nn.Linear) and n != "lm_head"):
         n, k = linear.weight.shape
-        tensors, expected = packed_module(qlinear_torch_zp, n, k, 32, act_order=i == 0, seed=i)
+        if layout == "awq":
+            tensors, expected = awq_module(n, k, 32, symmetric=False, seed=i)
+        else:
+            tensors, expected = packed_module(qlinear_torch_zp, n, k, 32, act_order=i == 0, seed=i)
         linear.weight.data.copy_(expected)
         del state[name + ".weight"]
         state.update({f"{name}.{part}": t for part, t in ((p.split(".")[1], t) for p, t in tensors.items())})
-    config.save_pretrained(tmp_path)
-    data = json.loads((tmp_path / "config.json").read_text())
-    data["quantization_config"] = {"quant_method": "auto-round", "bits": 4, "group_size": 32, "sym": False,
-                                   "packing_format": "auto_round:auto_gptq"}
-    (tmp_path / "config.json").write_text(json.dumps(data))
-    save_file(state, tmp_path / "model.safetensors")
-    save_tiny_tokenizer(tmp_path)
-    ckpt = load_checkpoint(tmp_path)
-    ours = build_model(ckpt.config, ckpt.tensors)
+    config.save_pretrained(folder)
+    data = json.loads((folder / "config.json").read_text())
+    data["quantization_config"] = (dict(AWQ_CONFIGS["awq"], group_size=32) if layout == "awq" else
+                                   {"quant_method": "auto-round", "bits": 4, "group_size": 32, "sym": False,
+                                    "packing_format": layout})
+    (folder / "config.json").write_text(json.dumps(data))
+    save_file(state, folder / "model.safetensors")
+    save_tiny_tokenizer(folder)
+    return folder, ref, layout
+
+
+@pytest.mark.parametrize("dequantize", [True, False], ids=["dequantized", "packed"])
+def test_tiny_qwen3_in_auto_round_layout_matches_transformers(tiny_qwen3, dequantize):
+    """Our logits, dequantized and packed (the activation-ordered module too), equal transformers run on the
+    package's dequantized weights, within the package's float16 rounding."""
+    from deltaserve.engine.loader import load_model
+    from tests.tolerance import config_rtol
+    from tests.test_models_hybrid import prefill_logits, prompt, rel_error
+
+    folder, ref, _ = tiny_qwen3
+    ours = load_model(folder, dequantize=dequantize).model
     ids = prompt(33, seed=4)
     with torch.no_grad():
         expected = ref(torch.tensor([ids])).logits[0]
     # The package's weights are float16-rounded (2^-11 relative each, see above); a token's path crosses 4
     # sequential linears per layer (qkv, o, gate/up, down), 2 layers: at most 8 such errors on top of float32's.
     assert rel_error(prefill_logits(ours, ids), expected) <= config_rtol(ref.config, context=len(ids)) + 8 * 2**-11
+
+
+@pytest.mark.parametrize("dequantize", [True, False], ids=["dequantized", "packed"])
+def test_ledger_weights_line_equals_resident_bytes(tiny_qwen3, dequantize):
+    """The CPU ledger's weights line = the bytes the loaded model holds (Engine.measured_bytes' count), within 1%:
+    packed, each module holds half a byte a weight and a float32 scale and offset per group, not the checkpoint's
+    float16 scale, packed zero and int32 g_idx."""
+    from deltaserve.budget import plan_budget
+    from deltaserve.config import EngineConfig
+    from deltaserve.engine.loader import load_model
+    from deltaserve.models.layers import Int4Linear
+    from deltaserve.models.spec import spec_from_checkpoint
+    from tests.test_weights_compressed_tensors import resident_bytes
+
+    folder, _, layout = tiny_qwen3
+    model = load_model(folder, dequantize=dequantize).model
+    packed = [m for m in model.modules() if isinstance(m, Int4Linear)]
+    assert len(packed) == (0 if dequantize else 14)
+    assert dequantize or (packed[0].perm is not None) == (layout != "awq")
+    budget = plan_budget(spec_from_checkpoint(folder), EngineConfig(max_total_tokens=64, dequantize_weights=dequantize),
+                         device_total_bytes=4 * 2**30, device_kind="cpu")
+    predicted, measured = budget.line("weights").bytes, resident_bytes(model)
+    assert abs(predicted - measured) <= 0.01 * measured, (predicted, measured)

@@ -61,7 +61,7 @@ BAD_CONFIGS = {
     "2-bit": (lambda qc: weights_of(qc).update(num_bits=2), "2-bit weights; supported: 4, 8"),
     "w4a8": (lambda qc: body(qc).update(input_activations={"num_bits": 8, "type": "int"}),
              "quantizes activations"),
-    "awq": (lambda qc: qc.update(quant_method="awq"), "quant_method 'awq' is not supported"),
+    "hqq": (lambda qc: qc.update(quant_method="hqq"), "quant_method 'hqq' is not supported"),
     "format": (lambda qc: body(qc).update(format="nvfp4-pack-quantized"), "format 'nvfp4-pack-quantized'"),
 }
 

@@ -106,6 +106,13 @@ class PackedInt4:
         runs = self.packed.view(n, half // (BLOCK // 2), BLOCK // 2)
         return torch.cat([runs & 0x0F, runs >> 4], dim=-1).view(n, half * 2)
 
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The float weight [N, K] in the checkpoint's column order (Int4Codes.dequantize of what was packed)."""
+        w = self.widened()
+        if self.perm is not None:
+            w = torch.empty_like(w).index_copy_(1, self.perm, w)
+        return w.to(dtype)
+
     def widened(self) -> torch.Tensor:
         """The float32 weight [N, K] in stored column order (inputs permuted by `perm` multiply it)."""
         n, k = self.shape

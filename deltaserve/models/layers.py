@@ -147,11 +147,11 @@ class Int4Linear(nn.Module):
     """A linear layer whose weight stays 4-bit (kernels/int4.py's packed layout): what a checkpoint's 4-bit matrix
     becomes on CPU. Its result equals the dequantized float32 weight's to float32 rounding."""
 
-    def __init__(self, codes: Int4Codes, bias: torch.Tensor | None):
+    def __init__(self, codes: Int4Codes | PackedInt4, bias: torch.Tensor | None):
         super().__init__()
         self.out_features, self.in_features = codes.shape
         self.group_size = codes.group_size
-        w = pack(codes)
+        w = codes if isinstance(codes, PackedInt4) else pack(codes)
         self.register_buffer("packed", w.packed)
         self.register_buffer("scales", w.scales)
         self.register_buffer("offsets", w.offsets)
@@ -194,7 +194,7 @@ def load_weights(module: nn.Module, tensors: dict[str, torch.Tensor], *, dtype: 
     for pname, param in params.items():
         source = tied.get(pname, pname) if pname not in tensors else pname
         tensor = tensors[source]
-        if isinstance(tensor, Int4Codes):
+        if isinstance(tensor, (Int4Codes, PackedInt4)):
             if _held_int4(module, pname, tensor, tensors, device):
                 continue
             tensor = tensor.dequantize()
@@ -214,7 +214,7 @@ def load_weights(module: nn.Module, tensors: dict[str, torch.Tensor], *, dtype: 
     module.to(device)
 
 
-def _held_int4(module: nn.Module, pname: str, codes: Int4Codes, tensors: dict, device) -> bool:
+def _held_int4(module: nn.Module, pname: str, codes: Int4Codes | PackedInt4, tensors: dict, device) -> bool:
     """Swap the Linear owning `pname` for an Int4Linear when the weight is its own; False to dequantize.
 
     On CPU only: elsewhere (CUDA) the weight is dequantized to the compute dtype, since the packed kernel is a CPU

@@ -113,18 +113,32 @@ def spec_from_checkpoint(path: str | Path) -> ModelMemorySpec:
         return spec_from_config(config)
     spec, _ = _shape(config)
     bits = _config_bits(config)
-    spec.weight_groups = _groups_from_tensors(t for f in files for t in _safetensors_tensors(f, bits))
+    spec.weight_groups = _groups_from_tensors(_held_safetensors(config, files, bits, spec.tie_word_embeddings))
     _int8_embedding_held(spec, files)
     spec.weight_source = "checkpoint headers"
     spec.quantization = _describe_config_quant(config)
     return spec
 
 
-def _int8_embedding_held(spec: ModelMemorySpec, files: list[Path]) -> None:
-    """An 8-bit compressed-tensors embedding stays int8 when loaded (models/layers.Int8Embedding): one byte a
-    weight plus a float32 scale and offset per group, not params x dtype. A tied lm_head is not priced here."""
+def _held_safetensors(config: dict, files: list[Path], bits: int, tied: bool) -> list[tuple]:
+    """Rows of `_safetensors_tensors` over all files, each quantized module priced as the loader holds it."""
+    from deltaserve.weights.held import held_rows
     from deltaserve.weights.hf import read_safetensors_header
 
+    rows = [t for f in files for t in _safetensors_tensors(f, bits)]
+    shapes = {name: entry[1] for f in files for name, entry in read_safetensors_header(f).items()}
+    return held_rows(config, rows, shapes, tied)
+
+
+def _int8_embedding_held(spec: ModelMemorySpec, files: list[Path]) -> None:
+    """With dequantize_weights, an 8-bit compressed-tensors embedding stays int8 (models/layers.Int8Embedding): one
+    byte a weight plus a float32 scale and offset per group, not params x dtype; a tied lm_head over a 4-bit embedding
+    shares its dequantized table."""
+    from deltaserve.weights.hf import read_safetensors_header
+
+    head = next((g for g in spec.weight_groups if g.name == "lm_head"), None)
+    if head is not None and head.stored_bytes == 0 and not head.float_params:
+        head.held_dequantized_bytes = 0  # tied to a 4-bit embedding: dequantized, it shares the embedding's table
     index = {name: entry for f in files for name, entry in read_safetensors_header(f).items()}
     embedding = next((g for g in spec.weight_groups if g.name == "embedding"), None)
     scale = next((n for n in index if n.endswith("embed_tokens.weight_scale")), None)
@@ -481,13 +495,14 @@ def _spec_from_gguf(path: Path) -> ModelMemorySpec:
 def _gguf_held(t) -> tuple[str, int, int, bool, int]:
     """(name, params, stored bytes, held as floats?, bytes held packed) of one GGUF tensor.
 
-    What weights/gguf.py keeps packed (kernels/int4.py: half a byte per weight, a float32 scale and offset per 32) is
-    counted at that size; the rest (embedding and lm_head included) in the compute dtype."""
+    What weights/gguf.py keeps packed (kernels/int4.py: half a byte per weight, a float32 scale and offset per 32, the
+    level table of IQ4_NL / IQ4_XS) is counted at that size; the rest (the embedding included) in the compute dtype."""
     from deltaserve.weights.gguf import int4_held_bytes, kept_int4
 
-    params = int(t.n_elements)
-    if kept_int4(t.tensor_type, t.name, tuple(int(d) for d in reversed(t.shape))):
-        return t.name, params, int(t.n_bytes), False, int4_held_bytes(params)
+    params, shape = int(t.n_elements), tuple(int(d) for d in reversed(t.shape))
+    if kept_int4(t.tensor_type, t.name, shape):
+        matrices = shape[0] if len(shape) == 3 else 1  # stacked experts: one packed matrix each
+        return t.name, params, int(t.n_bytes), False, int4_held_bytes(params, t.tensor_type, matrices)
     return t.name, params, int(t.n_bytes), True
 
 
@@ -503,7 +518,7 @@ def gguf_config(meta: dict, tensor_names: set[str]) -> dict:
     vocab = key("vocab_size") or meta.get("tokenizer.ggml.token_count") or len(meta.get("tokenizer.ggml.tokens", []))
     config = {
         "model_type": GGUF_ARCHS[arch], "hidden_size": hidden, "num_hidden_layers": key("block_count"),
-        "intermediate_size": key("feed_forward_length"), "num_attention_heads": heads,
+        "intermediate_size": key("feed_forward_length") or key("expert_shared_feed_forward_length") or 0, "num_attention_heads": heads,
         "num_key_value_heads": key("attention.head_count_kv", heads),
         "head_dim": key("attention.key_length") or hidden // heads, "vocab_size": vocab,
         "max_position_embeddings": key("context_length", 4096),

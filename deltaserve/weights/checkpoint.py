@@ -52,7 +52,8 @@ def load_checkpoint(path: str | Path, *, dtype: torch.dtype = torch.float32,
     """Load config, tensors (converted / dequantized to `dtype`) and tokenizer.
 
     Tensors whose HF name starts with one of `skip_prefixes` are not read; they are counted in
-    `Checkpoint.skipped`. With `keep_int4`, a GGUF's or compressed-tensors checkpoint's 4-bit matrices come as kernels.int4.Int4Codes.
+    `Checkpoint.skipped`. With `keep_int4`, the 4-bit matrices the CPU kernel takes (GGUF, compressed-tensors, GPTQ,
+    AWQ) come packed, as kernels.int4.PackedInt4.
     """
     kind, path = checkpoint_kind(path)
     if kind == "gguf":

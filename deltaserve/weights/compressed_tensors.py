@@ -79,24 +79,46 @@ def _target_matches(target: str, module: str) -> bool:
     return module == target
 
 
-def decode(config: dict, tensors: dict[str, torch.Tensor], path: Path, dtype: torch.dtype) -> dict:
-    """The tensors with every quantized module's parts replaced by one `<module>.weight` (see the module doc)."""
+def module_parts(names) -> dict[str, list[str]]:
+    """module -> the stored names `decode` turns into its weight (a module has a weight_packed or weight_scale)."""
+    names = set(names)
+    modules = {n.rpartition(".")[0] for n in names if n.endswith((".weight_packed", ".weight_scale"))}
+    return {m: [f"{m}.{p}" for p in (*PARTS, "weight") if f"{m}.{p}" in names] for m in modules}
+
+
+def decode(config: dict, tensors: dict[str, torch.Tensor], path: Path, dtype: torch.dtype, held=None) -> dict:
+    """`tensors` with every quantized module's parts replaced by one `<module>.weight` (see the module doc), in
+    place: each module's parts leave as its weight arrives, passed through `held` (e.g. packed) when given, so no
+    second full copy of the model is ever held."""
     qc = config["quantization_config"]
     default_format = qc.get("format") or "dense"
     schemes = [Scheme(name, group, default_format, path) for name, group in (qc.get("config_groups") or {}).items()]
     ignore = list(qc.get("ignore") or [])
     quantized = (".weight_packed", ".weight_scale")
     modules = sorted({name.rpartition(".")[0] for name in tensors if name.endswith(quantized)})
-    out = dict(tensors)
+    out = tensors
     for module in modules:
         parts = {p: out.pop(f"{module}.{p}") for p in PARTS if f"{module}.{p}" in out}
         scheme = _scheme_of(module, schemes, ignore, path)
-        out[f"{module}.weight"] = _module_weight(module, parts, out.pop(f"{module}.weight", None), scheme, path, dtype)
+        weight = _module_weight(module, parts, out.pop(f"{module}.weight", None), scheme, path, dtype)
+        out[f"{module}.weight"] = weight if held is None else held(weight)
     stray = [n for n in out if n.rpartition(".")[2] in STRAY_PARTS + PARTS]
     if stray:
         raise CheckpointError(path, f"tensor {stray[0]} is not consumed by any supported scheme "
                                     f"({len(stray)} such tensors)")
     return out
+
+
+def module_bits(config: dict, module: str) -> int | None:
+    """The weight bits config_groups gives a stored quantized module (the loader's own matching), None when the
+    config gives it no supported scheme (the loader then refuses it)."""
+    qc = config["quantization_config"]
+    try:
+        schemes = [Scheme(name, group, qc.get("format") or "dense", Path("config.json"))
+                   for name, group in (qc.get("config_groups") or {}).items()]
+        return _scheme_of(module, schemes, [], Path("config.json")).bits
+    except CheckpointError:
+        return None
 
 
 def _scheme_of(module: str, schemes: list[Scheme], ignore: list[str], path: Path) -> Scheme:
@@ -117,7 +139,8 @@ def _module_weight(module: str, parts: dict, weight, scheme: Scheme, path: Path,
     """One module's weight: Int4Codes (4-bit), Int8Rows (8-bit embedding) or a float tensor (8-bit linear)."""
     if "weight_scale" not in parts:
         raise CheckpointError(path, f"tensor {module}.weight_scale is missing")
-    q = _signed_values(module, parts, weight, scheme, path)  # int16 [N, K], values in -2^(b-1) .. 2^(b-1)-1
+    # [N, K] stored values + 2^(b-1) (uint8): a 4-bit code straight from the nibbles, no wider copy of the matrix
+    q = _offset_values(module, parts, weight, scheme, path)
     n, k = q.shape
     group = scheme.group_size or k
     if k % group:
@@ -132,17 +155,17 @@ def _module_weight(module: str, parts: dict, weight, scheme: Scheme, path: Path,
     perm = _act_order(module, parts, k, group, path)
     if perm is not None:
         q = q[:, perm]
-    if scheme.bits == 4:
-        codes = (q + 8).to(torch.uint8)  # codes 0..15: w = scale * (code - 8 - zero)
-        return Int4Codes(codes, scale, -(8 + zero) * scale, group, perm=perm)
-    rows = Int8Rows(q.to(torch.int8), scale, -zero * scale, group)
+    if scheme.bits == 4:  # codes 0..15: w = scale * (code - 8 - zero)
+        return Int4Codes(q.contiguous(), scale, -(8 + zero) * scale, group, perm=perm)
+    rows = Int8Rows((q.to(torch.int16) - 128).to(torch.int8), scale, -zero * scale, group)
     if module.endswith("embed_tokens") and perm is None:
         return rows
     w = rows.dequantize()
     return (w if perm is None else torch.empty_like(w).index_copy_(1, perm, w)).to(dtype)
 
 
-def _signed_values(module: str, parts: dict, weight, scheme: Scheme, path: Path) -> torch.Tensor:
+def _offset_values(module: str, parts: dict, weight, scheme: Scheme, path: Path) -> torch.Tensor:
+    """The module's values + 2^(bits-1) as uint8 [N, K] (how pack-quantized stores them)."""
     if scheme.format == "pack-quantized":
         if "weight_packed" not in parts or "weight_shape" not in parts:
             raise CheckpointError(path, f"{module}: pack-quantized needs weight_packed and weight_shape")
@@ -150,12 +173,13 @@ def _signed_values(module: str, parts: dict, weight, scheme: Scheme, path: Path)
         return _unpack(module, parts["weight_packed"], scheme.bits, shape, path)
     if weight is None or weight.is_floating_point():
         raise CheckpointError(path, f"{module}: format {scheme.format} needs an integer {module}.weight")
-    return weight.to(torch.int16)
+    return (weight.to(torch.int16) + (1 << (scheme.bits - 1))).to(torch.uint8)
 
 
 def _unpack(module: str, packed: torch.Tensor, bits: int, shape: tuple[int, ...], path: Path,
             dim: int = 1) -> torch.Tensor:
-    """int32 words -> signed values [shape] (int16): element i at bits i*bits of the little-endian stream."""
+    """int32 words -> the stored values [shape] (uint8, value + 2^(bits-1)): element i at bits i*bits of the
+    little-endian stream."""
     if packed.dtype != torch.int32:
         raise CheckpointError(path, f"{module}: packed tensor has dtype {packed.dtype}, expected int32")
     if dim == 0:
@@ -170,7 +194,7 @@ def _unpack(module: str, packed: torch.Tensor, bits: int, shape: tuple[int, ...]
         raw = raw.view(rows, -1, 4).flip(-1).reshape(rows, -1)
     if bits == 4:
         raw = torch.stack((raw & 0xF, raw >> 4), dim=-1).view(rows, -1)
-    values = raw[:, :cols].to(torch.int16) - (1 << (bits - 1))
+    values = raw[:, :cols]
     return values.t() if dim == 0 else values
 
 
@@ -182,7 +206,8 @@ def _zero_point(module: str, parts: dict, scheme: Scheme, n: int, groups: int, p
             raise CheckpointError(path, f"tensor {module}.weight_zero_point is missing (asymmetric scheme)")
         return torch.zeros(n, groups)
     if scheme.format == "pack-quantized":
-        return _unpack(module + ".weight_zero_point", zp, scheme.bits, (n, groups), path, dim=0).float()
+        stored = _unpack(module + ".weight_zero_point", zp, scheme.bits, (n, groups), path, dim=0)
+        return stored.float() - (1 << (scheme.bits - 1))
     if tuple(zp.shape) != (n, groups):
         raise CheckpointError(path, f"tensor {module}.weight_zero_point has shape {tuple(zp.shape)}, "
                                     f"expected {(n, groups)}")

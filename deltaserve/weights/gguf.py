@@ -5,6 +5,7 @@ the rows of attn_q / attn_k for its rotary layout; all three are undone here, ex
 transformers' GGUF loader undoes them, so the tensors equal what transformers loads.
 """
 
+import math
 from pathlib import Path
 
 import numpy as np
@@ -13,7 +14,7 @@ from gguf import GGMLQuantizationType as Q
 from gguf import GGUFReader, GGUFValueType
 from gguf.quants import dequantize
 
-from deltaserve.kernels.int4 import held_bytes, packable
+from deltaserve.kernels.int4 import Int4Codes, held_bytes, pack, packable
 from deltaserve.weights import gguf_hybrid
 from deltaserve.weights.gguf_int4 import int4_codes
 from deltaserve.weights.errors import CheckpointError
@@ -40,9 +41,9 @@ LAYER_NAMES = {
 HYBRID_MODEL_TYPES = {names[1] for names in gguf_hybrid.ARCHITECTURES.values()}
 GGUF_MAGIC = b"GGUF"
 Q4_BLOCK = 32  # weights per scale of every 4-bit GGUF type
-# 4-bit types kept packed when asked: the affine ones, which the int4pack kernel takes (it has no level table, so
-# IQ4_NL / IQ4_XS, read as Int4Codes just as exactly by gguf_int4, are dequantized until a kernel takes `lut`)
-INT4_TYPES = (Q.Q4_0, Q.Q4_1, Q.Q4_K)
+# 4-bit types kept packed when asked (kernels/int4.py): the affine ones and the two with a level table
+INT4_TYPES = (Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.IQ4_NL, Q.IQ4_XS)
+LUT_TYPES = (Q.IQ4_NL, Q.IQ4_XS)
 
 
 class _PlainViewReader(GGUFReader):
@@ -128,7 +129,10 @@ def gguf_config(reader: GGUFReader, path: Path) -> dict:
         "architectures": [SUPPORTED_ARCHITECTURES[arch]],
         "model_type": arch,
         "hidden_size": hidden_size,
-        "intermediate_size": required("feed_forward_length"),
+        # an all-MoE model (qwen35moe) has no dense MLP and no feed_forward_length
+        "intermediate_size": meta("feed_forward_length") or (meta("expert_feed_forward_length")
+                                                             and meta("expert_shared_feed_forward_length"))
+        or required("feed_forward_length"),
         "num_hidden_layers": required("block_count"),
         "num_attention_heads": heads,
         "num_key_value_heads": kv_heads,
@@ -198,11 +202,12 @@ def read_gguf_tokenizer(path: Path):
 def load_gguf(path: Path, dtype: torch.dtype, skip_prefixes: tuple[str, ...], keep_int4: bool = False):
     """(config, tensors, tokenizer, generation_config, skipped) of a GGUF file, tensors dequantized.
 
-    With `keep_int4`, Q4_0 / Q4_1 / Q4_K matrices come as Int4Codes (read from their blocks, not dequantized)."""
+    With `keep_int4`, INT4_TYPES matrices come packed (kernels/int4.PackedInt4, read from their blocks, never
+    dequantized). Stacked experts come as one matrix per expert; Qwen3-Next's two halves of in_proj_qkvz as one."""
     reader = open_gguf(path)
     config = gguf_config(reader, path)
     tokenizer = gguf_tokenizer(reader, path)
-    tensors, skipped = {}, {}
+    tensors, skipped, halves = {}, {}, {}
     for tensor in reader.tensors:
         name = tensor_name(tensor.name)
         prefix = next((p for p in skip_prefixes if name.startswith(p)), None)
@@ -212,32 +217,69 @@ def load_gguf(path: Path, dtype: torch.dtype, skip_prefixes: tuple[str, ...], ke
         if tensor.tensor_type not in SUPPORTED_TYPES:
             raise CheckpointError(path, f"tensor {tensor.name} has GGUF type {tensor.tensor_type.name}, which we "
                                         f"cannot dequantize; supported: {', '.join(t.name for t in SUPPORTED_TYPES)}")
-        shape = tuple(int(d) for d in reversed(tensor.shape))
-        kind = tensor.name.split(".")[-2] if "." in tensor.name else ""
-        heads = None
-        if config["model_type"] == "llama" and kind in ("attn_q", "attn_k"):
-            heads = config["num_attention_heads" if kind == "attn_q" else "num_key_value_heads"]
-        hybrid = config["model_type"] in HYBRID_MODEL_TYPES
-        if (keep_int4 and kept_int4(tensor.tensor_type, tensor.name, shape)
-                and not (hybrid and gguf_hybrid.column_order(config, name) is not None)):
-            codes = int4_codes(tensor.data, tensor.tensor_type, shape)
-            if heads is not None:
-                codes = codes.rows(torch.from_numpy(unpermute_rotary(np.arange(shape[0]), heads)))
-            rows = gguf_hybrid.row_order(config, name) if hybrid else None
-            if rows is not None:
-                codes = codes.rows(torch.from_numpy(np.argsort(rows)))
-            tensors[name] = codes
-            continue
-        values = dequantize(tensor.data, tensor.tensor_type).reshape(shape)
-        if heads is not None:
-            values = unpermute_rotary(values, heads)
-        if hybrid:
-            values = gguf_hybrid.to_checkpoint(config, name, values)
-        tensors[name] = torch.from_numpy(np.array(values, dtype=np.float32)).to(dtype)
+        value = _read(tensor, name, config, dtype, keep_int4)
+        if gguf_hybrid.qkvz_part(config, name):  # held back until its other half arrives
+            halves[name] = value
+            stem = name.rpartition(".linear_attn.")[0]
+            qkv, z = (halves.get(f"{stem}.{part}") for part in gguf_hybrid.QKVZ_PARTS)
+            if qkv is None or z is None:
+                continue
+            name, value = f"{stem}.linear_attn.in_proj_qkvz.weight", _fused_qkvz(config, qkv, z)
+        experts = gguf_hybrid.expert_names(name, config.get("num_experts") or 0)
+        for part_name, part in (zip(experts, _per_expert(value, len(experts))) if experts else [(name, value)]):
+            tensors[part_name] = pack(part) if isinstance(part, Int4Codes) else part  # half a byte a weight
     eos = tokenizer.eos_token_ids
     generation_config = {"bos_token_id": tokenizer.bos_token_id,
                          "eos_token_id": eos[0] if len(eos) == 1 else eos}
     return config, tensors, tokenizer, generation_config, [f"{p}* ({n} tensors)" for p, n in skipped.items()]
+
+
+def _read(tensor, name: str, config: dict, dtype: torch.dtype, keep_int4: bool):
+    """One GGUF tensor in HF layout: Int4Codes (kept 4-bit) or a `dtype` tensor, the converter's changes undone."""
+    shape = tuple(int(d) for d in reversed(tensor.shape))
+    kind = tensor.name.split(".")[-2] if "." in tensor.name else ""
+    heads = None
+    if config["model_type"] == "llama" and kind in ("attn_q", "attn_k"):
+        heads = config["num_attention_heads" if kind == "attn_q" else "num_key_value_heads"]
+    hybrid = config["model_type"] in HYBRID_MODEL_TYPES
+    if keep_int4 and kept_int4(tensor.tensor_type, tensor.name, shape):
+        codes = int4_codes(tensor.data, tensor.tensor_type, (math.prod(shape[:-1]), shape[-1]))
+        if heads is not None:
+            codes = codes.rows(torch.from_numpy(unpermute_rotary(np.arange(shape[0]), heads)))
+        rows = gguf_hybrid.row_order(config, name) if hybrid else None
+        if rows is not None:
+            codes = codes.rows(torch.from_numpy(np.argsort(rows)))
+        columns = gguf_hybrid.column_order(config, name) if hybrid else None
+        if columns is not None:  # stored column j is the checkpoint's column columns[j]: Int4Codes.perm
+            codes.perm = torch.from_numpy(columns.astype(np.int64))
+        return codes
+    values = dequantize(tensor.data, tensor.tensor_type).reshape(shape)
+    if heads is not None:
+        values = unpermute_rotary(values, heads)
+    if hybrid:
+        values = gguf_hybrid.to_checkpoint(config, name, values)
+    return torch.from_numpy(np.array(values, dtype=np.float32)).to(dtype)
+
+
+def _per_expert(value, experts: int) -> list:
+    """A stacked [experts, out, in] tensor (Int4Codes: [experts x out, in]) as one matrix per expert."""
+    if isinstance(value, Int4Codes):
+        out = value.shape[0] // experts
+        return [value.rows(torch.arange(e * out, (e + 1) * out)) for e in range(experts)]
+    return list(value.unbind(0))
+
+
+def _fused_qkvz(config: dict, qkv, z):
+    """Qwen3-Next's in_proj_qkvz from its two GGUF halves (gguf_hybrid.qkvz_order)."""
+    order = torch.from_numpy(gguf_hybrid.qkvz_order(config))
+    if isinstance(qkv, Int4Codes) and isinstance(z, Int4Codes) and qkv.group_size == z.group_size and (
+            (qkv.lut is None and z.lut is None) or (qkv.lut is not None and z.lut is not None
+                                                    and torch.equal(qkv.lut, z.lut))):
+        both = Int4Codes(torch.cat([qkv.codes, z.codes]), torch.cat([qkv.scales, z.scales]),
+                         torch.cat([qkv.offsets, z.offsets]), qkv.group_size, qkv.lut)
+        return both.rows(order)
+    as_float = [t.dequantize() if isinstance(t, Int4Codes) else t for t in (qkv, z)]
+    return torch.cat(as_float)[order]
 
 
 def unpermute_rotary(rows: np.ndarray, heads: int) -> np.ndarray:
@@ -247,11 +289,13 @@ def unpermute_rotary(rows: np.ndarray, heads: int) -> np.ndarray:
 
 
 def kept_int4(kind: Q, gguf_name: str, shape: tuple[int, ...]) -> bool:
-    """Whether loading with `keep_int4` holds this tensor (HF-order `shape`) packed: an INT4_TYPES matrix the CPU
-    kernel takes, other than the embedding (looked up by row, so held as floats)."""
-    return kind in INT4_TYPES and not gguf_name.startswith("token_embd") and packable(shape, Q4_BLOCK)
+    """Whether loading with `keep_int4` holds this tensor (HF-order `shape`; stacked experts [experts, out, in])
+    packed: an INT4_TYPES matrix the CPU kernel takes, other than the embedding (looked up by row: held as floats)."""
+    return (kind in INT4_TYPES and not gguf_name.startswith("token_embd") and len(shape) in (2, 3)
+            and packable(shape[-2:], Q4_BLOCK))
 
 
-def int4_held_bytes(params: int) -> int:
-    """Bytes a kept INT4_TYPES tensor of `params` weights holds once packed (Q4_1's own size)."""
-    return held_bytes(params, Q4_BLOCK)
+def int4_held_bytes(params: int, kind: Q, matrices: int = 1) -> int:
+    """Bytes a kept INT4_TYPES tensor of `params` weights in `matrices` matrices holds once packed
+    (kernels/int4.held_bytes: the level table once per matrix)."""
+    return held_bytes(params, Q4_BLOCK) + (matrices * 16 * 4 if kind in LUT_TYPES else 0)

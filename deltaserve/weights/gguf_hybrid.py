@@ -6,6 +6,12 @@ RMSNorm weight but the GDN output norm plus one (transformers' Qwen3.5 norms sca
 and, when there are more value heads than key heads, the value heads reordered from grouped-by-key-head to tiled
 (rows of the v part of in_proj_qkv, of in_proj_z / in_proj_a / in_proj_b, A_log, dt_bias, the conv's v channels;
 columns of out_proj). Each is undone here, so the tensors equal the checkpoint the converter read.
+
+The MoE layers (Qwen2MoeModel's part of the converter): the routed experts stacked into one 3-D tensor per
+projection (`ffn_{gate,up,down}_exps`, [experts, out, in]) are split back into per-expert matrices; the router,
+the shared expert and its gate keep their own tensors. Qwen3-Next (Qwen3NextModel) splits in_proj_qkvz, stored per
+key head as [q, k, v, z], into attn_qkv (all q, all k, all v) and attn_gate (all z): fused back here
+(`qkvz_order`); in_proj_ba is stored as is (`ssm_ba`).
 """
 
 import numpy as np
@@ -25,7 +31,18 @@ LAYER_NAMES = {
     "ssm_norm": "linear_attn.norm",
     "ssm_out": "linear_attn.out_proj",
     "ssm_dt": "linear_attn.dt",  # ssm_dt.bias -> linear_attn.dt_bias (see hf_name)
+    "ssm_ba": "linear_attn.in_proj_ba",
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_exps": "mlp.experts.gate_proj",  # [experts, out, in]: split by expert_names
+    "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
 }
+STACKED_EXPERTS = tuple(f"mlp.experts.{p}.weight" for p in ("gate_proj", "up_proj", "down_proj"))
+QKVZ_PARTS = ("linear_attn.in_proj_qkv.weight", "linear_attn.in_proj_z.weight")
 BARE_NAMES = {"ssm_a": "linear_attn.A_log"}  # tensors with no .weight / .bias suffix
 PLUS_ONE_NORMS = ("input_layernorm", "post_attention_layernorm", "q_norm", "k_norm", "model.norm")
 
@@ -108,6 +125,8 @@ def to_checkpoint(config: dict, hf: str, values: np.ndarray) -> np.ndarray:
         values = np.log(-values.astype(np.float64)).astype(np.float32)
     elif hf.endswith("conv1d.weight"):
         values = values[:, None, :]
+    elif hf.endswith("shared_expert_gate.weight") and values.ndim == 1:  # llama-quantize writes it as {n_embd}
+        values = values[None, :]
     elif hf.endswith(".weight") and hf[:-len(".weight")].endswith(PLUS_ONE_NORMS):
         values = values - np.float32(1)
     return values
@@ -120,3 +139,26 @@ def _unpermute(values: np.ndarray, perm: np.ndarray, axis: int) -> np.ndarray:
     index[axis] = perm
     out[tuple(index)] = values
     return out
+
+
+def expert_names(hf: str, experts: int) -> list[str] | None:
+    """The per-expert names of a stacked expert tensor (model.layers.L.mlp.experts.E.P.weight), None for others."""
+    if not hf.endswith(STACKED_EXPERTS):
+        return None
+    stem, _, leaf = hf[: -len(".weight")].rpartition(".")
+    return [f"{stem}.{e}.{leaf}.weight" for e in range(experts)]
+
+
+def qkvz_part(config: dict, hf: str) -> bool:
+    """Whether `hf` is one of the two halves of a Qwen3-Next in_proj_qkvz."""
+    return config["model_type"] == "qwen3_next" and hf.endswith(QKVZ_PARTS)
+
+
+def qkvz_order(config: dict) -> np.ndarray:
+    """perm with in_proj_qkvz = cat([in_proj_qkv, in_proj_z])[perm]: per key head, its q, k, v and z rows."""
+    kh, dk = config["linear_num_key_heads"], config["linear_key_head_dim"]
+    vd = config["linear_num_value_heads"] // kh * config["linear_value_head_dim"]
+    q, k = np.arange(kh * dk).reshape(kh, dk), kh * dk + np.arange(kh * dk).reshape(kh, dk)
+    v = 2 * kh * dk + np.arange(kh * vd).reshape(kh, vd)
+    z = 2 * kh * dk + kh * vd + np.arange(kh * vd).reshape(kh, vd)
+    return np.concatenate([q, k, v, z], axis=1).reshape(-1)

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from deltaserve.kernels.int4 import Int4Codes, packable
+from deltaserve.kernels.int4 import Int4Codes, pack, packable
 from deltaserve.text.tokenizer import Tokenizer
 from deltaserve.weights import compressed_tensors, gptq
 from deltaserve.weights.errors import CheckpointError
@@ -101,22 +101,29 @@ def read_hf_index(folder: Path) -> dict[str, tuple[str, tuple[int, ...], int]]:
 def load_hf(folder: Path, dtype: torch.dtype, skip_prefixes: tuple[str, ...], keep_int4: bool = False):
     """(config, tensors, tokenizer, generation_config, skipped) of an HF folder.
 
-    Floating-point tensors are converted to `dtype`; a compressed-tensors checkpoint's quantized modules become one
-    `<module>.weight` each (weights/compressed_tensors.py). Skipped groups are named with their bytes on disk.
+    Floating-point tensors are converted to `dtype`; a quantized checkpoint's modules (weights/compressed_tensors.py,
+    weights/gptq.py) become one `<module>.weight` each, decoded (and packed, with `keep_int4`) as soon as a module's
+    last part is read: its raw parts are then let go, so the loader never holds the checkpoint twice. Skipped groups
+    are named with their bytes on disk.
     """
     config = read_hf_config(folder)
     check_quant_method(config, folder)
     generation_config = read_json(folder / "generation_config.json", required=False)
     files = safetensors_files(folder)
     tokenizer = Tokenizer.from_hf_dir(folder)
+    headers = [read_safetensors_header(file) for file in files]  # a clear message for a truncated shard first
+    decoder = _decoder(config, folder, dtype, keep_int4)
+    kept = [name for header in headers for name in header if not _skipped(name, skip_prefixes)]
+    modules = decoder[0](kept) if decoder else {}
+    owner = {part: module for module, parts in modules.items() for part in parts}
+    waiting = {module: set(parts) for module, parts in modules.items()}
     tensors, skipped, skipped_bytes = {}, {}, {}
-    started, read_bytes = time.monotonic(), 0
-    for number, file in enumerate(files, 1):
-        header = read_safetensors_header(file)  # a clear message for a truncated shard before safetensors' own
+    started, read_bytes, total_bytes = time.monotonic(), 0, sum(h[n][2] for h in headers for n in h)
+    for number, (file, header) in enumerate(zip(files, headers), 1):
         try:
             with safe_open(file, framework="pt") as shard:
                 for name in shard.keys():
-                    prefix = next((p for p in skip_prefixes if name.startswith(p)), None)
+                    prefix = _skipped(name, skip_prefixes)
                     if prefix is not None:
                         skipped[prefix] = skipped.get(prefix, 0) + 1
                         skipped_bytes[prefix] = skipped_bytes.get(prefix, 0) + header[name][2]
@@ -124,29 +131,50 @@ def load_hf(folder: Path, dtype: torch.dtype, skip_prefixes: tuple[str, ...], ke
                     tensor = shard.get_tensor(name)
                     read_bytes += header[name][2]
                     tensors[name] = tensor.to(dtype) if tensor.is_floating_point() else tensor
+                    module = owner.get(name)
+                    if module is not None:
+                        waiting[module].discard(name)
+                        if not waiting[module]:
+                            tensors.update(decoder[1]({n: tensors.pop(n) for n in modules[module]}))
         except CheckpointError:
             raise
         except Exception as e:
             raise CheckpointError(file, f"cannot read safetensors: {e}") from e
         seconds = max(time.monotonic() - started, 1e-9)
-        log.info("read %d/%d shards of %s: %s MiB in %.1f s (%s MiB/s)", number, len(files), folder.name,
-                 f"{read_bytes / MiB:,.1f}", seconds, f"{read_bytes / MiB / seconds:,.0f}")
-    if compressed_tensors.is_compressed_tensors(config):
-        tensors = compressed_tensors.decode(config, tensors, folder, dtype)
-    elif gptq.is_gptq_layout(config):
-        tensors = gptq.decode(config, tensors, folder)
-    tensors = {name: held_int4(t, dtype, keep_int4) for name, t in tensors.items()}
+        log.info("read %d/%d shards of %s: %s of %s MiB in %.1f s (%s MiB/s)", number, len(files), folder.name,
+                 f"{read_bytes / MiB:,.1f}", f"{total_bytes / MiB:,.1f}", seconds,
+                 f"{read_bytes / MiB / seconds:,.0f}")
+    if decoder:
+        tensors = decoder[1](tensors)  # every module is decoded by now: this names any part left unconsumed
     return config, tensors, tokenizer, generation_config, [f"{p}* ({n} tensors, {skipped_bytes[p]:,} bytes)"
                                                            for p, n in skipped.items()]
 
 
+def _skipped(name: str, skip_prefixes: tuple[str, ...]) -> str | None:
+    return next((p for p in skip_prefixes if name.startswith(p)), None)
+
+
+def _decoder(config: dict, folder: Path, dtype: torch.dtype, keep_int4: bool):
+    """(module_parts, decode) of the checkpoint's quantization format, None for a plain checkpoint; decode turns a
+    dict of tensors into the same with each complete module's parts replaced by its held weight (held_int4)."""
+    def held(tensor):
+        return held_int4(tensor, dtype, keep_int4)
+
+    if compressed_tensors.is_compressed_tensors(config):
+        return compressed_tensors.module_parts, lambda t: compressed_tensors.decode(config, t, folder, dtype, held)
+    if gptq.is_gptq_layout(config):
+        return gptq.module_parts, lambda t: gptq.decode(config, t, folder, held)
+    return None
+
+
 def held_int4(tensor, dtype: torch.dtype, keep_int4: bool):
-    """An Int4Codes as the model should get it: kept when asked and the packed layer takes it as is (no column
-    permutation, a group size it packs), else dequantized to `dtype` (exact)."""
+    """An Int4Codes as the model should get it: packed (kernels/int4.PackedInt4, half a byte a weight, where
+    Int4Codes takes one) when asked and the packed layer takes its shape and group size (activation-ordered columns
+    included: the layer permutes its input), else dequantized to `dtype` (exact)."""
     if not isinstance(tensor, Int4Codes):
         return tensor
-    if keep_int4 and tensor.perm is None and packable(tensor.shape, tensor.group_size):
-        return tensor
+    if keep_int4 and packable(tensor.shape, tensor.group_size):
+        return pack(tensor)
     return tensor.dequantize(dtype)
 
 
