@@ -181,3 +181,98 @@ async def until_pools_full(http: httpx.AsyncClient, give_up_s: float = 120) -> d
         if pools_full(m) or loop.time() > deadline:
             return m
         await asyncio.sleep(0.1)
+
+
+@dataclass
+class SoakResult:
+    """What a soak saw: counts by kind and status, the failures among clients that stayed, 5xx answers, the server's
+    memory after warm-up and at the end, and its pools once every client is gone."""
+
+    requests: int
+    by_kind: dict[str, int]
+    by_status: dict[str, int]
+    normal_failures: list[str]
+    malformed_failures: list[str]  # refused with anything but a 4xx
+    client_5xx: int
+    server_5xx: float
+    disconnects: float
+    rss_warm_bytes: float
+    rss_end_bytes: float
+    pools_full: bool
+    seconds: float
+
+    @property
+    def ok(self) -> bool:
+        return (not self.normal_failures and not self.malformed_failures and self.client_5xx == 0
+                and self.server_5xx == 0 and self.pools_full)
+
+
+SOAK_MIX = (("normal", 0.5), ("leaver", 0.3), ("malformed", 0.2))
+SOAK_PROMPTS = 8  # the normal clients' prompts: each answered alone first, every later answer must equal it
+WARM_UP_FRACTION = 0.1  # RSS is read once this share of the requests is done, and again at the end
+
+
+async def soak(url: str, api_key: str | None, requests: int, *, seed: int = 0, at_once: int = 16,
+               max_body_bytes: int = 65536, vocab: int = 160, progress=None) -> SoakResult:
+    """`requests` clients, `at_once` at a time, drawn from SOAK_MIX with a seeded generator, against one server
+    that requires `api_key`; see SoakResult. Normal clients ask a greedy completion of one of SOAK_PROMPTS prompts
+    (streamed or not) and must get exactly the text that prompt gets alone."""
+    rng = random.Random(seed)
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    async with client(url, api_key, connections=at_once + 4) as http:
+        context_tokens = (await http.get("/v1/models")).json()["data"][0]["max_model_len"]
+        prompts = [(random_ids(rng, rng.randint(4, 200), vocab), rng.randint(4, 24)) for _ in range(SOAK_PROMPTS)]
+        alone = [await complete(http, greedy(p, n, stream=False)) for p, n in prompts]
+        bad = [o.failure for o in alone if o.failure]
+        if bad:
+            raise RuntimeError(f"the reference answers failed: {bad[0]}")
+        plans = [(rng.choices([k for k, _ in SOAK_MIX], [w for _, w in SOAK_MIX])[0], rng.random())
+                 for _ in range(requests)]
+        slots = asyncio.Semaphore(at_once)
+        done = 0
+        rss: dict[str, float] = {}
+        outcomes: list[Outcome] = []
+
+        async def one(kind: str, own_seed: float) -> None:
+            nonlocal done
+            own = random.Random(own_seed)
+            async with slots:
+                if kind == "normal":
+                    p = own.randrange(SOAK_PROMPTS)
+                    out = await complete(http, greedy(prompts[p][0], prompts[p][1], stream=own.random() < 0.5))
+                    if out.failure is None and (out.text, out.finish) != (alone[p].text, alone[p].finish):
+                        out.failure = f"prompt {p}: {out.text!r} ({out.finish}) differs from alone: {alone[p].text!r}"
+                elif kind == "leaver":
+                    body = greedy(random_ids(own, own.randint(1, 400), vocab), own.randint(1, 64),
+                                  stream=own.random() < 0.7)
+                    out = await leave(http, body, own)
+                else:
+                    out = await malformed(http, own, context_tokens, max_body_bytes)
+            outcomes.append(out)
+            done += 1
+            if done == max(1, int(requests * WARM_UP_FRACTION)):
+                rss["warm"] = (await metrics(http))["process_resident_memory_bytes"]
+            if progress is not None and done % 100 == 0:
+                progress(done, requests)
+
+        await asyncio.gather(*(one(kind, s) for kind, s in plans))
+        final = await until_pools_full(http)
+    by_kind: dict[str, int] = {}
+    by_status: dict[str, int] = {}
+    for out in outcomes:
+        by_kind[out.kind] = by_kind.get(out.kind, 0) + 1
+        status = "left" if out.status is None else str(out.status)
+        by_status[status] = by_status.get(status, 0) + 1
+    return SoakResult(
+        requests=requests, by_kind=by_kind, by_status=dict(sorted(by_status.items())),
+        normal_failures=[o.failure for o in outcomes if o.kind == "normal" and o.failure],
+        malformed_failures=[o.failure for o in outcomes if o.kind == "malformed" and o.failure],
+        client_5xx=sum(1 for o in outcomes if o.status is not None and o.status >= 500),
+        server_5xx=server_errors(final), disconnects=final.get("deltaserve_client_disconnects_total", 0),
+        rss_warm_bytes=rss.get("warm", 0.0), rss_end_bytes=final["process_resident_memory_bytes"],
+        pools_full=pools_full(final), seconds=loop.time() - started)
+
+
+def random_ids(rng: random.Random, length: int, vocab: int) -> list[int]:
+    return [rng.randrange(2, vocab) for _ in range(length)]
