@@ -59,6 +59,7 @@ class DrainingServer(uvicorn.Server):
         self.drain = drain
         self.signals = 0
         self._drain_task: asyncio.Task | None = None
+        self._hurried = False
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         # A signal handler: only flags here, the event loop acts on them at its next tick (every 0.1 s).
@@ -69,7 +70,8 @@ class DrainingServer(uvicorn.Server):
     async def on_tick(self, counter: int) -> bool:
         if self.signals and self._drain_task is None:
             self._drain_task = asyncio.create_task(self._drain_then_exit())
-        if self.signals == 2:
+        if self.signals == 2 and not self._hurried:
+            self._hurried = True
             self.drain.hurry()
         return await super().on_tick(counter)
 
