@@ -119,6 +119,7 @@ class EngineConfig:
     allowed_origins: tuple[str, ...] = ()  # CORS origins; none: no CORS headers, browsers cannot read answers
     header_timeout_s: float = 10.0  # a connection must send a request's headers within this, else 408 and close
     max_connections: int = 512  # open connections; beyond it a new one gets 503 and is closed
+    shutdown_timeout_s: float = 30.0  # on SIGTERM, running requests finish within this; 0: cut them at once
     served_model_name: str | None = None
     max_body_bytes: int = 8 * MiB  # a 100K-token prompt is ~0.5 MB of JSON; escaping can multiply it
     seed: int = 0
@@ -240,6 +241,9 @@ def _validate(c: EngineConfig) -> None:
     for flag, value in positive.items():
         if value is not None and value <= 0:
             raise ConfigError(f"{flag} {value} must be a positive number")
+    if c.shutdown_timeout_s < 0:
+        raise ConfigError(f"--shutdown-timeout {c.shutdown_timeout_s} is negative: it must be >= 0 seconds "
+                          f"(0 ends running requests at once)")
     if c.max_total_tokens is not None and 0 < c.max_total_tokens < c.page_size:
         raise ConfigError(f"--max-total-tokens {c.max_total_tokens} is less than one KV page of --page-size "
                           f"{c.page_size} tokens: the pool holds whole pages")
@@ -330,7 +334,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_http_arguments(parser: argparse.ArgumentParser) -> None:
-    """Who may talk to the server, and how: key, hosts, origins, connection limits."""
+    """Who may talk to the server, and how: key, hosts, origins, connection limits, the drain at shutdown."""
     g = parser.add_argument_group("access")
     g.add_argument("--api-key", help=f"require this key on every route but /health (visible in `ps`: prefer "
                    f"--api-key-file or ${API_KEY_ENV})")
@@ -343,6 +347,9 @@ def _add_http_arguments(parser: argparse.ArgumentParser) -> None:
                    "before it gets 408 and is closed (10)")
     g.add_argument("--max-connections", type=int, help="open connections; a new one beyond it gets 503 and is "
                    "closed (512)")
+    g.add_argument("--shutdown-timeout", "--shutdown-timeout-s", dest="shutdown_timeout_s", type=float,
+                   help="on SIGTERM or Ctrl-C, seconds running requests have to finish while new ones get 503; then "
+                        "open streams end with an error event and [DONE] (30; 0: at once)")
 
 
 def _names(text: str) -> tuple[str, ...]:

@@ -68,6 +68,7 @@ def test_device_defaults():
     (["--max-total-tokens", "0"], ["--max-total-tokens 0", "positive"]),
     (["--max-total-tokens", "15"], ["--max-total-tokens 15", "--page-size 16"]),
     (["--header-timeout-s", "0"], ["--header-timeout-s 0", "positive"]),
+    (["--shutdown-timeout=-1"], ["--shutdown-timeout -1", ">= 0"]),
     (["--api-key", "k", "--api-key-file", "f"], ["--api-key", "--api-key-file"]),
     (["--page-size", "-16"], ["--page-size -16", "positive"]),
     (["--max-running-requests", "0"], ["--max-running-requests 0", "positive"]),

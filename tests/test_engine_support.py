@@ -34,11 +34,34 @@ def make_hybrid_checkpoint(folder: Path):
             if "norm" in name or "dt_bias" in name:
                 p.add_(torch.randn_like(p) * 0.2)
     model.save_pretrained(folder)
+    _save_word_tokenizer(folder)
+    return model
+
+
+def make_dense_checkpoint(folder: Path):
+    """A tiny random Llama (the built-in SmolLM2's architecture) saved by transformers, with the same word-level
+    tokenizer as the tiny hybrid: the dense model of tests that need many fast requests through a real server."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(zlib.crc32(b"engine-dense"))
+    config = LlamaConfig(vocab_size=HYBRID_VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, initializer_range=0.1,
+                         max_position_embeddings=32768, tie_word_embeddings=True)
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():  # larger norms: greedy output that varies (at the default init it repeats one token)
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.mul_(4.0).add_(torch.randn_like(p))
+    model.save_pretrained(folder)
+    _save_word_tokenizer(folder)
+    return model
+
+
+def _save_word_tokenizer(folder: Path) -> None:
     tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(HYBRID_VOCAB)}, unk_token="t0"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
     tok.save(str(folder / "tokenizer.json"))
-    return model
 
 
 def engine(model: str | None, **settings) -> Engine:

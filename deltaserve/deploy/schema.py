@@ -15,6 +15,7 @@
     port = 11434
     mem_fraction = 0.91
     max_total_tokens = 133120
+    shutdown_timeout_s = 30       # on SIGTERM, running requests finish within this; `up` waits that long, and more
 
 Every instance is checked as `deltaserve serve` would check its flags (the same parser, the same EngineConfig), so a
 bad value is refused before anything starts; errors name the file and line.

@@ -31,7 +31,9 @@ from deltaserve.deploy.schema import Deployment, DeployError, Instance, load_dep
 
 HTTP = httpx.Client(trust_env=False)  # the instances and the router are local: never through a proxy
 POLL_S = 0.5
-STOP_GRACE_S = 60.0  # beyond the instances' own shutdown timeouts, before a stopped instance is killed
+# Beyond the longest instance --shutdown-timeout, before a stopped instance is killed: its cut streams' last events
+# (server/drain.py CUT_GRACE_S), uvicorn's wait for slow readers (serve.py GRACEFUL_SHUTDOWN_S), stopping the engine.
+STOP_GRACE_S = 30.0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -188,12 +190,14 @@ class Supervisor:
             self.log(f"could not register {instance.name} with the router: {e}")
 
     def _stop_all(self) -> None:
-        """Router first (no new requests reach the instances), then SIGTERM every instance and wait for it."""
+        """Router first (no new requests reach the instances), then SIGTERM every instance (each drains within its
+    --shutdown-timeout, `shutdown_timeout_s` in the deploy file) and wait for it."""
         if self.router_child is not None:
             self.router_child.signal(signal.SIGTERM)
         for child in self.instances.values():
             child.signal(signal.SIGTERM)
-        deadline = time.monotonic() + STOP_GRACE_S
+        drain_s = max(i.config.shutdown_timeout_s for i in self.deployment.instances)
+        deadline = time.monotonic() + drain_s + STOP_GRACE_S
         children = [*self.instances.values(), *([self.router_child] if self.router_child else [])]
         for child in children:
             if child.process is None:

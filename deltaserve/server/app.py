@@ -34,6 +34,7 @@ from deltaserve.engine.errors import internal_error
 from deltaserve.engine.request import RequestStream, SamplingParams
 from deltaserve.text.tokenizer import ChatTemplateError
 from deltaserve.server import anthropic, protocol, router_info
+from deltaserve.server.drain import REFUSED, RETRY_AFTER_S, Drain, DrainGate
 from deltaserve.server.generation import EventStream, Generation, GenerationFailed, chat_events, completion_events
 from deltaserve.server.chat_setup import OutputRequestError, chat_output
 from deltaserve.server.guard import LOOPBACK_HOSTS, RequestGuard, is_loopback
@@ -67,9 +68,11 @@ class ServerState:
     load_error: BaseException | None = None
     started_s: int = field(default_factory=lambda: int(time.time()))
     metrics: ServerMetrics = field(init=False)
+    drain: Drain = field(init=False)  # serve.py runs it on SIGTERM / SIGINT
 
     def __post_init__(self) -> None:
         self.metrics = ServerMetrics(lambda: self.engine.stats() if self.engine is not None else None)
+        self.drain = Drain(self.config.shutdown_timeout_s, self.log)
 
     def ready_engine(self) -> Engine:
         if self.engine is not None:
@@ -144,12 +147,17 @@ def _read_chat_template(config: EngineConfig) -> str | None:
 
 
 def _add_guards(app: FastAPI, state: ServerState) -> None:
-    """Host, key and content-type checks on every route; CORS only when origins are named (a browser page may
-    then read answers, so it is the operator's explicit choice)."""
+    """Host, key and content-type checks on every route, then the drain's gate (503 while shutting down); CORS only
+    when origins are named (a browser page may then read answers, so it is the operator's explicit choice)."""
     config = state.config
     allowed_hosts = (*LOOPBACK_HOSTS, *config.allowed_hosts) if is_loopback(config.host) else None
+
+    def count_error(status: int, type_: str) -> None:
+        state.metrics.errors.labels(str(status), type_).inc()
+
+    app.add_middleware(DrainGate, drain=state.drain, anthropic_path=ANTHROPIC_PATH, on_error=count_error)
     app.add_middleware(RequestGuard, api_key=config.api_key, allowed_hosts=allowed_hosts,
-                       on_error=lambda status, type_: state.metrics.errors.labels(str(status), type_).inc())
+                       on_error=count_error)
     if config.allowed_origins:
         app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins), allow_methods=["GET", "POST"],
                            allow_headers=["Authorization", "Content-Type", "x-api-key"])
@@ -542,6 +550,8 @@ def _submit(state: ServerState, engine: Engine, prompts: list[list[int]], req, r
     if outside:
         raise ApiError(400, f"logit_bias: token id {outside[0]} is outside the vocabulary (0..{vocab - 1})",
                        param="logit_bias")
+    if state.drain.cut:  # admitted before the drain, but reached the engine after its deadline
+        raise ApiError(503, REFUSED, code="shutting_down", headers={"Retry-After": str(RETRY_AFTER_S)})
     base_id = uuid.uuid4().hex
     streams: list[RequestStream] = []
     choice_prompt = []
@@ -567,7 +577,9 @@ def _submit(state: ServerState, engine: Engine, prompts: list[list[int]], req, r
     except ValueError as e:  # SamplingParams' own checks
         _abort_all(engine, streams)
         raise ApiError(400, str(e)) from None
-    return Generation(engine, state.metrics, prompts, choice_prompt, streams, received_s, state.log)
+    gen = Generation(engine, state.metrics, prompts, choice_prompt, streams, received_s, state.log)
+    state.drain.track(gen)
+    return gen
 
 
 def _abort_all(engine: Engine, streams: list[RequestStream]) -> None:

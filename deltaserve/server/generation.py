@@ -45,6 +45,12 @@ class Generation:
         self._seen_token = [False] * count
         self._closed = False
         self.failed = False
+        self._cut_message: str | None = None  # why the server ended it (shutting down), told to the client
+
+    @property
+    def closed(self) -> bool:
+        """Its response has ended (or is ending): nothing more reaches the client."""
+        return self._closed
 
     @property
     def done(self) -> bool:
@@ -102,6 +108,8 @@ class Generation:
         self.failed = self.failed or out.finish_reason in ("error", "abort")
         if out.finish_reason == "error":
             raise GenerationFailed(f"generation failed: {out.error or 'unknown engine error'}")
+        if out.finish_reason == "abort" and self._cut_message is not None:
+            raise GenerationFailed(self._cut_message, 503, "shutting_down")
         if out.finish_reason == "abort":
             raise GenerationFailed("the request was aborted by the server (shutting down?)", 503, "aborted")
 
@@ -124,6 +132,13 @@ class Generation:
     def prompt_len(self, i: int) -> int:
         """Choice i's prompt tokens as the engine counts them (image tokens included)."""
         return self.engine_prompt_tokens[i] or len(self.prompts[self.choice_prompt[i]])
+
+    def cut(self, message: str) -> None:
+        """End every unfinished choice now, the client told `message` with a 503 (a stream: as its error event)."""
+        self._cut_message = message
+        for stream, reason in zip(self.streams, self.finish_reasons):
+            if reason is None:
+                self.engine.abort(stream.request_id)
 
     def close(self) -> None:
         """Abort every choice that has not finished (the client left, or the request failed); idempotent."""

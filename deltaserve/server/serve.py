@@ -1,10 +1,17 @@
-"""`deltaserve serve`: bind the port, start uvicorn at once, and load the engine behind it (/health 503 till then)."""
+"""`deltaserve serve`: bind the port, start uvicorn at once, and load the engine behind it (/health 503 till then).
+
+SIGTERM or Ctrl-C drains (server/drain.py: 503 to new requests, running ones finish within --shutdown-timeout, the
+rest end with an error event) before uvicorn stops; then the process exits 0. A second signal cuts at once, a
+third quits without waiting.
+"""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import socket
 import sys
+from types import FrameType
 from pathlib import Path
 
 import uvicorn
@@ -12,9 +19,10 @@ import uvicorn
 from deltaserve.config import ConfigError, EngineConfig, add_engine_arguments
 from deltaserve.server.app import create_app
 from deltaserve.server.connections import protocol_class
+from deltaserve.server.drain import Drain
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
-GRACEFUL_SHUTDOWN_S = 5  # open streams are cut after this on Ctrl-C / SIGTERM
+GRACEFUL_SHUTDOWN_S = 5  # after the drain: uvicorn's own wait for connections still open (a client reading slowly)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -40,6 +48,38 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server, whose SIGTERM / SIGINT start the drain instead of closing the socket at once.
+
+    uvicorn re-raises a captured signal after its shutdown (the process then dies by it, exit code -15); a drained
+    server has ended every request in words and exits 0 instead, so the signal is not recorded."""
+
+    def __init__(self, config: uvicorn.Config, drain: Drain):
+        super().__init__(config)
+        self.drain = drain
+        self.signals = 0
+        self._drain_task: asyncio.Task | None = None
+        self._hurried = False
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        # A signal handler: only flags here, the event loop acts on them at its next tick (every 0.1 s).
+        self.signals += 1
+        if self.signals >= 3:
+            self.force_exit = self.should_exit = True
+
+    async def on_tick(self, counter: int) -> bool:
+        if self.signals and self._drain_task is None:
+            self._drain_task = asyncio.create_task(self._drain_then_exit())
+        if self.signals == 2 and not self._hurried:
+            self._hurried = True
+            self.drain.hurry()
+        return await super().on_tick(counter)
+
+    async def _drain_then_exit(self) -> None:
+        await self.drain.run()
+        self.should_exit = True
+
+
 def run(args: argparse.Namespace) -> int:
     """Serve until interrupted; a model that fails to load stops the server and its error is raised here."""
     config = EngineConfig.from_args(args)
@@ -48,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
     sock = bind(config.host, config.port)
     host, port = sock.getsockname()[:2]
     load_errors: list[BaseException] = []
-    server: uvicorn.Server | None = None
+    server: DrainingServer | None = None
 
     def stop(error: BaseException) -> None:
         load_errors.append(error)
@@ -56,8 +96,8 @@ def run(args: argparse.Namespace) -> int:
 
     app = create_app(config, on_load_failure=stop)
     http = protocol_class(config.header_timeout_s, config.max_connections)
-    server = uvicorn.Server(uvicorn.Config(app, http=http, log_level=args.log_level, access_log=not args.no_access_log,
-                                           timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S))
+    server = DrainingServer(uvicorn.Config(app, http=http, log_level=args.log_level, access_log=not args.no_access_log,
+                                           timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S), app.state.server.drain)
     print(f"deltaserve: listening on http://{host}:{port} (GET /health answers 503 until the model has loaded)",
           file=sys.stderr, flush=True)
     server.run(sockets=[sock])
