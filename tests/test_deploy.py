@@ -1,6 +1,6 @@
-"""Deployments: deploy.toml checked before anything starts, planned side by side, and `deltaserve up` for real: two
-instances of the built-in model with different roles behind vllm-router, driven by the `openai` package, one of
-them killed with SIGKILL while requests run."""
+"""Deployments: deploy.toml checked before anything starts, planned side by side, and `deltaserve up` for real: the
+built-in model behind vllm-router, driven by the `openai` package: chat on one instance and agents on two replicas,
+one replica killed with SIGKILL while requests run."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -26,8 +27,8 @@ def plan(path: Path) -> subprocess.CompletedProcess:
                           text=True, timeout=300, cwd=ROOT)
 
 
-def instance(name: str, port: int, **extra) -> str:
-    lines = [f"[instances.{name}]", 'device = "cpu"', f'served_model_name = "{name}"', f"port = {port}",
+def instance(name: str, port: int, role: str | None = None, **extra) -> str:
+    lines = [f"[instances.{name}]", 'device = "cpu"', f'served_model_name = "{role or name}"', f"port = {port}",
              "max_total_tokens = 2048", "max_running_requests = 4", "max_queue = 8"]
     lines += [f"{k} = {v!r}".replace("'", '"') for k, v in extra.items()]
     return "\n".join(lines) + "\n"
@@ -98,49 +99,66 @@ def wait_for(predicate, timeout_s: float, what: str, process: subprocess.Popen |
     raise AssertionError(f"timed out waiting for {what}")
 
 
-def test_up_routes_by_role_and_brings_a_killed_instance_back(tmp_path):
-    ports = {"chat": free_port(), "agents": free_port()}
+def test_up_routes_by_role_retries_on_a_replica_and_brings_a_killed_instance_back(tmp_path):
+    """chat on one instance, agents on two replicas (round robin): each request lands on its role's instances; a
+    replica killed with SIGKILL while requests run costs no request (the router retries them on the other replica);
+    the supervisor brings it back and the router sends to it again."""
+    ports = {"chat": free_port(), "agents1": free_port(), "agents2": free_port()}
     router_port, metrics_port = free_port(), free_port()
     path = tmp_path / "deploy.toml"
-    path.write_text(f'[router]\nport = {router_port}\n\n[supervisor]\nmetrics_port = {metrics_port}\n'
+    path.write_text(f'[router]\nport = {router_port}\npolicy = "round_robin"\n\n[supervisor]\nmetrics_port = {metrics_port}\n'
                     f'log_dir = "{tmp_path / "logs"}"\nmax_restart_backoff_s = 1\n\n'
-                    + instance("chat", ports["chat"]) + "\n" + instance("agents", ports["agents"]))
+                    + instance("chat", ports["chat"]) + "\n"
+                    + instance("agents1", ports["agents1"], "agents") + "\n"
+                    + instance("agents2", ports["agents2"], "agents"))
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     up = subprocess.Popen([sys.executable, "-m", "deltaserve.cli", "up", str(path)], cwd=ROOT, env=env,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    urls = {role: f"http://127.0.0.1:{port}" for role, port in ports.items()}
-    client = openai.OpenAI(base_url=f"http://127.0.0.1:{router_port}/v1", api_key="-", max_retries=0, timeout=120)
+    urls = {name: f"http://127.0.0.1:{port}" for name, port in ports.items()}
+    role_of = {"chat": "chat", "agents1": "agents", "agents2": "agents"}
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{router_port}/v1", api_key="-", max_retries=0, timeout=300)
 
-    def ask(role: str) -> str:
-        reply = client.chat.completions.create(model=role, messages=[{"role": "user", "content": "Hi"}],
+    def ask(role: str, text: str = "Hi") -> str:
+        reply = client.chat.completions.create(model=role, messages=[{"role": "user", "content": text}],
                                                max_tokens=4, temperature=0)
         return reply.model
 
+    def served() -> dict[str, float]:
+        return {name: metric(url, "deltaserve_http_requests_total") for name, url in urls.items()}
+
     try:
         wait_for(lambda: ask("chat") == "chat", 600, "the deployment to answer", up)
-        for role in ("chat", "agents", "chat", "agents"):
-            before = {r: metric(u, "deltaserve_http_requests_total") for r, u in urls.items()}
+        for role in ("chat", "agents", "chat", "agents", "agents"):
+            before = served()
             assert ask(role) == role
-            after = {r: metric(u, "deltaserve_http_requests_total") for r, u in urls.items()}
-            assert after[role] == before[role] + 1 and all(after[r] == before[r] for r in urls if r != role)
+            after = served()
+            grew = [name for name in urls if after[name] != before[name]]
+            assert len(grew) == 1 and role_of[grew[0]] == role and after[grew[0]] == before[grew[0]] + 1, (role, grew)
 
-        victim = httpx.get(urls["agents"] + "/server_info", timeout=10, trust_env=False).json()
+        victim = httpx.get(urls["agents1"] + "/server_info", timeout=10, trust_env=False).json()
         assert victim["served_model_name"] == "agents"
-        pid = _listener_pid(ports["agents"])
-        os.kill(pid, signal.SIGKILL)
-        # a request for the dead role meanwhile: answered (by the restarted instance) or a clean error, never a hang
-        started = time.monotonic()
-        try:
-            assert ask("agents") == "agents"
-        except openai.APIStatusError as e:
-            assert e.status_code >= 500 and e.message, e
-        assert time.monotonic() - started < 120
-        # the chat role is untouched meanwhile
-        assert ask("chat") == "chat"
-        wait_for(lambda: metric(f"http://127.0.0.1:{metrics_port}", 'deltaserve_deploy_restarts_total{instance="agents"}') >= 1,
+        pid = _listener_pid(ports["agents1"])
+        survivor_before = served()["agents2"]
+        with ThreadPoolExecutor(6) as pool:
+            running = [pool.submit(ask, "agents", f"Hi {i}") for i in range(6)]
+            time.sleep(0.5)
+            os.kill(pid, signal.SIGKILL)
+            # not one request is lost: those not yet answered by the dead replica are retried on the other
+            assert [f.result() for f in running] == ["agents"] * 6
+        assert served()["agents2"] > survivor_before
+        assert ask("chat") == "chat"  # the chat role is untouched meanwhile
+        wait_for(lambda: metric(f"http://127.0.0.1:{metrics_port}", 'deltaserve_deploy_restarts_total{instance="agents1"}') >= 1,
                  60, "the supervisor to count the restart", up)
-        wait_for(lambda: ask("agents") == "agents", 600, "the restarted instance to answer through the router", up)
-        assert _listener_pid(ports["agents"]) != pid
+        wait_for(lambda: httpx.get(urls["agents1"] + "/health", timeout=5, trust_env=False).status_code == 200,
+                 600, "the killed replica to come back", up)
+        assert _listener_pid(ports["agents1"]) != pid
+
+        def back_in_rotation() -> bool:
+            before = served()["agents1"]
+            ask("agents")
+            return served()["agents1"] > before
+
+        wait_for(back_in_rotation, 300, "the router to send to the restarted replica again", up)
     finally:
         up.send_signal(signal.SIGTERM)
         try:
@@ -149,7 +167,7 @@ def test_up_routes_by_role_and_brings_a_killed_instance_back(tmp_path):
             up.kill()
             output, _ = up.communicate()
     assert up.returncode == 0, output[-3000:]
-    assert "agents exited" in output and "agents is back" in output, output[-3000:]
+    assert "agents1 exited" in output and "agents1 is back" in output, output[-3000:]
     for url in urls.values():
         with pytest.raises(httpx.ConnectError):
             httpx.get(url + "/health", timeout=2, trust_env=False)

