@@ -176,7 +176,8 @@ def test_anthropic_text_and_count_tokens(claude):
     assert [b.type for b in reply.content] == ["text"] and reply.content[0].text
     assert reply.stop_reason in ("end_turn", "max_tokens")
     count = claude.messages.count_tokens(model="SmolLM2-135M-Instruct", messages=messages, system="Be brief.")
-    assert count.input_tokens == reply.usage.input_tokens > 0
+    # the prompt is read (input_tokens) or taken from the prefix cache (cache_read_input_tokens)
+    assert count.input_tokens == reply.usage.input_tokens + reply.usage.cache_read_input_tokens > 0
     # A stop sequence taken from the answer itself ends the next (identical, greedy) answer there.
     words = [w for w in reply.content[0].text.split() if len(w) > 2]
     if words and reply.stop_reason == "max_tokens":
@@ -194,6 +195,11 @@ def test_anthropic_forced_tool_use(claude):
     uses = [b for b in reply.content if b.type == "tool_use"]
     assert len(uses) == 1 and uses[0].name == "read_file" and uses[0].id.startswith("toolu_")
     jsonschema.validate(uses[0].input, READ_SCHEMA)
+
+
+def sum_input(usage) -> int:
+    """The prompt's tokens: those read and those the prefix cache supplied."""
+    return usage.input_tokens + (usage.cache_read_input_tokens or 0)
 
 
 def test_anthropic_stream_events_and_multi_turn(claude):
@@ -215,7 +221,8 @@ def test_anthropic_stream_events_and_multi_turn(claude):
     second = claude.messages.create(model="SmolLM2-135M-Instruct", max_tokens=120, messages=messages,
                                     tools=ANTHROPIC_TOOLS, tool_choice={"type": "tool", "name": "run"},
                                     extra_body=GREEDY)
-    assert second.stop_reason == "tool_use" and second.usage.input_tokens > final.usage.input_tokens
+    assert second.stop_reason == "tool_use"
+    assert sum_input(second.usage) > sum_input(final.usage) and second.usage.cache_read_input_tokens > 0
     messages += [{"role": "assistant", "content": [b.model_dump() for b in second.content]},
                  {"role": "user", "content": [{"type": "tool_result", "tool_use_id": second.content[-1].id,
                                                "content": "done"}, {"type": "text", "text": "Summarise."}]}]

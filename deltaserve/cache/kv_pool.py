@@ -130,6 +130,15 @@ class KVPool:
                 released += 1
         return released
 
+    def copy_tokens(self, src_page: int, dst_page: int, num_tokens: int) -> None:
+        """Copy the K and V of the first `num_tokens` tokens of one page onto another (a shared page's copy on
+        write), in every attention layer."""
+        ps = self.page_size
+        src, dst = slice(src_page * ps, src_page * ps + num_tokens), slice(dst_page * ps, dst_page * ps + num_tokens)
+        for t in self.k + self.v:
+            if t is not None:
+                t[dst].copy_(t[src])
+
     def refcount(self, page: int) -> int:
         return self._refcount[page]
 

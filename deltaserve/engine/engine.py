@@ -148,8 +148,11 @@ class Engine:
 
     # -- requests ---------------------------------------------------------------------------------------------
 
-    def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> RequestStream:
-        """Queue a request (thread-safe): its stream, or RequestRefused / QueueFull at once."""
+    def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
+               boundaries: tuple[int, ...] = ()) -> RequestStream:
+        """Queue a request (thread-safe): its stream, or RequestRefused / QueueFull at once.
+
+        `boundaries`: prompt positions where chat messages end, where the prefix cache keeps GDN checkpoints."""
         prompt_ids = [int(t) for t in prompt_ids]
         if not prompt_ids:
             raise RequestRefused("the prompt is empty: send at least one token", 400, "invalid_prompt")
@@ -174,7 +177,8 @@ class Engine:
                 max_new_tokens=min(reservation.max_new_tokens, self.context_length - len(prompt_ids)),
                 reserved_pages=reservation.kv_pages, stream=RequestStream(request_id), tokenizer=self.tokenizer,
                 eos_token_ids=self.eos_token_ids, generator=torch.Generator(self.device).manual_seed(seed),
-                arrival_s=time.monotonic(), reservation=reservation, grammar=grammar)
+                arrival_s=time.monotonic(), reservation=reservation, grammar=grammar,
+                boundaries=tuple(sorted({int(b) for b in boundaries if 0 < b <= len(prompt_ids)})))
             self._live[request_id] = request
             self.scheduler.add(request)
             self._cond.notify_all()
