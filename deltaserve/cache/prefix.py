@@ -275,16 +275,31 @@ class PrefixCache:
         return node.is_leaf and self.kv_pool.refcount(node.page) == self._holders[node.page]
 
     def _order(self, candidates: list[Node], useless=lambda node: False) -> list[Node]:
-        """Candidates in eviction order: least recently used first ("lru"), or (Marconi) useless ones first, then
-        by recency plus compute saved per byte, both scaled to [0, 1] over the candidates."""
+        """Candidates in eviction order: least recently used first ("lru"), or (Marconi) useless ones first (by
+        recency), then by recency plus compute saved per byte, both scaled to [0, 1] over the candidates."""
         if self.eviction == "lru":
             return sorted(candidates, key=lambda n: n.last_used)
         lo = min(n.last_used for n in candidates)
         span = max(max(n.last_used for n in candidates) - lo, 1)
         deepest = max(max(n.depth for n in candidates), 1)
-        # one page or one checkpoint has a fixed size: the compute a hit saves per byte goes as the prefix's tokens
-        return sorted(candidates, key=lambda n: -1.0 if useless(n) else
-                      (n.last_used - lo) / span + MARCONI_ALPHA * n.depth / deepest)
+
+        def score(n: Node) -> float:
+            recency = (n.last_used - lo) / span
+            # one page or one checkpoint has a fixed size: the compute a hit saves per byte goes as the prefix's
+            # tokens
+            return recency - 2.0 if useless(n) else recency + MARCONI_ALPHA * n.depth / deepest
+
+        return sorted(candidates, key=score)
+
+    def _shadowed(self, node: Node) -> bool:
+        """Whether a deeper checkpoint lies below `node` with no branch between: every hit through `node` that
+        goes on down that path takes the deeper one, so this one only serves a prompt that diverges in between
+        (Marconi keeps states where the tree branches)."""
+        while len(node.children) + len(node.partials) == 1:
+            node = next(node.all_children())
+            if node.has_checkpoint:
+                return True
+        return False
 
     def evict(self, num_pages: int) -> int:
         """Free up to `num_pages` pages the tree alone holds, leaves first; returns how many were freed."""
@@ -306,7 +321,7 @@ class PrefixCache:
         held = [n for n in self._nodes if n.has_checkpoint and n is not keep]
         if not held:
             return False
-        victim = self._order(held)[0]
+        victim = self._order(held, useless=self._shadowed)[0]
         self.checkpoints.release(victim)
         victim.has_checkpoint = False
         self.evicted_checkpoints_total += 1
