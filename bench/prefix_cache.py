@@ -88,17 +88,23 @@ def reusable(prompts: list[list[int]]) -> list[int]:
     return out
 
 
-def run(eng, sent) -> list[tuple[float, int]]:
-    """(seconds to the first token, cached tokens) per prompt, one request at a time."""
-    results = []
+def send(eng, prompt: list[int], boundaries: tuple[int, ...]) -> tuple[float, float, int]:
+    """(wall seconds to the first token, CPU seconds of this process meanwhile, cached tokens) of one request."""
+    wall, cpu = time.perf_counter(), time.process_time()
+    stream = eng.submit(prompt, SamplingParams(max_tokens=1, temperature=0, ignore_eos=True), boundaries=boundaries)
+    while not stream.finished:
+        eng.step()
+    outs = stream.drain()
+    return time.perf_counter() - wall, time.process_time() - cpu, outs[-1].cached_tokens
+
+
+def run(engines: dict, sent) -> dict[str, list[tuple[float, float, int]]]:
+    """Each prompt sent to every engine in turn, back to back: on a shared machine the load drifts, and the
+    engines compared should meet the same load."""
+    results = {name: [] for name in engines}
     for _, prompt, boundaries in sent:
-        started = time.perf_counter()
-        stream = eng.submit(prompt, SamplingParams(max_tokens=1, temperature=0, ignore_eos=True),
-                            boundaries=boundaries)
-        while not stream.finished:
-            eng.step()
-        outs = stream.drain()
-        results.append((time.perf_counter() - started, outs[-1].cached_tokens))
+        for name, eng in engines.items():
+            results[name].append(send(eng, prompt, boundaries))
     return results
 
 
@@ -120,34 +126,40 @@ def main() -> None:
         make_hybrid_checkpoint(Path(folder))
         common = dict(max_total_tokens=args.pool_tokens or args.max_tokens + 4096, max_running_requests=2,
                       prefill_chunk_tokens=512)
-        runs = {}
+        engines = {}
         for policy in args.eviction:
-            cached = engine(folder, prefix_cache=True, checkpoint_slots=args.checkpoint_slots, **common)
-            cached.prefix_cache.eviction = policy
-            runs[policy] = (run(cached, sent), cached)
-        without = None if args.no_plain else run(engine(folder, prefix_cache=False, **common), sent)
-    for policy, (with_cache, cached) in runs.items():
+            engines[policy] = engine(folder, prefix_cache=True, checkpoint_slots=args.checkpoint_slots, **common)
+            engines[policy].prefix_cache.eviction = policy
+        if not args.no_plain:
+            engines["plain"] = engine(folder, prefix_cache=False, **common)
+        results = run(engines, sent)
+    without = results.get("plain")
+    for policy in args.eviction:
+        with_cache, cached = results[policy], engines[policy]
         print(f"\n== eviction {policy}: checkpoint slots {args.checkpoint_slots}, KV pool {common['max_total_tokens']}")
         print(f"{'#':>3} {'who':>7} {'tokens':>7} {'reusable':>8} {'cached':>7} {'TTFT cached s':>13} "
-              f"{'TTFT plain s':>12} {'speedup':>7}")
-        long_speedups = []
+              f"{'TTFT plain s':>12} {'speedup':>7} {'CPU s ratio':>11}")
+        long_speedups, long_cpu = [], []
         for i, (who, p, _) in enumerate(sent):
-            t, hit = with_cache[i]
-            t0 = without[i][0] if without else float("nan")
-            print(f"{i:>3} {who:>7} {len(p):>7} {reuse[i]:>8} {hit:>7} {t:>13.3f} {t0:>12.3f} {t0 / t:>7.1f}")
-            if who == "main" and len(p) >= LONG_HISTORY_TOKENS and without:
+            t, cpu, hit = with_cache[i]
+            t0, cpu0 = (without[i][0], without[i][1]) if without else (float("nan"), float("nan"))
+            print(f"{i:>3} {who:>7} {len(p):>7} {reuse[i]:>8} {hit:>7} {t:>13.3f} {t0:>12.3f} {t0 / t:>7.1f} "
+                  f"{cpu0 / cpu:>11.1f}")
+            if who == "main" and reuse[i] >= LONG_HISTORY_TOKENS and without:
                 long_speedups.append(t0 / t)
+                long_cpu.append(cpu0 / cpu)
         ckpt = cached.checkpoint_pool
-        hits = sum(h for _, h in with_cache)
+        hits = sum(h for _, _, h in with_cache)
         computed = sum(len(p) for _, p, _ in sent) - hits
         print(f"hit rate over reusable tokens: {hits / max(sum(reuse), 1):.1%} ({hits:,} of {sum(reuse):,}); "
-              f"prompt tokens computed: {computed:,}; checkpoints evicted: {cached.prefix_cache.evicted_checkpoints_total}, "
-              f"pages evicted: {cached.prefix_cache.evicted_pages_total}")
+              f"prompt tokens computed: {computed:,}; checkpoints evicted: "
+              f"{cached.prefix_cache.evicted_checkpoints_total}, pages evicted: {cached.prefix_cache.evicted_pages_total}")
         print(f"checkpoint pool: {ckpt.used_slots}/{ckpt.num_slots} checkpoints, {ckpt.bytes:,} bytes "
               f"({ckpt.bytes_per_checkpoint:,} per checkpoint)")
         if long_speedups:
             print(f"TTFT speedup at >= {LONG_HISTORY_TOKENS} tokens of history: min {min(long_speedups):.1f}x, "
-                  f"median {statistics.median(long_speedups):.1f}x over {len(long_speedups)} turns")
+                  f"median {statistics.median(long_speedups):.1f}x over {len(long_speedups)} turns (CPU seconds: "
+                  f"min {min(long_cpu):.1f}x, median {statistics.median(long_cpu):.1f}x)")
 
 
 if __name__ == "__main__":
