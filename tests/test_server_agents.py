@@ -6,13 +6,17 @@ template texts in test_text_parsers.py. Arguments are checked with `jsonschema`,
 """
 
 import json
+import os
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import jsonschema
 import openai
 import pytest
 
-from server_util import SMALL_POOL, assert_openai_error, running_server
+from server_util import SMALL_POOL, assert_openai_error, hf_tokenizer, running_server
 
 TEMPLATE = Path(__file__).parent / "data" / "chat_templates" / "qwen3.jinja"
 READ_SCHEMA = {"type": "object", "additionalProperties": False, "required": ["path", "line"], "properties": {
@@ -100,29 +104,71 @@ def test_response_format_json_schema_strict(client):
         assert isinstance(json.loads(reply.choices[0].message.content), dict)
 
 
-def test_multi_turn_agent_exchange_renders_prior_calls(client, server):
-    """call -> tool result -> next call -> answer; prior calls and results are rendered as the template writes."""
+@pytest.fixture(scope="module")
+def oracle():
+    """The conversation as transformers renders it with the same template file, as text and as token ids of the
+    built-in model's own Hugging Face tokenizer: what the server must render, found independently."""
+    hf_tok, template = hf_tokenizer(), TEMPLATE.read_text()
+
+    def render(messages: list[dict], tokenize: bool = False):
+        out = hf_tok.apply_chat_template(messages, tools=TOOLS, chat_template=template, add_generation_prompt=True,
+                                         tokenize=tokenize)
+        return out if not tokenize or isinstance(out, list) else list(out["input_ids"])
+    return render
+
+
+def as_template_call(call: dict) -> dict:
+    """A prior call as transformers' chat templates take it: arguments as an object, not a JSON string."""
+    function = call["function"]
+    return {"id": call["id"], "type": "function",
+            "function": {"name": function["name"], "arguments": json.loads(function["arguments"])}}
+
+
+THOUGHTS = ["The user wants line 3, so read the file first.", "Line 3 assigns x; run it to see what it does."]
+
+
+def test_multi_turn_agent_exchange_renders_prior_calls_and_reasoning(client, server, oracle):
+    """call -> tool result -> next call -> tool result -> answer -> next question, through the openai package; each
+    assistant turn goes back with the reasoning a thinking model would have returned beside its call. The prompt
+    the server renders (/tokenize, /detokenize) equals transformers' rendering of the same conversation: prior calls
+    as the template writes them, reasoning kept for the turns after the last user query, dropped once a new query
+    comes."""
     model = client.models.list().data[0].id
-    messages = list(ASK)
-    for name in ("read_file", "run"):
+    messages, expected = list(ASK), list(ASK)  # what the client sends; what the oracle renders
+    for name, thought in zip(("read_file", "run"), THOUGHTS):
         reply = client.chat.completions.create(model=model, messages=messages, tools=TOOLS, max_tokens=120,
                                                temperature=0, tool_choice={"type": "function",
                                                                            "function": {"name": name}})
         message = reply.choices[0].message
         check_calls(message.tool_calls, {name})
-        messages.append(message.model_dump(exclude_none=True))
-        messages.append({"role": "tool", "tool_call_id": message.tool_calls[0].id, "content": "x = 3"})
+        sent = {**message.model_dump(exclude_none=True), "reasoning_content": thought}
+        result = {"role": "tool", "tool_call_id": message.tool_calls[0].id, "content": f"x = {len(messages)}"}
+        messages += [sent, result]
+        expected += [{"role": "assistant", "content": message.content or "", "reasoning_content": thought,
+                      "tool_calls": [as_template_call(c) for c in sent["tool_calls"]]}, result]
     answer = client.chat.completions.create(model=model, messages=messages, tools=TOOLS, tool_choice="none",
                                             max_tokens=20, temperature=0)
     assert answer.choices[0].finish_reason in ("stop", "length") and not answer.choices[0].message.tool_calls
-    rendered = server.post("/tokenize", json={"messages": messages, "tools": TOOLS}).json()
-    prompt = server.post("/detokenize", json={"tokens": rendered["tokens"]}).json()["prompt"]
-    for message in messages[2::2]:  # each prior call as the template writes it: JSON inside <tool_call> tags
+    messages.append({"role": "assistant", "content": answer.choices[0].message.content or ""})
+    expected.append(messages[-1])
+
+    def rendered(conversation: list[dict]) -> tuple[dict, str]:
+        tokens = server.post("/tokenize", json={"messages": conversation, "tools": TOOLS}).json()
+        return tokens, server.post("/detokenize", json={"tokens": tokens["tokens"]}).json()["prompt"]
+
+    tokens, prompt = rendered(messages)
+    assert prompt == oracle(expected)
+    assert tokens["tokens"] == oracle(expected, tokenize=True)
+    assert tokens["count"] == len(tokens["tokens"]) and tokens["max_model_len"] > tokens["count"]
+    for message in expected[2::2][:2]:  # each prior call as the template writes it: JSON inside <tool_call> tags
         call = message["tool_calls"][0]["function"]
-        arguments = json.dumps(json.loads(call["arguments"]), ensure_ascii=False)
+        arguments = json.dumps(call["arguments"], ensure_ascii=False)
         assert f'<tool_call>\n{{"name": "{call["name"]}", "arguments": {arguments}}}\n</tool_call>' in prompt
-    assert prompt.count("<tool_response>\nx = 3\n</tool_response>") == 2
-    assert rendered["count"] == len(rendered["tokens"]) and rendered["max_model_len"] > rendered["count"]
+    assert all(f"<think>\n{thought}\n</think>" in prompt for thought in THOUGHTS)
+    follow = {"role": "user", "content": "Thanks. And line 4?"}
+    _, prompt = rendered(messages + [follow])
+    assert prompt == oracle(expected + [follow])
+    assert not any(thought in prompt for thought in THOUGHTS)  # a new query: earlier turns drop their reasoning
 
 
 def test_thinking_is_split_and_can_be_switched_off(client, server):
@@ -168,6 +214,11 @@ def claude(server):
     return anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0, timeout=300)
 
 
+def sum_input(usage) -> int:
+    """The prompt's tokens: those read and those the prefix cache supplied."""
+    return usage.input_tokens + (usage.cache_read_input_tokens or 0)
+
+
 def test_anthropic_text_and_count_tokens(claude):
     messages = [{"role": "user", "content": "Name a colour."}]
     reply = claude.messages.create(model="SmolLM2-135M-Instruct", max_tokens=12, messages=messages,
@@ -177,7 +228,7 @@ def test_anthropic_text_and_count_tokens(claude):
     assert reply.stop_reason in ("end_turn", "max_tokens")
     count = claude.messages.count_tokens(model="SmolLM2-135M-Instruct", messages=messages, system="Be brief.")
     # the prompt is read (input_tokens) or taken from the prefix cache (cache_read_input_tokens)
-    assert count.input_tokens == reply.usage.input_tokens + reply.usage.cache_read_input_tokens > 0
+    assert count.input_tokens == sum_input(reply.usage) > 0
     # A stop sequence taken from the answer itself ends the next (identical, greedy) answer there.
     words = [w for w in reply.content[0].text.split() if len(w) > 2]
     if words and reply.stop_reason == "max_tokens":
@@ -197,16 +248,16 @@ def test_anthropic_forced_tool_use(claude):
     jsonschema.validate(uses[0].input, READ_SCHEMA)
 
 
-def sum_input(usage) -> int:
-    """The prompt's tokens: those read and those the prefix cache supplied."""
-    return usage.input_tokens + (usage.cache_read_input_tokens or 0)
-
-
-def test_anthropic_stream_events_and_multi_turn(claude):
-    """any-tool call streamed with the SDK helper, its result sent back, a named call, then a plain answer."""
-    messages = list(ASK[1:])
-    with claude.messages.stream(model="SmolLM2-135M-Instruct", max_tokens=160, messages=messages,
-                                tools=ANTHROPIC_TOOLS, tool_choice={"type": "any"}, extra_body=GREEDY) as stream:
+def test_anthropic_stream_events_and_multi_turn(claude, oracle):
+    """any-tool call streamed with the SDK helper, its result sent back, a named call, then a plain answer; each
+    assistant turn goes back with a thinking block. The server's prompt is the one transformers renders from the
+    same conversation in OpenAI terms (thinking as reasoning_content, tool_use as tool_calls, tool_result as tool
+    messages): equal token counts from count_tokens and from the answer's usage, and thinking counts only for the
+    turns after the last user query."""
+    model = "SmolLM2-135M-Instruct"
+    messages, expected = list(ASK[1:]), list(ASK[1:])
+    with claude.messages.stream(model=model, max_tokens=160, messages=messages, tools=ANTHROPIC_TOOLS,
+                                tool_choice={"type": "any"}, extra_body=GREEDY) as stream:
         kinds = [event.type for event in stream]
         final = stream.get_final_message()
     assert kinds[0] == "message_start" and kinds[-1] == "message_stop" and "message_delta" in kinds
@@ -215,20 +266,42 @@ def test_anthropic_stream_events_and_multi_turn(claude):
     uses = [b for b in final.content if b.type == "tool_use"]
     for use in uses:
         jsonschema.validate(use.input, SCHEMAS[use.name])
-    messages += [{"role": "assistant", "content": [b.model_dump() for b in final.content]},
-                 {"role": "user", "content": [{"type": "tool_result", "tool_use_id": u.id, "content": "x = 3"}
-                                              for u in uses]}]
-    second = claude.messages.create(model="SmolLM2-135M-Instruct", max_tokens=120, messages=messages,
-                                    tools=ANTHROPIC_TOOLS, tool_choice={"type": "tool", "name": "run"},
-                                    extra_body=GREEDY)
+
+    def send_back(reply, thought: str) -> None:
+        """The reply as the next request's assistant turn, with a thinking block, and a result for each call."""
+        blocks = [b.model_dump() for b in reply.content]
+        uses = [b for b in blocks if b["type"] == "tool_use"]
+        messages.extend([{"role": "assistant", "content": [{"type": "thinking", "thinking": thought,
+                                                             "signature": ""}] + blocks},
+                         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": u["id"],
+                                                       "content": "x = 3"} for u in uses]}])
+        expected.append({"role": "assistant", "reasoning_content": thought,
+                         "content": "".join(b["text"] for b in blocks if b["type"] == "text"),
+                         "tool_calls": [{"id": u["id"], "type": "function",
+                                         "function": {"name": u["name"], "arguments": u["input"]}} for u in uses]})
+        expected.extend({"role": "tool", "tool_call_id": u["id"], "content": "x = 3"} for u in uses)
+
+    send_back(final, THOUGHTS[0])
+    second = claude.messages.create(model=model, max_tokens=120, messages=messages, tools=ANTHROPIC_TOOLS,
+                                    tool_choice={"type": "tool", "name": "run"}, extra_body=GREEDY)
     assert second.stop_reason == "tool_use"
     assert sum_input(second.usage) > sum_input(final.usage) and second.usage.cache_read_input_tokens > 0
-    messages += [{"role": "assistant", "content": [b.model_dump() for b in second.content]},
-                 {"role": "user", "content": [{"type": "tool_result", "tool_use_id": second.content[-1].id,
-                                               "content": "done"}, {"type": "text", "text": "Summarise."}]}]
-    answer = claude.messages.create(model="SmolLM2-135M-Instruct", max_tokens=10, messages=messages,
-                                    tools=ANTHROPIC_TOOLS, extra_body=GREEDY)
+    send_back(second, THOUGHTS[1])
+    answer = claude.messages.create(model=model, max_tokens=10, messages=messages, tools=ANTHROPIC_TOOLS,
+                                    extra_body=GREEDY)
     assert answer.stop_reason in ("end_turn", "max_tokens")
+    expected_ids = oracle(expected, tokenize=True)
+    assert sum_input(answer.usage) == len(expected_ids)
+    count = claude.messages.count_tokens(model=model, messages=messages, tools=ANTHROPIC_TOOLS).input_tokens
+    assert count == len(expected_ids)
+    unthought = [{**m, "content": [b for b in m["content"] if b["type"] != "thinking"]}
+                 if m["role"] == "assistant" else m for m in messages]
+    assert claude.messages.count_tokens(model=model, messages=unthought, tools=ANTHROPIC_TOOLS).input_tokens < count
+    follow = {"role": "user", "content": "Thanks. Summarise."}
+    count = claude.messages.count_tokens(model=model, messages=messages + [follow], tools=ANTHROPIC_TOOLS)
+    assert count.input_tokens == len(oracle(expected + [follow], tokenize=True))
+    assert count.input_tokens == claude.messages.count_tokens(  # a new query: earlier thinking is dropped
+        model=model, messages=unthought + [follow], tools=ANTHROPIC_TOOLS).input_tokens
 
 
 def test_anthropic_errors_in_its_shape(server, claude):
@@ -247,50 +320,196 @@ def test_anthropic_errors_in_its_shape(server, claude):
     assert server.get("/health").status_code == 200
 
 
+# -- curl, with the body in a file as users send large ones -------------------------------------------------
+
+def curl_stream(server, path: str, body: dict, tmp_path: Path) -> str:
+    """What `curl -N -d @body.json` prints for a POST of `body` (it fails the test on an HTTP error)."""
+    file = tmp_path / "body.json"
+    file.write_text(json.dumps(body))
+    done = subprocess.run(["curl", "-sS", "-N", "--fail-with-body", "-H", "Content-Type: application/json",
+                           "-d", f"@{file}", server.url + path], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr + done.stdout
+    return done.stdout
+
+
+@pytest.mark.skipif(shutil.which("curl") is None, reason="curl is not installed")
+def test_curl_streams_forced_calls_on_both_apis(server, tmp_path):
+    """A named call streamed to curl by each API: OpenAI chunks whose argument fragments join into valid arguments
+    and finish with tool_calls; Anthropic's event sequence whose input_json_delta pieces do the same."""
+    chunks = sse_chunks(curl_stream(server, "/v1/chat/completions", {
+        "messages": ASK, "tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "run"}},
+        "stream": True, "max_tokens": 80, "temperature": 0}, tmp_path).encode())
+    pieces = [tc for c in chunks for ch in c["choices"] for tc in ch["delta"].get("tool_calls") or []]
+    assert pieces[0]["function"]["name"] == "run" and pieces[0]["id"].startswith("call_")
+    jsonschema.validate(json.loads("".join(p["function"].get("arguments") or "" for p in pieces)), RUN_SCHEMA)
+    assert [ch["finish_reason"] for c in chunks for ch in c["choices"] if ch["finish_reason"]] == ["tool_calls"]
+
+    text = curl_stream(server, "/v1/messages", {
+        "model": "SmolLM2-135M-Instruct", "max_tokens": 80, "messages": ASK[1:], "tools": ANTHROPIC_TOOLS,
+        "tool_choice": {"type": "tool", "name": "read_file"}, "stream": True, "temperature": 0}, tmp_path)
+    events = []
+    for block in text.strip().split("\n\n"):
+        name, data = block.split("\n")
+        assert name.startswith("event: ") and data.startswith("data: "), block
+        events.append((name[len("event: "):], json.loads(data[len("data: "):])))
+    names = [name for name, _ in events]
+    assert names[:2] == ["message_start", "ping"] and names[-2:] == ["message_delta", "message_stop"]
+    assert all(data["type"] == name for name, data in events)
+    starts = [data["content_block"] for name, data in events if name == "content_block_start"]
+    assert [b["type"] for b in starts] == ["tool_use"] and starts[0]["name"] == "read_file"
+    partial = "".join(data["delta"]["partial_json"] for name, data in events if name == "content_block_delta")
+    jsonschema.validate(json.loads(partial), READ_SCHEMA)
+    assert events[-2][1]["delta"]["stop_reason"] == "tool_use"
+
+
 # -- opencode (npm opencode-ai) as the client ---------------------------------------------------------------
 
 def opencode_binary() -> str | None:
-    """OPENCODE_BIN, or `opencode` on PATH (npm install -g opencode-ai); None skips the test."""
-    import os
-    import shutil
+    """OPENCODE_BIN, else the opencode `make install` puts beside the venv (npm's opencode-ai under <venv>/node),
+    else `opencode` on PATH; None skips the test."""
+    local = Path(sys.prefix) / "node" / "node_modules" / ".bin" / "opencode"
+    return os.environ.get("OPENCODE_BIN") or (str(local) if local.exists() else None) or shutil.which("opencode")
 
-    return os.environ.get("OPENCODE_BIN") or shutil.which("opencode")
+
+# opencode, offline: no update check, no models.dev catalogue, no sharing, no LSP or plugin downloads, no Claude
+# Code files from the home folder; its config, data and cache live in the test's own folder.
+OPENCODE_OFFLINE = {"OPENCODE_DISABLE_AUTOUPDATE": "1", "OPENCODE_DISABLE_MODELS_FETCH": "1",
+                    "OPENCODE_DISABLE_SHARE": "1", "OPENCODE_DISABLE_LSP_DOWNLOAD": "1",
+                    "OPENCODE_DISABLE_DEFAULT_PLUGINS": "1", "OPENCODE_DISABLE_CLAUDE_CODE": "1",
+                    "OPENCODE_DISABLE_EXTERNAL_SKILLS": "1"}
 
 
-@pytest.mark.skipif(opencode_binary() is None, reason="opencode not installed (npm install -g opencode-ai), "
-                                                      "or set OPENCODE_BIN")
+class RecordingProxy:
+    """A pass-through HTTP proxy on 127.0.0.1 in front of the server that keeps every exchange: method, path,
+    request body, status and response body. Responses are relayed chunk by chunk as they arrive (streams stay
+    streams) and the connection is closed after each (HTTP/1.0)."""
+
+    def __init__(self, upstream: str):
+        import http.server
+        import threading
+
+        import httpx
+
+        self.exchanges: list[dict] = []
+        proxy = self
+
+        class Relay(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def relay(self):
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                headers = {k: v for k, v in self.headers.items() if k.lower() not in ("host", "connection")}
+                record = {"method": self.command, "path": self.path, "request": body, "status": None,
+                          "response": b""}
+                proxy.exchanges.append(record)
+                with httpx.stream(self.command, upstream + self.path, content=body, headers=headers,
+                                  timeout=600, trust_env=False) as answer:
+                    record["status"] = answer.status_code
+                    self.send_response(answer.status_code)
+                    for key, value in answer.headers.items():
+                        if key.lower() not in ("content-length", "transfer-encoding", "connection"):
+                            self.send_header(key, value)
+                    self.end_headers()
+                    for chunk in answer.iter_raw():
+                        record["response"] += chunk
+                        self.wfile.write(chunk)
+                        self.wfile.flush()
+
+            do_GET = do_POST = relay
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Relay)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+    def log(self) -> str:
+        """One block per exchange: the request's gist, the status, and the answer (a stream as its chunk count,
+        text, finish reasons and usage)."""
+        blocks = []
+        for x in self.exchanges:
+            try:
+                body = json.loads(x["request"] or b"{}")
+            except ValueError:
+                body = {"unparsed": x["request"][:200].decode(errors="replace")}
+            gist = {k: body[k] for k in ("model", "stream", "max_tokens", "tool_choice") if k in body}
+            gist["messages"] = [m.get("role") for m in body.get("messages", [])]
+            gist["tools"] = [t.get("function", {}).get("name") for t in body.get("tools", [])]
+            answer = x["response"].decode(errors="replace")
+            if body.get("stream") and x["status"] == 200:
+                chunks = sse_chunks(x["response"])
+                answer = json.dumps({"chunks": len(chunks), "usage": chunks[-1].get("usage"),
+                                     "finish_reasons": [ch["finish_reason"] for c in chunks for ch in c["choices"]
+                                                        if ch["finish_reason"]],
+                                     "content": "".join(ch["delta"].get("content") or "" for c in chunks
+                                                        for ch in c["choices"])})
+            blocks.append(f"> {x['method']} {x['path']} {json.dumps(gist)}\n< {x['status']} {answer[:2000]}")
+        return "\n".join(blocks)
+
+
+def sse_chunks(raw: bytes) -> list[dict]:
+    """The JSON chunks of an OpenAI stream; each `data:` line must parse, and the stream must end with [DONE]."""
+    data = [line[len("data: "):] for line in raw.decode().split("\n") if line.startswith("data: ")]
+    assert data and data[-1] == "[DONE]", raw[-300:]
+    return [json.loads(d) for d in data[:-1]]
+
+
+@pytest.mark.skipif(opencode_binary() is None, reason="opencode is not installed: `make install` puts npm's "
+                    "opencode-ai under .venv/node when npm is on PATH (or set OPENCODE_BIN)")
 def test_opencode_runs_a_task_against_the_server(server, tmp_path):
-    """opencode, with deltaserve as its OpenAI-compatible provider, runs one task non-interactively: its
-    requests are accepted (no error counted by the server) and its streams parse (opencode reports the step's
-    token usage). The exchange (opencode's JSON events) is printed."""
-    import subprocess
-
+    """opencode, with deltaserve as its OpenAI-compatible provider, runs one task non-interactively (`opencode
+    run`) through a recording proxy: every request it sends is accepted (200, no error counted by the server),
+    every stream it gets parses as OpenAI chunks ending in [DONE], opencode reports the step's token usage (it
+    parsed the stream too), and the whole exchange is printed."""
     model = server.get("/v1/models").json()["data"][0]["id"]
-    project = tmp_path / "project"
+    project, home = tmp_path / "project", tmp_path / "home"
     project.mkdir()
     (project / "hello.py").write_text('print("hello")\n')
-    config = {"$schema": "https://opencode.ai/config.json", "model": f"deltaserve/{model}",
-              "small_model": f"deltaserve/{model}", "share": "disabled", "autoupdate": False,
-              "provider": {"deltaserve": {"npm": "@ai-sdk/openai-compatible", "name": "deltaserve",
-                                          "options": {"baseURL": server.url + "/v1", "apiKey": "unused"},
-                                          "models": {model: {"name": model,
-                                                             "limit": {"context": 8192, "output": 24}}}}},
-              # The small model's context is 8K: opencode's own system prompt and tool list would fill it.
-              "agent": {"build": {"prompt": "You are a coding agent. Answer briefly.",
-                                  "tools": {"*": False, "read": True}}}}
-    (project / "opencode.json").write_text(json.dumps(config))
-    chats_before = server.metric("deltaserve_http_requests_total", '{endpoint="chat"}')
     errors_before = error_count(server)
-    done = subprocess.run([opencode_binary(), "run", "--format", "json", "--pure", "What does hello.py print?"],
-                          cwd=project, env={"HOME": str(tmp_path / "home"), "PATH": "/usr/bin:/bin"},
-                          capture_output=True, text=True, timeout=600)
+    with RecordingProxy(server.url) as proxy:
+        config = {"$schema": "https://opencode.ai/config.json", "model": f"deltaserve/{model}",
+                  "small_model": f"deltaserve/{model}", "share": "disabled", "autoupdate": False,
+                  "provider": {"deltaserve": {"npm": "@ai-sdk/openai-compatible", "name": "deltaserve",
+                                              "options": {"baseURL": proxy.url + "/v1", "apiKey": "unused"},
+                                              "models": {model: {"name": model,
+                                                                 "limit": {"context": 8192, "output": 24}}}}},
+                  # The small model's context is 8K: opencode's own system prompt and tool list would fill it.
+                  "agent": {"build": {"prompt": "You are a coding agent. Answer briefly.",
+                                      "tools": {"*": False, "read": True}}}}
+        (project / "opencode.json").write_text(json.dumps(config))
+        env = {"HOME": str(home), "PATH": "/usr/bin:/bin", "XDG_CONFIG_HOME": str(home / ".config"),
+               "XDG_DATA_HOME": str(home / ".local/share"), "XDG_CACHE_HOME": str(home / ".cache"),
+               "XDG_STATE_HOME": str(home / ".local/state"), **OPENCODE_OFFLINE}
+        # --title: no extra request for a session title; --pure: no external plugins.
+        done = subprocess.run([opencode_binary(), "run", "--format", "json", "--pure", "--title", "hello",
+                               "What does hello.py print?"], cwd=project, env=env, capture_output=True, text=True,
+                              timeout=600)
+    print("the exchange, as the proxy relayed it:\n" + proxy.log())
     print("opencode stdout (its JSON events):\n" + done.stdout + "\nopencode stderr:\n" + done.stderr[-3000:])
     assert done.returncode == 0
     events = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     assert not [e for e in events if e["type"] == "error"]
     finishes = [e["part"] for e in events if e["type"] == "step_finish"]
     assert finishes and finishes[-1]["tokens"]["input"] > 0 and finishes[-1]["tokens"]["output"] > 0
-    assert server.metric("deltaserve_http_requests_total", '{endpoint="chat"}') > chats_before
+    chats = [x for x in proxy.exchanges if x["path"] == "/v1/chat/completions"]
+    assert chats and all(x["status"] == 200 for x in proxy.exchanges), proxy.log()
+    for x in chats:
+        assert json.loads(x["request"])["model"] == model
+        chunks = sse_chunks(x["response"])
+        assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+        assert [ch["finish_reason"] for c in chunks for ch in c["choices"] if ch["finish_reason"]] in (
+            ["stop"], ["length"], ["tool_calls"])
+    text = "".join(e["part"]["text"] for e in events if e["type"] == "text")
+    streamed = "".join(ch["delta"].get("content") or "" for x in chats for c in sse_chunks(x["response"])
+                       for ch in c["choices"])
+    assert text.strip() and text.strip() in streamed  # what opencode shows is what the server streamed
     assert error_count(server) == errors_before, "the server refused or failed one of opencode's requests"
 
 

@@ -16,6 +16,9 @@ from deltaserve.text.tokenizer import _template_messages, chat_template_env
 from deltaserve.text.tool_parsers import collect, make_tool_parser, pick_tool_parser, typed_value
 
 TEMPLATES = Path(__file__).parent / "data" / "chat_templates"
+# Verbatim templates: qwen3_5.jinja is Qwen/Qwen3.5-27B's chat_template.jinja (the larger Qwen3.5 models think by
+# default: the generation prompt opens <think>), qwen3_coder.jinja Qwen3-Coder's, qwen3.jinja Qwen3's, and
+# llama3_1_json.jinja vLLM's JSON tool-calling template for Llama 3.1.
 
 TOOLS = [
     {"type": "function", "function": {"name": "read_file", "description": "Read a file", "parameters": {
@@ -32,7 +35,8 @@ CALLS = [
     ("run", {"command": "echo '<tool_call>' && ls -la\nprintf 'x\\n'", "timeout_s": 30}),
 ]
 # (template file, parser, end-of-turn marker, how many calls one turn may hold, whether it writes content)
-FAMILIES = [("qwen3_coder.jinja", "qwen3_coder", "<|im_end|>\n", 2, True),
+FAMILIES = [("qwen3_5.jinja", "qwen3_coder", "<|im_end|>\n", 2, True),
+            ("qwen3_coder.jinja", "qwen3_coder", "<|im_end|>\n", 2, True),
             ("qwen3.jinja", "hermes", "<|im_end|>\n", 2, True),
             ("llama3_1_json.jinja", "llama3_json", "<|eot_id|>", 1, False)]
 
@@ -207,3 +211,64 @@ def test_hermes_arguments_stream_before_the_call_ends():
     assert json.loads(streamed + "".join(d.arguments for d in rest)) == {"command": "echo }} done"}
     content, calls = check_streaming("hermes", '<tool_call>\n{"name": "run", "arguments": {"command": "ls"}}')
     assert json.loads(calls[0].arguments) == {"command": "ls"}  # no closing tag (the turn ended): still whole
+
+
+# -- Qwen3.5: XML calls (qwen3_coder) after a prompt that opens <think> -----------------------------------------
+
+QWEN3_5 = TEMPLATES / "qwen3_5.jinja"
+
+
+def test_qwen3_5_template_is_read_as_a_thinking_qwen3_coder_family():
+    template = QWEN3_5.read_text()
+    assert pick_tool_parser(template) == "qwen3_coder" and template_reasons(template)
+    prompt = render(template, [{"role": "user", "content": "hi"}], True, tools=TOOLS)
+    assert prompt.endswith("<|im_start|>assistant\n<think>\n") and prompt_opens_thinking(prompt)
+    assert "<function=example_function_name>" in prompt and '"name": "read_file"' in prompt
+    closed = render(template, [{"role": "user", "content": "hi"}], True, enable_thinking=False)
+    assert closed.endswith("<think>\n\n</think>\n\n") and not prompt_opens_thinking(closed)
+
+
+def qwen3_5_turn(reasoning: str, content: str, calls: list[tuple[str, dict]]) -> tuple[str, str, list]:
+    """(reasoning, content, calls) parsed back from the text Qwen3.5's template writes for such a turn, streamed
+    split at every boundary."""
+    template = QWEN3_5.read_text()
+    tool_calls = [{"id": f"call_{i}", "type": "function", "function": {"name": name, "arguments": args}}
+                  for i, (name, args) in enumerate(calls)]
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Fix the bug."},
+                {"role": "assistant", "content": content, "reasoning_content": reasoning, "tool_calls": tool_calls}]
+    prompt, output = generated_text(template, messages, "<|im_end|>\n", tools=TOOLS)
+    assert prompt_opens_thinking(prompt) and output.startswith(reasoning) and "<think>" not in output
+    got_reasoning, rest = check_reasoning_streaming(True, output)
+    got_content, got_calls = check_streaming("qwen3_coder", rest)
+    return got_reasoning, got_content, got_calls
+
+
+def test_qwen3_5_reasoning_then_calls_parse_back():
+    """The output holds the reasoning, the closing tag, the text and the calls: each comes back where it was."""
+    reasoning = "The bug is in a b.py.\nRead it, then run the tests."
+    got_reasoning, content, calls = qwen3_5_turn(reasoning, "Looking first.", CALLS)
+    assert (got_reasoning, content) == (reasoning, "Looking first.")
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == CALLS
+    got_reasoning, content, calls = qwen3_5_turn("", "", CALLS[1:])  # no thought, no text: the call alone
+    assert (got_reasoning, content) == ("", "") and [json.loads(c.arguments) for c in calls] == [CALLS[1][1]]
+
+
+def test_qwen3_5_multi_turn_keeps_reasoning_until_the_next_query():
+    """An agent loop rendered back: calls as XML, results as <tool_response> in one user turn, reasoning kept for
+    the assistant turns after the last user query and dropped from them once a new query comes."""
+    template = QWEN3_5.read_text()
+    call = {"id": "call_0", "type": "function", "function": {"name": "run", "arguments": {"command": "ls"}}}
+    loop = [{"role": "user", "content": "List the files."},
+            {"role": "assistant", "content": "", "reasoning_content": "Use ls.", "tool_calls": [call, call]},
+            {"role": "tool", "tool_call_id": "call_0", "content": "a.py"},
+            {"role": "tool", "tool_call_id": "call_0", "content": "b.py"},
+            {"role": "assistant", "content": "a.py and b.py.", "reasoning_content": "Two files."}]
+    prompt = render(template, loop, True, tools=TOOLS)
+    assert "<|im_start|>assistant\n<think>\nUse ls.\n</think>\n\n<tool_call>\n<function=run>\n" \
+           "<parameter=command>\nls\n</parameter>\n</function>\n</tool_call>\n<tool_call>" in prompt
+    assert "<|im_start|>user\n<tool_response>\na.py\n</tool_response>\n<tool_response>\nb.py\n</tool_response>" \
+           "<|im_end|>\n" in prompt
+    assert "<think>\nTwo files.\n</think>\n\na.py and b.py.<|im_end|>" in prompt
+    later = render(template, loop + [{"role": "user", "content": "Thanks."}], True, tools=TOOLS)
+    assert "Use ls." not in later and "Two files." not in later
+    assert "<|im_start|>assistant\na.py and b.py.<|im_end|>" in later
