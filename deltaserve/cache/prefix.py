@@ -35,9 +35,9 @@ class Node:
     """Tokens of one page under its parent (a whole page, or fewer in a partial node); identity-hashed (it is an
     owner key in the pools)."""
 
-    __slots__ = ("tokens", "page", "parent", "children", "partials", "depth", "last_used", "has_checkpoint")
+    __slots__ = ("tokens", "page", "parent", "children", "partials", "depth", "last_used", "has_checkpoint", "serial")
 
-    def __init__(self, tokens: tuple[int, ...], page: int | None, parent: Node | None, depth: int):
+    def __init__(self, tokens: tuple[int, ...], page: int | None, parent: Node | None, depth: int, serial: int = 0):
         self.tokens = tokens
         self.page = page
         self.parent = parent
@@ -46,6 +46,7 @@ class Node:
         self.depth = depth  # tokens from the root to the end of this node
         self.last_used = 0
         self.has_checkpoint = False
+        self.serial = serial  # creation order: breaks ties, so eviction does not depend on memory addresses
 
     @property
     def is_leaf(self) -> bool:
@@ -256,7 +257,7 @@ class PrefixCache:
             node.has_checkpoint = True
 
     def _add(self, parent: Node, key: tuple[int, ...], page: int, depth: int) -> Node:
-        node = Node(key, page, parent, depth)
+        node = Node(key, page, parent, depth, next(self._clock))
         self.kv_pool.share(node, [page])
         self._holders[page] = self._holders.get(page, 0) + 1
         (parent.children if len(key) == self.page_size else parent.partials)[key] = node
@@ -277,8 +278,8 @@ class PrefixCache:
     def _order(self, candidates: list[Node], useless=lambda node: False) -> list[Node]:
         """Candidates in eviction order: least recently used first ("lru"), or (Marconi) useless ones first (by
         recency), then by recency plus compute saved per byte, both scaled to [0, 1] over the candidates."""
-        if self.eviction == "lru":
-            return sorted(candidates, key=lambda n: n.last_used)
+        if self.eviction == "lru":  # among equally recent nodes, the deepest (a prompt's tail) first
+            return sorted(candidates, key=lambda n: (n.last_used, -n.depth, n.serial))
         lo = min(n.last_used for n in candidates)
         span = max(max(n.last_used for n in candidates) - lo, 1)
         deepest = max(max(n.depth for n in candidates), 1)
@@ -289,7 +290,7 @@ class PrefixCache:
             # tokens
             return recency - 2.0 if useless(n) else recency + MARCONI_ALPHA * n.depth / deepest
 
-        return sorted(candidates, key=score)
+        return sorted(candidates, key=lambda n: (score(n), n.serial))
 
     def _shadowed(self, node: Node) -> bool:
         """Whether a deeper checkpoint lies below `node` with no branch between: every hit through `node` that
