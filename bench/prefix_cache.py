@@ -148,12 +148,12 @@ def main() -> None:
             if who == "main" and reuse[i] >= LONG_HISTORY_TOKENS and without:
                 long_speedups.append(t0 / t)
                 long_cpu.append(cpu0 / cpu)
-        ckpt = cached.checkpoint_pool
+        ckpt, cache = cached.checkpoint_pool, cached.prefix_cache
         hits = sum(h for _, _, h in with_cache)
         computed = sum(len(p) for _, p, _ in sent) - hits
         print(f"hit rate over reusable tokens: {hits / max(sum(reuse), 1):.1%} ({hits:,} of {sum(reuse):,}); "
-              f"prompt tokens computed: {computed:,}; checkpoints evicted: "
-              f"{cached.prefix_cache.evicted_checkpoints_total}, pages evicted: {cached.prefix_cache.evicted_pages_total}")
+              f"prompt tokens computed: {computed:,}; checkpoints evicted: {cache.evicted_checkpoints_total}, "
+              f"pages evicted: {cache.evicted_pages_total}")
         print(f"checkpoint pool: {ckpt.used_slots}/{ckpt.num_slots} checkpoints, {ckpt.bytes:,} bytes "
               f"({ckpt.bytes_per_checkpoint:,} per checkpoint)")
         if long_speedups:

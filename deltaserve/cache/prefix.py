@@ -184,11 +184,6 @@ class PrefixCache:
                     hit = Hit(end, path[:i], part, len(part.tokens), part)
         return hit, kv_depth
 
-    def match(self, tokens: list[int], limit: int) -> tuple[int, int]:
-        """(hit depth, matched KV depth): how deep a hit goes, and how deep the KV pages alone match."""
-        hit, kv_depth = self.lookup(tokens, limit)
-        return hit.depth, kv_depth
-
     def attach(self, owner: Hashable, hit: Hit, live: StatePool) -> int:
         """Give `owner` (holding no pages yet) the hit: whole pages shared, the partial page copied, the state
         loaded. Returns the tokens taken (0 when the copy found no page: then nothing was taken)."""
@@ -203,12 +198,12 @@ class PrefixCache:
                 if self.kv_pool.free_pages == 0:
                     self.evict(1)
                 page = self.kv_pool.allocate(owner, 1)[0]
+                self.kv_pool.copy_tokens(hit.copy_from.page, page, hit.copy_tokens)
             except PoolExhausted:
                 self.kv_pool.free(owner)
                 return 0
             finally:
                 self.kv_pool.free(pin)
-            self.kv_pool.copy_tokens(hit.copy_from.page, page, hit.copy_tokens)
         for node in hit.shared + [n for n in (hit.copy_from, hit.checkpoint) if n is not None]:
             node.last_used = now
         if hit.checkpoint is not None:
