@@ -102,14 +102,19 @@ class KVPool:
         if missing > 0:
             self.allocate(owner, missing)
 
-    def share(self, owner: Hashable, pages: list[int]) -> None:
-        """Append pages another owner holds to this owner's table (a shared prefix); raises their refcounts."""
+    def share(self, owner: Hashable, pages: list[int], *, with_slots: bool = True) -> None:
+        """Append pages another owner holds to this owner's table (a shared prefix); raises their refcounts.
+
+        `with_slots` False: an owner that only holds the pages (a prefix-cache node) and never reads `slots`."""
         for page in pages:
             if self._refcount[page] <= 0:
                 raise PoolCorruption(f"KV pool: page {page} is free and cannot be shared")
         for page in pages:
             self._refcount[page] += 1
-        self._extend(owner, list(pages))
+        if with_slots:
+            self._extend(owner, list(pages))
+        else:
+            self._pages.setdefault(owner, []).extend(pages)
 
     def free(self, owner: Hashable) -> int:
         """Drop the owner's pages; a page returns to the free list when its last owner lets go.

@@ -253,7 +253,7 @@ class PrefixCache:
 
     def _add(self, parent: Node, key: tuple[int, ...], page: int, depth: int) -> Node:
         node = Node(key, page, parent, depth, next(self._clock))
-        self.kv_pool.share(node, [page])
+        self.kv_pool.share(node, [page], with_slots=False)
         self._holders[page] = self._holders.get(page, 0) + 1
         (parent.children if len(key) == self.page_size else parent.partials)[key] = node
         self._nodes.add(node)
