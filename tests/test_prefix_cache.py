@@ -14,7 +14,7 @@ from deltaserve.cache.prefix import EVICTION_POLICIES
 from deltaserve.engine.loader import default_model_path
 from deltaserve.engine.request import SamplingParams
 from deltaserve.weights.gguf import read_gguf_tokenizer
-from test_engine_support import HYBRID_VOCAB, engine, make_hybrid_checkpoint, random_prompt, run_all, tokens_of
+from test_engine_support import HYBRID_VOCAB, engine, make_hybrid_checkpoint, random_prompt, tokens_of
 
 PAGE = 16
 SMALL = dict(page_size=PAGE, prefill_chunk_tokens=48, max_running_requests=4)
