@@ -24,9 +24,9 @@ CUDA_CONTEXT_BYTES = 512 * MiB  # CUDA context and kernel images, outside torch'
 CUDA_GRAPH_BASE_BYTES = 256 * MiB  # graph memory pool segments and per-stream cuBLAS workspaces
 CUDA_GRAPH_PER_SIZE_BYTES = 16 * MiB  # per captured decode batch size (1, 2, 4, ... max_running_requests)
 
-CONSUMER_LINES = ("weights", "kv_pool", "state_pool", "checkpoint_pool", "prefill_activations", "gdn_workspace",
-                  "attention_workspace", "sampler", "cuda_graphs")
-POOL_LINES = ("weights", "kv_pool", "state_pool", "checkpoint_pool")
+CONSUMER_LINES = ("weights", "vision_weights", "kv_pool", "state_pool", "checkpoint_pool", "prefill_activations",
+                  "gdn_workspace", "attention_workspace", "vision_workspace", "sampler", "cuda_graphs")
+POOL_LINES = ("weights", "vision_weights", "kv_pool", "state_pool", "checkpoint_pool")
 
 
 class BudgetError(RuntimeError):
@@ -42,8 +42,38 @@ class WeightGroup:
     stored_bytes: int  # bytes in the checkpoint; quantized tensors at their packed size
     float_params: int  # elements stored as floats: held in the compute dtype after loading
     quantized_bytes: int  # bytes held when not dequantized: packed codes with their scales / offsets
-    excluded: bool = False  # not loaded when only the language model is served (vision tower, mtp)
+    excluded: bool = False  # not in the language model's weights line (vision tower: its own line; mtp: unloaded)
     held_dequantized_bytes: int | None = None  # held with dequantize_weights when not params x dtype (INT8 embedding)
+
+
+@dataclass
+class VisionShape:
+    """A vision tower's sizes (Qwen3.5 family): what its workspace and its image tokens cost."""
+
+    hidden_size: int
+    intermediate_size: int
+    depth: int
+    patch_size: int
+    merge_size: int
+    temporal_patch_size: int
+    in_channels: int
+    out_hidden_size: int
+
+    def max_image_tokens(self, max_pixels: int) -> int:
+        """Language-model tokens of the largest image the resize (to at most max_pixels) can produce."""
+        side = self.patch_size * self.merge_size
+        return max(max_pixels // (side * side), 1)
+
+    def workspace_elements(self, max_pixels: int) -> int:
+        """Elements live while the tower encodes its largest image: per patch its pixels, the residual, the norm,
+        q k v (and their rotated copies), the attention output and the MLP's hidden (attention itself runs
+        block-wise, never [patches, patches]); then the merged rows and the output."""
+        tokens = self.max_image_tokens(max_pixels)
+        patches = tokens * self.merge_size ** 2
+        h, i = self.hidden_size, self.intermediate_size
+        patch_pixels = self.in_channels * self.temporal_patch_size * self.patch_size ** 2
+        merged = h * self.merge_size ** 2
+        return patches * (patch_pixels + 9 * h + 2 * i) + tokens * (2 * merged + self.out_hidden_size)
 
 
 @dataclass
@@ -75,6 +105,7 @@ class ModelMemorySpec:
     weight_groups: list[WeightGroup] = field(default_factory=list)
     weight_source: str = "estimated from config + quantization scheme"
     quantization: str = "none"
+    vision: VisionShape | None = None  # a multimodal checkpoint's tower (its weights: the "vision" group)
 
     @property
     def weight_bytes(self) -> int:
@@ -270,6 +301,8 @@ def _fixed_lines(spec: ModelMemorySpec, c: EngineConfig, context: int, kind: str
                else (CPU_RUNTIME_BYTES, "Python, torch, tokenizer and HTTP server resident memory"))
     return {
         "weights": _weights_line(spec, c),
+        "vision_weights": _vision_weights_line(spec, c),
+        "vision_workspace": _vision_workspace_line(spec, c),
         "state_pool": _state_line(spec, c),
         "checkpoint_pool": _checkpoint_line(spec, c),
         "prefill_activations": (rows * _activation_elements_per_row(spec) * DTYPE_BYTES[c.dtype],
@@ -286,8 +319,9 @@ def _fixed_lines(spec: ModelMemorySpec, c: EngineConfig, context: int, kind: str
 
 def _finish(spec: ModelMemorySpec, d: _Draft, kind: str) -> Budget:
     c = d.c
-    order = ("weights", "kv_pool", "state_pool", "checkpoint_pool", "prefill_activations", "gdn_workspace",
-             "attention_workspace", "sampler", "cuda_graphs", "runtime", "headroom", "free", "outside_fraction")
+    order = ("weights", "vision_weights", "kv_pool", "state_pool", "checkpoint_pool", "prefill_activations",
+             "gdn_workspace", "attention_workspace", "vision_workspace", "sampler", "cuda_graphs", "runtime",
+             "headroom", "free", "outside_fraction")
     kv_tokens = d.kv_pages * c.page_size
     max_context = min(d.context, kv_tokens)
     notes = []
@@ -323,9 +357,43 @@ def _weights_line(spec: ModelMemorySpec, c: EngineConfig) -> tuple[int, str]:
     else:
         held = sum(g.float_params * cb + g.quantized_bytes for g in loaded)
         how = f"4-bit matrices packed (4-bit codes + float32 scale/offset per group), the rest in {c.dtype}"
-    skipped = [f"{g.name} {_mib(g.stored_bytes)} MiB" for g in spec.weight_groups if g.excluded]
+    skipped = [f"{g.name} {_mib(g.stored_bytes)} MiB" for g in spec.weight_groups
+               if g.excluded and not (g.name == "vision" and serves_images(spec, c))]
     reason = f"{_mib(spec.weight_bytes)} MiB in the checkpoint ({spec.weight_source}); {how}"
     return held, reason + (f"; not loaded: {', '.join(skipped)}" if skipped else "")
+
+
+def serves_images(spec: ModelMemorySpec, c: EngineConfig) -> bool:
+    """The engine loads the checkpoint's vision tower: it has one, and --language-model-only is not set."""
+    return spec.vision is not None and not c.language_model_only and any(g.name == "vision"
+                                                                          for g in spec.weight_groups)
+
+
+def _vision_weights_line(spec: ModelMemorySpec, c: EngineConfig) -> tuple[int, str]:
+    """The vision tower's weights, held in the compute dtype (the family's checkpoints keep it unquantized)."""
+    if spec.vision is None:
+        return 0, "no vision tower"
+    group = next(g for g in spec.weight_groups if g.name == "vision")
+    if c.language_model_only:
+        return 0, f"--language-model-only: the vision tower ({_mib(group.stored_bytes)} MiB on disk) is not loaded"
+    held = group.params * DTYPE_BYTES[c.dtype] if c.dequantize_weights or not group.quantized_bytes else (
+        group.float_params * DTYPE_BYTES[c.dtype] + group.quantized_bytes)
+    return held, (f"vision tower: {group.params:,} parameters ({_mib(group.stored_bytes)} MiB in the checkpoint) in "
+                  f"{c.dtype}; --language-model-only gives it back to the KV pool")
+
+
+def _vision_workspace_line(spec: ModelMemorySpec, c: EngineConfig) -> tuple[int, str]:
+    """Encoding the largest allowed image, plus the embeddings each running request may hold (one image each)."""
+    v = spec.vision
+    if v is None or c.language_model_only:
+        return 0, "no images served"
+    cb = DTYPE_BYTES[c.dtype]
+    tokens = v.max_image_tokens(c.max_image_pixels)
+    encode = v.workspace_elements(c.max_image_pixels) * cb
+    held = c.max_running_requests * tokens * v.out_hidden_size * cb
+    return encode + held, (f"one image at a time of at most {c.max_image_pixels:,} pixels (--max-image-pixels) = "
+                           f"{tokens:,} tokens x {v.merge_size ** 2} patches through the tower, {c.dtype}; and "
+                           f"{c.max_running_requests} requests x one image's embeddings awaiting prefill")
 
 
 def _state_line(spec: ModelMemorySpec, c: EngineConfig) -> tuple[int, str]:
@@ -520,6 +588,13 @@ def option_costs(spec: ModelMemorySpec, config: EngineConfig, device_total: int,
             costs.append(OptionCost(f"--state-dtype {other}", n,
                                     f"GDN state {spec.state_bytes_per_slot(other) / MiB:,.1f} "
                                     f"MiB/request instead of {spec.state_bytes_per_slot(c.state_dtype) / MiB:,.1f}"))
+    if serves_images(spec, c) and (n := delta(language_model_only=True)) is not None:
+        costs.append(OptionCost("--language-model-only", n, f"no images: the vision tower's weights "
+                                f"({_mib(base.lines['vision_weights'][0])} MiB) and workspace "
+                                f"({_mib(base.lines['vision_workspace'][0])} MiB) become KV"))
+    elif spec.vision is not None and c.language_model_only and (n := delta(language_model_only=False)) is not None:
+        costs.append(OptionCost("images (without --language-model-only)", n, "loads the vision tower and its "
+                                "workspace"))
     if (n := delta(max_running_requests=c.max_running_requests + 1)) is not None:
         costs.append(OptionCost(f"--max-running-requests {c.max_running_requests + 1}", n,
                                 "one more state slot, sampler row and decode row"))

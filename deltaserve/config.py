@@ -27,7 +27,7 @@ DTYPE_ALIASES = {
 }
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
 SIZE_FLAGS = {"headroom": "--headroom", "device_memory": "--device-memory", "max_body_bytes": "--max-body-bytes",
-              "cuda_graph_reserve": "--cuda-graph-reserve"}
+              "cuda_graph_reserve": "--cuda-graph-reserve", "max_image_bytes": "--max-image-bytes"}
 STATE_DTYPES = ("float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "portable", "paged")
 
@@ -131,6 +131,11 @@ class EngineConfig:
     prefix_cache: bool = True  # reuse the KV pages (and GDN checkpoints) of prompts seen before
     checkpoint_slots: int = 8  # GDN state checkpoints the prefix cache keeps (hybrid models; its own ledger line)
     checkpoint_interval_tokens: int = 2048  # a GDN checkpoint every this many prompt tokens
+    language_model_only: bool = False  # skip a multimodal checkpoint's vision tower: its memory becomes context
+    max_images_per_request: int = 8
+    max_image_bytes: int = 5 * MiB  # of one encoded image (Anthropic's limit too)
+    max_image_pixels: int = 1024 * 1024  # an image is resized to at most this area: 1024 tokens at 32 x 32 per token
+    allowed_local_media_path: str | None = None  # image_url file:// paths are read only under this folder
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", normalize_dtype(self.dtype, COMPUTE_DTYPES, "--dtype"))
@@ -228,7 +233,10 @@ def _validate(c: EngineConfig) -> None:
         "--max-new-tokens-cap": c.max_new_tokens_cap, "--default-max-tokens": c.default_max_tokens,
         "--header-timeout-s": c.header_timeout_s, "--max-connections": c.max_connections,
         "--checkpoint-slots": c.checkpoint_slots, "--checkpoint-interval-tokens": c.checkpoint_interval_tokens,
+        "--max-image-bytes": c.max_image_bytes, "--max-image-pixels": c.max_image_pixels,
     }
+    if c.max_images_per_request < 0:
+        raise ConfigError(f"--max-images-per-request {c.max_images_per_request} must be >= 0 (0: no images)")
     for flag, value in positive.items():
         if value is not None and value <= 0:
             raise ConfigError(f"{flag} {value} must be a positive number")
@@ -301,6 +309,14 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--reasoning-parser", help=f"{', '.join(REASONING_PARSERS)}: split <think> reasoning from "
                    f"the answer (auto: when the chat template writes <think>)")
     g.add_argument("--chat-template", help="a jinja chat template file used instead of the model's own")
+    g.add_argument("--language-model-only", action=argparse.BooleanOptionalAction, default=None,
+                   help="skip a multimodal checkpoint's vision tower (no image input): its memory becomes context")
+    g.add_argument("--max-images-per-request", type=int, help="images one request may carry (8; 0: none)")
+    g.add_argument("--max-image-bytes", help="largest encoded image, e.g. 5MiB (5MiB)")
+    g.add_argument("--max-image-pixels", type=int, help="images are resized to at most this many pixels "
+                   "(1048576 = 1024 tokens per image)")
+    g.add_argument("--allowed-local-media-path", help="let image_url name file:// paths under this folder "
+                   "(default: none; http(s) URLs are never fetched)")
     g.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false", default=None,
                    help="compute every prompt from its first token (no reuse of earlier prompts' KV and state)")
     g.add_argument("--checkpoint-slots", type=int, help="GDN state checkpoints the prefix cache keeps on a "

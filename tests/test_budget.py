@@ -33,8 +33,10 @@ def tiny_config():
 
 
 def plan(spec, **settings):
+    """The ledger of the language model (the vision tower's lines: test_plan_vision.py)."""
     kind = settings.pop("kind", "cuda")
     free = settings.pop("free", None)
+    settings.setdefault("language_model_only", True)
     return plan_budget(spec, EngineConfig(**settings), device_total_bytes=settings.get("device_memory") or CARD,
                        device_kind=kind, device_free_bytes=free)
 
@@ -171,7 +173,7 @@ def test_gdn_state_is_tens_of_megabytes_and_fixed(spec27):
 
 
 def test_option_costs_agree_with_replanning(spec27):
-    config = EngineConfig()
+    config = EngineConfig(language_model_only=True)
     costs = {c.option: c for c in option_costs(spec27, config, CARD, device_kind="cuda")}
     base = plan(spec27).kv_tokens
     assert costs["--mem-fraction 0.91"].delta_kv_tokens == plan(spec27, mem_fraction=0.91).kv_tokens - base

@@ -14,12 +14,15 @@ from deltaserve.models.spec import spec_from_config
 from deltaserve.plan import main
 
 FIXTURE = Path(__file__).parent / "data" / "qwen3_5_27b_w4a16" / "config.json"
-FIELD = ["--model", str(FIXTURE), "--device", "24GiB", "--embed-quant", "int8", "--lm-head-quant", "int4"]
+# GPU1 of the field notes: the language model only (test_plan_vision.py prices the vision tower)
+FIELD = ["--model", str(FIXTURE), "--device", "24GiB", "--embed-quant", "int8", "--lm-head-quant", "int4",
+         "--language-model-only"]
 
 
 def expected_budget(**settings):
     spec = spec_from_config(json.loads(FIXTURE.read_text()), embed_quant="int8", lm_head_quant="int4")
-    config = EngineConfig(model=str(FIXTURE), device="cuda", device_memory=24 * GiB, **settings)
+    config = EngineConfig(model=str(FIXTURE), device="cuda", device_memory=24 * GiB, language_model_only=True,
+                          **settings)
     return plan_budget(spec, config, device_total_bytes=24 * GiB, device_kind="cuda")
 
 

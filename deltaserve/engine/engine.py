@@ -28,10 +28,12 @@ from deltaserve.cache.kv_pool import KVPool
 from deltaserve.cache.prefix import CheckpointPool, PrefixCache
 from deltaserve.cache.state_pool import StatePool
 from deltaserve.config import EngineConfig, device_memory_bytes
+from deltaserve.images import ImageLimits, PreparedImage, PreprocessorSettings
 from deltaserve.engine.admission import AdmissionPolicy
 from deltaserve.engine.errors import internal_error
 from deltaserve.engine.grammar import GrammarError, Grammars
 from deltaserve.engine.loader import LoadedModel, default_model_path, load_model
+from deltaserve.engine.multimodal import ImagePromptError, PromptImages, expand_prompt
 from deltaserve.engine.request import Request, RequestStream, SamplingParams, TokenLogprob
 from deltaserve.engine.runner import ModelRunner
 from deltaserve.engine.sampler import sample
@@ -88,7 +90,7 @@ class Engine:
         for note in self.budget.notes:  # e.g. --max-total-tokens rounded down to whole pages
             self._log(f"note: {note}")
         loaded = load_model(config.model, dtype=getattr(torch, self.config.dtype), device=self.config.device,
-                            dequantize=self.config.dequantize_weights)
+                            dequantize=self.config.dequantize_weights, vision=not config.language_model_only)
         self._setup(loaded)
         self._log(f"deltaserve: {loaded.name} ready {time.monotonic() - started:.1f} s after the engine started")
 
@@ -125,6 +127,7 @@ class Engine:
             if c.attention_backend == "paged":
                 paged_cpu.load(self._log)
         self.vocab_size = int(loaded.model.lm_head.out_features)
+        self._setup_images(loaded)
         self.grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_token_ids)
         self._cond = threading.Condition()
         self._live: dict[str, Request] = {}
@@ -139,21 +142,54 @@ class Engine:
         for check in measure_vs_predicted(budget, measured):
             self._log(f"measured {check}")
 
+    def _setup_images(self, loaded: LoadedModel) -> None:
+        """Image input, where the model has a vision tower loaded: the limits and the checkpoint's preprocessing."""
+        c = self.config
+        self.vision = getattr(loaded.model, "visual", None)
+        self.image_limits = ImageLimits(max_images=c.max_images_per_request, max_bytes=c.max_image_bytes,
+                                        max_pixels=c.max_image_pixels,
+                                        min_pixels=min(ImageLimits.min_pixels, c.max_image_pixels))
+        self.image_settings = None
+        if self.vision is not None:
+            self.image_settings = PreprocessorSettings.from_checkpoint(
+                loaded.path if loaded.path.is_dir() else None, loaded.config["vision_config"])
+            self.image_token_id = loaded.model.image_token_id
+
+    @property
+    def accepts_images(self) -> bool:
+        return self.vision is not None and self.image_limits.max_images > 0
+
+    def images_refusal(self) -> str:
+        """Why this server takes no images (for the 400 an image request gets)."""
+        if self.vision is None:
+            if self.config.language_model_only:
+                return "this server serves the language model only (--language-model-only): it takes no images"
+            return f"the model {self.model_name} has no vision tower: it takes no images"
+        return "this server takes no images (--max-images-per-request 0)"
+
     def measured_bytes(self) -> dict[str, int]:
         """What the engine really holds per ledger line (torch tensor bytes)."""
         # the state dict: parameters and persistent buffers (packed int4 weights), not derived ones (rotary)
-        weights = {t.data_ptr(): t.numel() * t.element_size() for t in self.loaded.model.state_dict().values()}
-        return {"weights": sum(weights.values()), "kv_pool": self.kv_pool.bytes, "state_pool": self.state_pool.bytes,
+        state = self.loaded.model.state_dict()
+        weights = {t.data_ptr(): t.numel() * t.element_size() for n, t in state.items() if not n.startswith("visual.")}
+        vision = {t.data_ptr(): t.numel() * t.element_size() for n, t in state.items() if n.startswith("visual.")}
+        return {"weights": sum(weights.values()), "vision_weights": sum(vision.values()),
+                "kv_pool": self.kv_pool.bytes, "state_pool": self.state_pool.bytes,
                 "checkpoint_pool": self.checkpoint_pool.bytes if self.checkpoint_pool is not None else 0}
 
     # -- requests ---------------------------------------------------------------------------------------------
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
-               boundaries: tuple[int, ...] = ()) -> RequestStream:
+               images: list[PreparedImage] | None = None, boundaries: tuple[int, ...] = ()) -> RequestStream:
         """Queue a request (thread-safe): its stream, or RequestRefused / QueueFull at once.
 
-        `boundaries`: prompt positions where chat messages end, where the prefix cache keeps GDN checkpoints."""
+        With `images` (deltaserve/images.py), the prompt holds one image token per image, in order: each is widened
+        into the image's tokens here, so admission counts them. `boundaries`: prompt positions where chat messages
+        end, where the prefix cache keeps GDN checkpoints (counted before the images are widened)."""
         prompt_ids = [int(t) for t in prompt_ids]
+        prompt_images = None
+        if images or (self.vision is not None and self.image_token_id in prompt_ids):  # no image tokens alone
+            prompt_ids, prompt_images = self._expand_images(prompt_ids, images or [])
         if not prompt_ids:
             raise RequestRefused("the prompt is empty: send at least one token", 400, "invalid_prompt")
         bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
@@ -175,14 +211,26 @@ class Engine:
             request = Request(
                 request_id, prompt_ids, params,
                 max_new_tokens=min(reservation.max_new_tokens, self.context_length - len(prompt_ids)),
-                reserved_pages=reservation.kv_pages, stream=RequestStream(request_id), tokenizer=self.tokenizer,
+                reserved_pages=reservation.kv_pages, stream=RequestStream(request_id, len(prompt_ids)),
+                tokenizer=self.tokenizer,
                 eos_token_ids=self.eos_token_ids, generator=torch.Generator(self.device).manual_seed(seed),
-                arrival_s=time.monotonic(), reservation=reservation, grammar=grammar,
-                boundaries=tuple(sorted({int(b) for b in boundaries if 0 < b <= len(prompt_ids)})))
+                arrival_s=time.monotonic(), reservation=reservation, grammar=grammar, images=prompt_images,
+                boundaries=_widened(boundaries, prompt_images, len(prompt_ids)))
             self._live[request_id] = request
             self.scheduler.add(request)
             self._cond.notify_all()
         return request.stream
+
+    def _expand_images(self, prompt_ids: list[int], images: list[PreparedImage]):
+        if not self.accepts_images:
+            raise RequestRefused(self.images_refusal(), 400, "images_not_supported")
+        if len(images) > self.image_limits.max_images:
+            raise RequestRefused(f"{len(images)} images in one request, over the limit of "
+                                 f"{self.image_limits.max_images} (--max-images-per-request)", 400, "too_many_images")
+        try:
+            return expand_prompt(prompt_ids, images, self.image_token_id, self.vision.merge)
+        except (ImagePromptError, StopIteration) as e:
+            raise RequestRefused(str(e), 400, "invalid_prompt") from None
 
     def abort(self, request_id: str) -> None:
         """Stop a request wherever it is (thread-safe). Between steps its pages and slot are free when this
@@ -243,6 +291,7 @@ class Engine:
         if self._thread is not None and threading.current_thread() is not self._thread:
             raise RuntimeError("Engine.step() called while the background loop runs; use one or the other")
         self._hook("before_schedule")
+        encoded = self._encode_one_image()
         with self._cond:
             try:
                 plan = self.scheduler.schedule()
@@ -250,10 +299,34 @@ class Engine:
                 self._fail(list(self.scheduler.running), e)
                 return True
             if plan is None:
-                return False
+                return encoded
             self._in_step = True
         try:
             self._run(plan)
+        finally:
+            with self._cond:
+                self._in_step = False
+                self._apply_pending_aborts()
+        return True
+
+    def _encode_one_image(self) -> bool:
+        """Run the vision tower on one image a running request needs next, outside the lock: between two steps, so
+        the decode of the others waits for at most one image (bounded by --max-image-pixels), never a whole batch."""
+        with self._cond:
+            found = next(((r, k) for r in self.scheduler.running if r.images is not None and not r.finished
+                          for k in [r.images.next_to_encode(r.num_cached)] if k is not None), None)
+            if found is None:
+                return False
+            self._in_step = True  # an abort now waits for this to end (the request's pages stay put either way)
+        request, k = found
+        try:
+            image = request.images.prepared[k]
+            with torch.inference_mode():
+                embeds = self.loaded.model.encode_images(image.patches.to(self.device), [image.grid])
+            request.images.embeds[k] = embeds
+        except Exception as e:  # torch.OutOfMemoryError included: this request fails, the others go on
+            with self._cond:
+                self._fail([request], e)
         finally:
             with self._cond:
                 self._in_step = False
@@ -329,6 +402,19 @@ class Engine:
             for request in list(self.scheduler.running) + list(self.scheduler.waiting):
                 self.scheduler.abort(request)
             self._live.clear()
+
+
+def _widened(boundaries, images: PromptImages | None, prompt_len: int) -> tuple[int, ...]:
+    """Message boundaries counted on the prompt as sent, moved past the tokens its images were widened into."""
+    moved = []
+    for b in boundaries:
+        shift = removed = 0
+        for start, n in zip(images.starts, images.lengths) if images is not None else ():
+            if start - removed < b:  # the placeholder (one token before widening) lies before the boundary
+                shift += n - 1
+            removed += n - 1
+        moved.append(int(b) + shift)
+    return tuple(sorted({b for b in moved if 0 < b <= prompt_len}))
 
 
 @dataclass

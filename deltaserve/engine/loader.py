@@ -50,16 +50,17 @@ def model_name(path: Path, default: bool) -> str:
 
 
 def load_model(model: str | Path | None, *, dtype: torch.dtype = torch.float32,
-               device: torch.device | str = "cpu", dequantize: bool = True) -> LoadedModel:
+               device: torch.device | str = "cpu", dequantize: bool = True, vision: bool = False) -> LoadedModel:
     """Read the checkpoint (None: the default model) and build its architecture on `device`.
 
-    `dequantize=False` keeps a GGUF's 4-bit matrices packed (kernels/int4.py) where the device has the kernel."""
+    `dequantize=False` keeps a GGUF's 4-bit matrices packed (kernels/int4.py) where the device has the kernel.
+    `vision` loads a multimodal checkpoint's vision tower too (else it is not even read)."""
     path = Path(model) if model else default_model_path()
-    prefixes = skip_prefixes(read_config(path))
+    prefixes = skip_prefixes(read_config(path), vision=vision)
     keep_int4 = not dequantize and torch.device(device).type == "cpu"
     checkpoint = load_checkpoint(path, dtype=dtype, skip_prefixes=prefixes, keep_int4=keep_int4)
     try:
-        net = build_model(checkpoint.config, checkpoint.tensors, dtype=dtype, device=device)
+        net = build_model(checkpoint.config, checkpoint.tensors, dtype=dtype, device=device, vision=vision)
     except ValueError as e:  # a tensor missing, unknown or of the wrong shape: the checkpoint's fault, one line
         raise CheckpointError(checkpoint.path, str(e)) from e
     eos = set(checkpoint.tokenizer.eos_token_ids)

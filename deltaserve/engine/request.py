@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from deltaserve.engine.multimodal import PromptImages
 from deltaserve.text.tokenizer import IncrementalDetokenizer, StopStringMatcher, Tokenizer
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
@@ -104,8 +105,9 @@ class RequestStream:
     The engine thread calls `put`; an async reader binds the stream to the loop that iterates it.
     """
 
-    def __init__(self, request_id: str):
+    def __init__(self, request_id: str, prompt_tokens: int = 0):
         self.request_id = request_id
+        self.prompt_tokens = prompt_tokens  # as the engine counts them (images widened)
         self._cond = threading.Condition()
         self._items: deque[RequestOutput] = deque()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -182,6 +184,7 @@ class Request:
     finish_reason: str | None = None
     first_token_s: float | None = None
     grammar: object = None  # (Grammars, its matcher) when params.grammar is set
+    images: PromptImages | None = None  # the prompt's images (engine/multimodal.py), when it has any
     detokenizer: IncrementalDetokenizer = field(init=False)
     stop_matcher: StopStringMatcher = field(init=False)
 
@@ -191,6 +194,11 @@ class Request:
         self.stop_matcher = StopStringMatcher(list(self.params.stop))
         self._stop_ids = frozenset(self.params.stop_token_ids) | (
             frozenset() if self.params.ignore_eos else self.eos_token_ids)
+
+    @property
+    def cache_ids(self) -> list[int]:
+        """The prompt as the prefix cache keys it (an image's tokens stand for its pixels)."""
+        return self.prompt_ids if self.images is None else self.images.cache_ids(self.prompt_ids)
 
     @property
     def prompt_len(self) -> int:

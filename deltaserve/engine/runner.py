@@ -53,6 +53,7 @@ class ModelRunner:
         rows = [int(cu_q[b + 1]) - 1 for b, (request, _) in enumerate(sequences) if id(request) in sampling]
         state_slots = [self.state_pool.slot(request) for request, _ in sequences]
         to = self.device
+        images = self.image_inputs(plan, positions, cu_q) if any(r.images for r, _ in sequences) else {}
         return ForwardBatch(
             input_ids=torch.tensor(ids, dtype=torch.long).to(to),
             positions=positions.to(to),
@@ -65,7 +66,29 @@ class ModelRunner:
             state_slots=torch.tensor(state_slots, dtype=torch.long).to(to),
             logits_indices=torch.tensor(rows, dtype=torch.long).to(to),
             paged_kernel=self.paged_kernel,
+            **{name: t.to(to) for name, t in images.items()},
         )
+
+    @staticmethod
+    def image_inputs(plan: StepPlan, positions: torch.Tensor, cu_q: torch.Tensor) -> dict[str, torch.Tensor]:
+        """A step's image tokens (rows and the tower's embeddings) and the multimodal rotary positions of every
+        row: a text-only sequence's are its positions on all three axes."""
+        rope = positions.expand(3, -1).clone()
+        rows, embeds = [], []
+        for b, (request, n) in enumerate(plan.sequences):
+            if request.images is None:
+                continue
+            first, start = int(cu_q[b]), request.num_cached
+            rope[:, first: first + n] = request.images.positions(start, n)
+            if not request.prefilled:
+                offsets, parts = request.images.chunk(start, n)
+                rows += [first + o for o in offsets]
+                embeds += parts
+        out = {"rope_positions": rope}
+        if rows:
+            out["image_rows"] = torch.tensor(rows, dtype=torch.long)
+            out["image_embeds"] = torch.cat(embeds)
+        return out
 
     @torch.inference_mode()
     def forward(self, plan: StepPlan) -> torch.Tensor:

@@ -128,7 +128,7 @@ class Scheduler:
         """Start the request from its cached prefix and pick where its prefill stores pages and GDN checkpoints."""
         cache = self.prefix_cache
         limit = request.prompt_len - 1  # the prompt's last token is computed here, for its logits
-        hit, kv_depth = cache.lookup(request.prompt_ids, limit)
+        hit, kv_depth = cache.lookup(request.cache_ids, limit)
         depth = cache.attach(request, hit, self.state_pool)
         request.num_cached = request.cached_tokens = depth
         # Where reuse comes (Marconi): the prompt's end, its chat message boundaries (the server passes them: the
@@ -159,6 +159,10 @@ class Scheduler:
                 n = min(request.prompt_len - request.num_cached, budget)
                 ahead = [p - request.num_cached for p in request.checkpoint_at if p > request.num_cached]
                 n = min([n] + ahead[:1])  # the chunk ends at the next checkpoint position
+                if request.images is not None:  # ... and before an image the tower has not encoded yet
+                    n = min(n, request.images.ready_until(request.num_cached) - request.num_cached)
+                    if n <= 0:
+                        continue
                 prefill.append((request, n))
                 budget -= n
         plan = StepPlan(decode, prefill)
@@ -189,8 +193,10 @@ class Scheduler:
         for request, n in plan.sequences:
             if not request.finished:  # ended early by an allocation failure at schedule time
                 request.num_cached += n
+                if request.images is not None:
+                    request.images.release_read(request.num_cached)
                 if self.prefix_cache is not None and request.num_cached in request.checkpoint_at:
-                    self.prefix_cache.store(request, request.prompt_ids, request.num_cached, self.state_pool)
+                    self.prefix_cache.store(request, request.cache_ids, request.num_cached, self.state_pool)
         self.prompt_tokens_total += sum(n for _, n in plan.prefill)
         for request, choice in zip(plan.sampling, sampled):
             if request.finished:
@@ -236,7 +242,7 @@ class Scheduler:
         if self.prefix_cache is not None and reason in ("stop", "length") and request in self.running:
             # the end of the generation: the state slot holds the state after exactly num_cached tokens, which the
             # next turn repeats when the client sends the answer back verbatim
-            self.prefix_cache.store(request, request.prompt_ids + request.output_ids, request.num_cached,
+            self.prefix_cache.store(request, request.cache_ids + request.output_ids, request.num_cached,
                                     self.state_pool)
         if request in self.running:
             self.running.remove(request)

@@ -6,6 +6,7 @@ import importlib
 
 import torch
 
+from deltaserve.models.hybrid import VISION_PREFIXES
 from deltaserve.models.layers import load_weights
 
 # model_type -> (module, class); each module is one architecture family, top to bottom.
@@ -38,21 +39,30 @@ def model_class(config: dict):
     return getattr(importlib.import_module(module), name)
 
 
-def skip_prefixes(config: dict) -> tuple[str, ...]:
-    """Checkpoint name prefixes the architecture never loads (a vision tower, an MTP head): pass them to the
-    checkpoint reader so those tensors are not even read."""
-    return tuple(getattr(model_class(config), "skip_prefixes", ()))
+def supports_images(config: dict) -> bool:
+    """The checkpoint carries a vision tower that deltaserve can build (Qwen3.5 family)."""
+    return "vision_config" in config and getattr(model_class(config), "vision_capable", False)
+
+
+def skip_prefixes(config: dict, vision: bool = False) -> tuple[str, ...]:
+    """Checkpoint name prefixes the architecture never loads (an MTP head; the vision tower unless `vision`): pass
+    them to the checkpoint reader so those tensors are not even read."""
+    prefixes = tuple(getattr(model_class(config), "skip_prefixes", ()))
+    if vision and supports_images(config):
+        prefixes = tuple(p for p in prefixes if p not in VISION_PREFIXES)
+    return prefixes
 
 
 def build_model(config: dict, tensors: dict[str, torch.Tensor], *, dtype: torch.dtype = torch.float32,
-                device: torch.device | str = "cpu"):
+                device: torch.device | str = "cpu", vision: bool = False):
     """Instantiate the architecture named by config['model_type'] and fill it from `tensors` (HF names).
 
     A model with a `checkpoint_tensors(tensors)` method first maps the checkpoint's names onto its own (and skips
     what it does not load, e.g. a vision tower); `tensors` may be a lazy mapping, read only for what is kept.
+    `vision` builds and loads the checkpoint's vision tower too, where it has one (supports_images).
     """
     cls = model_class(config)
-    model = cls(config)
+    model = cls(config, vision=True) if vision and supports_images(config) else cls(config)
     if hasattr(model, "checkpoint_tensors"):
         tensors = model.checkpoint_tensors(tensors)
     load_weights(model, tensors, dtype=dtype, device=device, tied=model.tied_weights, name=config["model_type"])

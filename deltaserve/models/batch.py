@@ -71,6 +71,12 @@ class ForwardBatch:
     # Decode rows may use a paged fast path (CPU: kernels/paged_cpu.py, once built); False: --attention-backend
     # portable, gather + SDPA whatever else the process has loaded.
     paged_kernel: bool = True
+    # Images (models with a vision tower): rows of the packed tokens that are image tokens, and the tower's
+    # embeddings that replace their token embeddings; and the multimodal rotary positions [3, T] (time, row,
+    # column) where any sequence of the batch holds an image. `positions` stays each token's index in its sequence.
+    image_rows: torch.Tensor | None = None  # [K] int64
+    image_embeds: torch.Tensor | None = None  # [K, hidden]
+    rope_positions: torch.Tensor | None = None  # [3, T] int64
 
     @property
     def num_seqs(self) -> int:
@@ -87,11 +93,13 @@ class ForwardBatch:
 
 
 def single_sequence_batch(
-    input_ids: list[int], cached_len: int, slots: torch.Tensor, state_slot: int = 0, all_logits: bool = False
+    input_ids: list[int], cached_len: int, slots: torch.Tensor, state_slot: int = 0, all_logits: bool = False,
+    **images,
 ) -> ForwardBatch:
     """A batch of one sequence whose context occupies `slots[: cached_len + len(input_ids)]`.
 
-    Used by tests and by simple callers that keep one request in contiguous slots.
+    Used by tests and by simple callers that keep one request in contiguous slots; `images` are ForwardBatch's
+    image_rows, image_embeds and rope_positions.
     """
     q_len = len(input_ids)
     total = cached_len + q_len
@@ -108,6 +116,7 @@ def single_sequence_batch(
         context_slots=slots[:total].long().unsqueeze(0),
         state_slots=torch.tensor([state_slot], dtype=torch.long),
         logits_indices=rows,
+        **images,
     )
 
 

@@ -27,6 +27,7 @@ log = logging.getLogger(__name__)
 LINEAR_ATTENTION = "linear_attention"
 FULL_ATTENTION = "full_attention"
 DEFAULT_PARTIAL_ROTARY_FACTOR = 0.25  # what transformers' configs assume when a checkpoint names none
+DEFAULT_MROPE_SECTION = [11, 11, 10]  # likewise
 
 
 def layer_types(config: dict) -> list[str]:
@@ -331,7 +332,9 @@ class HybridModel(nn.Module):
         head_dim = config.get("head_dim") or hidden // config["num_attention_heads"]
         rope = rope_parameters(config)
         rope.setdefault("partial_rotary_factor", DEFAULT_PARTIAL_ROTARY_FACTOR)
-        # Qwen3.5's interleaved mrope gives every section the same angle when t/h/w positions are equal (text).
+        # Qwen3.5's interleaved mrope gives every section the same angle when t/h/w positions are equal (text);
+        # image tokens (rope_positions) need its sections: transformers' default where a config names none.
+        rope.setdefault("mrope_section", DEFAULT_MROPE_SECTION)
         self.rotary = Rotary(rope, head_dim)
         self.layer_types = layer_types(config)
         self.layers = nn.ModuleList(
@@ -343,7 +346,9 @@ class HybridModel(nn.Module):
     def forward(self, batch: ForwardBatch, caches: ModelCaches) -> torch.Tensor:
         """Hidden states [R, hidden] of the batch's logits rows (before the final norm)."""
         x = self.embed_tokens(batch.input_ids)
-        cos_sin = self.rotary.cos_sin(batch.positions)
+        if batch.image_rows is not None:  # image tokens read the vision tower's embeddings instead
+            x = x.index_copy(0, batch.image_rows, batch.image_embeds.to(x.dtype))
+        cos_sin = self.rotary.cos_sin(batch.positions if batch.rope_positions is None else batch.rope_positions)
         rows = batch.logits_indices
         # Past its token mixer's cache writes, the last layer matters only for the logits rows: when those are
         # at most one per sequence (a prefill's last token), its queries, attention and MLP run for them alone.
@@ -400,13 +405,13 @@ SKIP_PREFIXES = (*VISION_PREFIXES, *MTP_PREFIXES)
 FUSED_EXPERTS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
 
 
-def announce_unloaded_parts(config: dict, name: str) -> tuple[bool, bool]:
+def announce_unloaded_parts(config: dict, name: str, vision_loaded: bool = False) -> tuple[bool, bool]:
     """Log once, when the model is built, the checkpoint parts it never loads (a reader may skip them unread).
 
     Returns whether the (vision tower, MTP head) were announced, so the tensor mapping does not repeat it.
     """
     text = config.get("text_config") or config
-    vision = "vision_config" in config
+    vision = "vision_config" in config and not vision_loaded
     mtp = bool(config.get("mtp_num_hidden_layers") or text.get("mtp_num_hidden_layers"))
     if vision:
         log.info("%s: loading the language model only; the vision tower (model.visual.*) is not loaded", name)

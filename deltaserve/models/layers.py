@@ -95,10 +95,24 @@ class Rotary(nn.Module):
         self.rotary_dim = int(head_dim * float(params.get("partial_rotary_factor", 1.0)))
         self.register_buffer("inv_freq", rope_inv_freq(params, self.rotary_dim), persistent=False)
         self.attention_factor = float(params.get("attention_factor", 1.0))
+        # Multimodal rotary (Qwen3.5, interleaved): frequency j follows the row position where j % 3 == 1 and the
+        # column where j % 3 == 2, within 3 x mrope_section[1 or 2] frequencies; time (the text position) elsewhere.
+        section = params.get("mrope_section") or [len(self.inv_freq), 0, 0]
+        axis = torch.zeros(len(self.inv_freq), dtype=torch.long)
+        for dim in (1, 2):
+            axis[dim: 3 * section[dim]: 3] = dim
+        self.register_buffer("mrope_axis", axis, persistent=False)
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin [T, 1, rd] (one row per token, broadcast over heads), computed once per forward."""
-        freqs = positions.float().unsqueeze(1) * self.inv_freq.unsqueeze(0)  # [T, rd/2]
+        """cos and sin [T, 1, rd] (one row per token, broadcast over heads), computed once per forward.
+
+        `positions` is [T], or [3, T] (time, row, column) for the multimodal rotary; equal rows give the same."""
+        if positions.dim() == 2:
+            freqs3 = positions.float().unsqueeze(2) * self.inv_freq  # [3, T, rd/2]
+            index = self.mrope_axis.expand(1, positions.shape[1], -1)
+            freqs = freqs3.gather(0, index).squeeze(0)
+        else:
+            freqs = positions.float().unsqueeze(1) * self.inv_freq.unsqueeze(0)  # [T, rd/2]
         emb = torch.cat([freqs, freqs], dim=-1).unsqueeze(1)
         return emb.cos() * self.attention_factor, emb.sin() * self.attention_factor
 

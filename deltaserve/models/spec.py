@@ -2,7 +2,8 @@
 
 `spec_from_config` estimates weight bytes from the config and a quantization scheme (what `deltaserve plan` does
 with a config.json alone); `spec_from_checkpoint` reads exact bytes from safetensors headers or GGUF tensor
-infos without touching tensor data. The vision tower and MTP head are counted but marked not loaded.
+infos without touching tensor data. The vision tower and MTP head are counted apart from the language model: the
+MTP head is never loaded, the tower is the ledger's own line (budget.py) unless --language-model-only.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-from deltaserve.budget import ModelMemorySpec, WeightGroup
+from deltaserve.budget import ModelMemorySpec, VisionShape, WeightGroup
 from deltaserve.config import DTYPE_BYTES
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen3", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next")
@@ -165,6 +166,14 @@ def _shape(config: dict) -> tuple[ModelMemorySpec, dict]:
             head_dim=text.get("head_dim") or hidden // heads, intermediate_size=text.get("intermediate_size", 0),
             tie_word_embeddings=bool(config.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
         )
+        vision = config.get("vision_config")
+        if vision and model_type in NESTED_TYPES:
+            spec.vision = VisionShape(
+                hidden_size=vision.get("hidden_size", 1152), intermediate_size=vision.get("intermediate_size", 4304),
+                depth=vision.get("depth", 27), patch_size=vision.get("patch_size", 16),
+                merge_size=vision.get("spatial_merge_size", 2),
+                temporal_patch_size=vision.get("temporal_patch_size", 2), in_channels=vision.get("in_channels", 3),
+                out_hidden_size=vision.get("out_hidden_size", hidden))
         if model_type in HYBRID_TYPES:
             spec.gdn_layers = kinds.count("gdn")
             spec.gdn_num_v_heads, spec.gdn_key_head_dim = text["linear_num_value_heads"], text["linear_key_head_dim"]

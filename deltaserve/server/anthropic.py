@@ -15,6 +15,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from deltaserve.engine.request import SamplingParams
+from deltaserve.images import ImageSource, data_url
 from deltaserve.server.protocol import MAX_COUNT, MAX_STOPS, ProtocolError, validation_message
 from deltaserve.text.chat_output import ChatOutputParser, OutputDelta
 from deltaserve.text.tool_parsers import ToolCall
@@ -27,10 +28,18 @@ class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
 
+class ImageBlockSource(_Body):
+    type: str  # base64 (served) or url (refused: the server fetches nothing)
+    media_type: str | None = None
+    data: str | None = None
+    url: str | None = None
+
+
 class Block(_Body):
-    """A content block: text, image (refused), tool_use, tool_result or thinking."""
+    """A content block: text, image (where the model has a vision tower), tool_use, tool_result or thinking."""
 
     type: str
+    source: ImageBlockSource | None = None
     text: str | None = None
     id: str | None = None
     name: str | None = None
@@ -102,14 +111,18 @@ def parse(model: type[_Body], body: Any) -> MessagesRequest:
         raise ProtocolError(*validation_message(e)) from None
 
 
-def to_chat(req: MessagesRequest) -> Chat:
-    """System, messages (tool results become tool messages), tools and tool_choice in OpenAI chat terms."""
+def to_chat(req: MessagesRequest, images: list[ImageSource] | None = None, image_marker: str = "") -> Chat:
+    """System, messages (tool results become tool messages), tools and tool_choice in OpenAI chat terms.
+
+    With `images` (a list to fill), each image block of a user turn becomes `image_marker` in its text and its
+    source is appended to `images`; without, image blocks are refused."""
     messages = []
     if req.system:
         messages.append({"role": "system", "content": _text_of(req.system, "system")})
     for i, message in enumerate(req.messages):
         blocks = [Block(type="text", text=message.content)] if isinstance(message.content, str) else message.content
-        messages += _user_messages(blocks, i) if message.role == "user" else [_assistant_message(blocks, i)]
+        messages += (_user_messages(blocks, i, images, image_marker) if message.role == "user"
+                     else [_assistant_message(blocks, i)])
     tools = [{"type": "function", "function": {"name": t.name, "description": t.description or "",
                                                "parameters": t.input_schema}} for t in req.tools or []] or None
     choice, name = "auto", None
@@ -138,12 +151,16 @@ def _text_of(content: str | list[Block], where: str) -> str:
     return "".join(block.text for block in content)
 
 
-def _user_messages(blocks: list[Block], i: int) -> list[dict]:
+def _user_messages(blocks: list[Block], i: int, images: list[ImageSource] | None = None,
+                   image_marker: str = "") -> list[dict]:
     """Tool results become tool messages (first, as they answer the previous turn), text the user's message."""
     out, texts = [], []
     for j, block in enumerate(blocks):
         where = f"messages[{i}].content[{j}]"
-        if block.type == "tool_result":
+        if block.type == "image" and images is not None:
+            images.append(ImageSource(f"{where}.source", _image_url(block, where)))
+            texts.append(image_marker)
+        elif block.type == "tool_result":
             content = _text_of(block.content or "", f"{where}.content")
             out.append({"role": "tool", "tool_call_id": block.tool_use_id or "",
                         "content": ("Error: " + content) if block.is_error else content})
@@ -155,6 +172,18 @@ def _user_messages(blocks: list[Block], i: int) -> list[dict]:
     if texts:
         out.append({"role": "user", "content": "".join(texts)})
     return out
+
+
+def _image_url(block: Block, where: str) -> str:
+    source = block.source
+    if source is None:
+        raise ProtocolError(f"{where}: an image block needs a 'source'", f"{where}.source")
+    if source.type == "base64" and source.data is not None:
+        return data_url(source.media_type or "application/octet-stream", source.data)
+    if source.type == "url" and source.url:
+        return source.url  # refused when read: the server fetches nothing
+    raise ProtocolError(f"{where}.source: only base64 image sources (with 'data') are served, not {source.type!r}",
+                        f"{where}.source")
 
 
 def _assistant_message(blocks: list[Block], i: int) -> dict:

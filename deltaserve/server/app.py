@@ -28,6 +28,7 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect
 
 from deltaserve.config import EngineConfig
+from deltaserve.images import ImageError, ImageSource, PreparedImage, preprocess, read_source
 from deltaserve.engine.engine import Engine, QueueFull, RequestRefused
 from deltaserve.engine.errors import internal_error
 from deltaserve.engine.request import RequestStream, SamplingParams
@@ -250,10 +251,13 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         state.metrics.requests.labels("chat").inc()
         req = protocol.parse_request(protocol.ChatCompletionRequest, await _read_json(request, state.config))
         state.check_model(req.model)
-        prompt_ids, boundaries = await asyncio.to_thread(_chat_ids, engine, protocol.chat_messages(req),
-                                                         req.add_generation_prompt, protocol.chat_template_kwargs(req))
+        sources: list[ImageSource] = []
+        messages = protocol.chat_messages(req, sources, _image_marker(engine))
+        images = await _prepare_images(state, engine, sources)
+        prompt_ids, boundaries = await asyncio.to_thread(_chat_ids, engine, messages, req.add_generation_prompt,
+                                                         protocol.chat_template_kwargs(req))
         settings, grammar = _openai_chat_output(state, engine, req, prompt_ids)
-        gen = _submit(state, engine, [prompt_ids], req, received_s, grammar, boundaries=boundaries)
+        gen = _submit(state, engine, [prompt_ids], req, received_s, grammar, images=images, boundaries=boundaries)
         meta = protocol.ResponseMeta(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), state.served_name())
         token_bytes = engine.tokenizer.token_bytes
         if req.stream:
@@ -273,7 +277,9 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         state.metrics.requests.labels("messages").inc()
         req = anthropic.parse(anthropic.MessagesRequest, await _read_json(request, state.config))
         state.check_model(req.model)
-        chat = anthropic.to_chat(req)
+        sources: list[ImageSource] = []
+        chat = anthropic.to_chat(req, sources, _image_marker(engine))
+        images = await _prepare_images(state, engine, sources)
         prompt_ids, boundaries = await asyncio.to_thread(_chat_ids, engine, chat.messages, True,
                                                          chat.template_kwargs)
         try:
@@ -283,7 +289,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         except OutputRequestError as e:
             raise ApiError(400, e.message, param=e.param) from None
         gen = _submit(state, engine, [prompt_ids], req, received_s, params=anthropic.sampling_params(req, grammar),
-                      boundaries=boundaries)
+                      images=images, boundaries=boundaries)
         msg_id, model = f"msg_{uuid.uuid4().hex}", state.served_name()
 
         def finish_info() -> tuple[str | None, bool, str]:
@@ -294,13 +300,13 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         if req.stream:
             outputs = (out async for _, out in gen.events())
             return EventStream(anthropic.stream_events(outputs, ChatOutputParser(settings), msg_id, model,
-                                                       len(prompt_ids), finish_info, req), gen)
+                                                       gen.prompt_len(0), finish_info, req), gen)
         await _collect(request, gen, state)
         reasoning, text, calls = parse_whole(settings, gen.results()[0].text)
         finish, eos, tail = finish_info()
         stop = anthropic.matched_stop(req, finish, eos, tail)
         return anthropic.message_body(msg_id, model, reasoning, text, calls,
-                                      anthropic.stop_reason(finish, bool(calls), stop), stop, len(prompt_ids),
+                                      anthropic.stop_reason(finish, bool(calls), stop), stop, gen.prompt_len(0),
                                       gen.usage().completion_tokens, gen.cached_tokens[0])
 
     @app.post("/v1/messages/count_tokens")
@@ -486,9 +492,43 @@ def _openai_chat_output(state: ServerState, engine: Engine, req, prompt_ids: lis
         raise ApiError(400, e.message, param=e.param) from None
 
 
+def _image_marker(engine: Engine) -> str:
+    """The text the chat template's image placeholder is: vision_start, the image token, vision_end."""
+    if not engine.accepts_images:
+        return ""
+    config = engine.loaded.config
+    ids = [config.get("vision_start_token_id"), engine.image_token_id, config.get("vision_end_token_id")]
+    return engine.tokenizer.decode([i for i in ids if i is not None], skip_special_tokens=False)
+
+
+async def _prepare_images(state: ServerState, engine: Engine, sources: list[ImageSource]) -> list[PreparedImage]:
+    """Read and preprocess a request's images (in the thread pool); any problem is a 400 naming the image."""
+    if not sources:
+        return []
+    if not engine.accepts_images:
+        raise ApiError(400, f"{sources[0].where}: {engine.images_refusal()}", param=sources[0].where,
+                       code="images_not_supported")
+    limits = engine.image_limits
+    if len(sources) > limits.max_images:
+        raise ApiError(400, f"{len(sources)} images in one request, over the limit of {limits.max_images} "
+                            f"(--max-images-per-request)", param="messages", code="too_many_images")
+
+    def prepare(source: ImageSource) -> PreparedImage:
+        data = read_source(source, limits, state.config.allowed_local_media_path)
+        return preprocess(data, limits, engine.image_settings)
+
+    prepared = []
+    for source in sources:
+        try:
+            prepared.append(await asyncio.to_thread(prepare, source))
+        except ImageError as e:
+            raise ApiError(400, f"{source.where}: {e}", param=source.where, code="invalid_image") from None
+    return prepared
+
+
 def _submit(state: ServerState, engine: Engine, prompts: list[list[int]], req, received_s: float,
             grammar: str | None = None, params: SamplingParams | None = None,
-            boundaries: list[int] = ()) -> Generation:
+            images: list[PreparedImage] | None = None, boundaries: list[int] = ()) -> Generation:
     """One engine request per (prompt, choice); refused as a whole if any part is refused.
 
     `params` (one choice) replaces the OpenAI request's own sampling fields (the Anthropic route); `boundaries`
@@ -520,7 +560,7 @@ def _submit(state: ServerState, engine: Engine, prompts: list[list[int]], req, r
             for j in range(choices):
                 choice_params = params or protocol.sampling_params(req, j, grammar)
                 streams.append(engine.submit(prompt_ids, choice_params, request_id=f"{base_id}-{len(streams)}",
-                                             boundaries=tuple(boundaries)))
+                                             images=images, boundaries=tuple(boundaries)))
                 choice_prompt.append(p)
     except RequestRefused as e:
         _abort_all(engine, streams)

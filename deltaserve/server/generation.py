@@ -40,6 +40,8 @@ class Generation:
         self.completion_tokens = [0] * count
         self.token_ids: list[list[int]] = [[] for _ in range(count)]  # each choice's output ids (stop reasons)
         self.cached_tokens = [0] * count  # prompt tokens each choice took from the prefix cache
+        # each choice's prompt as the engine counts it (an image's placeholder widened into its tokens)
+        self.engine_prompt_tokens = [stream.prompt_tokens for stream in streams]
         self._seen_token = [False] * count
         self._closed = False
         self.failed = False
@@ -116,7 +118,12 @@ class Generation:
         for i, p in enumerate(self.choice_prompt):
             first_choice.setdefault(p, i)
         cached = sum(self.cached_tokens[i] for i in first_choice.values())
-        return protocol.usage(sum(len(p) for p in self.prompts), sum(self.completion_tokens), cached)
+        prompt_tokens = sum(self.prompt_len(i) for i in first_choice.values())
+        return protocol.usage(prompt_tokens, sum(self.completion_tokens), cached)
+
+    def prompt_len(self, i: int) -> int:
+        """Choice i's prompt tokens as the engine counts them (image tokens included)."""
+        return self.engine_prompt_tokens[i] or len(self.prompts[self.choice_prompt[i]])
 
     def close(self) -> None:
         """Abort every choice that has not finished (the client left, or the request failed); idempotent."""

@@ -16,6 +16,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, WithJsonSchema, model_serializer
 
 from deltaserve.engine.request import SamplingParams, TokenLogprob
+from deltaserve.images import ImageSource
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_COUNT = 2**31 - 1  # token counts beyond int32 are a client mistake, not a request
@@ -43,12 +44,19 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
-class ContentPart(_Body):
-    """Only text parts are served; other types get a 400 naming the part (checked in chat_messages)."""
+class ImageURL(_Body):
+    url: str
+    detail: str | None = None
 
-    model_config = ConfigDict(json_schema_extra={"required": ["type", "text"]})
-    type: Annotated[str, WithJsonSchema({"type": "string", "enum": ["text"]})]
+
+class ContentPart(_Body):
+    """Text and image_url parts are served (images where the model has a vision tower); other types get a 400
+    naming the part (checked in chat_messages)."""
+
+    model_config = ConfigDict(json_schema_extra={"required": ["type"]})
+    type: Annotated[str, WithJsonSchema({"type": "string", "enum": ["text", "image_url"]})]
     text: Annotated[str | None, WithJsonSchema({"type": "string"})] = None
+    image_url: ImageURL | None = None
 
 
 class ChatMessage(_Body):
@@ -367,8 +375,12 @@ def stop_strings(req: _SamplingFields) -> tuple[str, ...]:
     return (req.stop,) if isinstance(req.stop, str) else tuple(req.stop)
 
 
-def chat_messages(req: ChatCompletionRequest) -> list[dict]:
-    """The messages as plain dicts for the chat template; text parts joined, other parts refused."""
+def chat_messages(req: ChatCompletionRequest, images: list[ImageSource] | None = None,
+                  image_marker: str = "") -> list[dict]:
+    """The messages as plain dicts for the chat template; text parts joined, other parts refused.
+
+    With `images` (a list to fill), each image_url part becomes `image_marker` in the text (the model's image
+    placeholder) and its source is appended to `images`; without, image parts are refused."""
     out = []
     for i, message in enumerate(req.messages):
         item = message.model_dump(exclude_none=True)
@@ -379,6 +391,10 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict]:
         if isinstance(message.content, list):
             texts = []
             for j, part in enumerate(message.content):
+                if part.type == "image_url" and images is not None and part.image_url is not None:
+                    images.append(ImageSource(f"messages[{i}].content[{j}].image_url", part.image_url.url))
+                    texts.append(image_marker)
+                    continue
                 if part.type != "text" or part.text is None:
                     what = "a text part without 'text'" if part.type == "text" else f"{part.type!r} parts"
                     raise ProtocolError(f"messages[{i}].content[{j}]: only text is supported, not {what}",
