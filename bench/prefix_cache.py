@@ -45,7 +45,9 @@ class Chat:
         self.boundaries.append(len(self.ids))
 
     def prompt(self) -> tuple[list[int], tuple[int, ...]]:
-        return list(self.ids), tuple(self.boundaries)
+        """The ids and the boundaries the server would pass: the last message's end is the prompt's there (it
+        precedes a generation prompt)."""
+        return list(self.ids), tuple(b for b in self.boundaries if b < len(self.ids))
 
 
 def trace(args) -> list[tuple[str, list[int], tuple[int, ...]]]:

@@ -5,12 +5,14 @@ flush. The oracle is the same engine with --no-prefix-cache (itself held to tran
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from deltaserve.cache.prefix import EVICTION_POLICIES
+from deltaserve.engine.engine import _widened
 from deltaserve.engine.loader import default_model_path
 from deltaserve.engine.request import SamplingParams
 from deltaserve.weights.gguf import read_gguf_tokenizer
@@ -182,3 +184,15 @@ def test_a_hit_pins_its_pages_against_eviction(hybrid_pair):
     assert outs[-1].cached_tokens == 5 * PAGE and cached.prefix_cache.evicted_pages_total >= 3
     assert tokens_of(outs) == greedy(plain, base + [2, 3], 4)[0]
     assert_flush_leaves_nothing(cached)
+
+
+def test_boundaries_move_past_the_tokens_images_widen_into():
+    """A boundary counted on the prompt as sent (one placeholder token per image) lands on the same message end
+    once each image is widened into its tokens."""
+    image = -1
+    sent = [5, 6, image, 7, 8, image, 9]
+    widened = [5, 6] + [image] * 5 + [7, 8] + [image] * 3 + [9]
+    layout = SimpleNamespace(starts=[2, 9], lengths=[5, 3])
+    moved = _widened((2, 4, 7), layout, len(widened))
+    assert [widened[:b][-1] for b in moved] == [sent[:b][-1] for b in (2, 4, 7)] and moved == (2, 8, 13)
+    assert _widened((2, 4, 7), None, len(sent)) == (2, 4, 7)

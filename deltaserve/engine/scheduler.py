@@ -131,10 +131,12 @@ class Scheduler:
         hit, kv_depth = cache.lookup(request.cache_ids, limit)
         depth = cache.attach(request, hit, self.state_pool)
         request.num_cached = request.cached_tokens = depth
-        # Where reuse comes (Marconi): the prompt's end, its chat message boundaries (the server passes them: the
-        # end of the last message before the generation prompt among them), where it branches off a cached
-        # prompt (the next sibling hits there), and every N tokens of a long prefill.
-        positions = {request.prompt_len, kv_depth, *request.boundaries}
+        # Where reuse comes (Marconi): the prompt's end less its last token (the deepest an identical prompt can hit,
+        # and one token short of a prompt that extends it), its chat message boundaries (the server passes them:
+        # the end of the last message before the generation prompt among them), where it branches off a cached
+        # prompt (the next sibling hits there), and every N tokens of a long prefill. The end of the generation
+        # is stored as the request finishes.
+        positions = {request.prompt_len - 1, kv_depth, *request.boundaries}
         step = self.checkpoint_interval_tokens
         if step > 0:
             positions.update(range(step, request.prompt_len + 1, step))
