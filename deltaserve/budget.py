@@ -416,7 +416,9 @@ def _checkpoint_line(spec: ModelMemorySpec, c: EngineConfig) -> tuple[int, str]:
     kv_tokens = per_slot / max(spec.kv_bytes_per_token(c.kv_dtype), 1)
     return c.checkpoint_slots * per_slot, (
         f"{c.checkpoint_slots} checkpoints (--checkpoint-slots) x {per_slot / MiB:,.1f} MiB (one GDN state, "
-        f"{c.state_dtype}); one checkpoint costs as much as {kv_tokens:,.0f} tokens of KV ({c.kv_dtype})")
+        f"{c.state_dtype}); one checkpoint costs as much as {kv_tokens:,.0f} tokens of KV ({c.kv_dtype}); the pool "
+        f"buys hits for {c.checkpoint_slots} prefixes at once (about {max(c.checkpoint_slots // 2, 1)} "
+        f"conversations: each keeps its last message's end and a branch point)")
 
 
 def _activation_elements_per_row(spec: ModelMemorySpec) -> int:
@@ -600,6 +602,16 @@ def option_costs(spec: ModelMemorySpec, config: EngineConfig, device_total: int,
         costs.append(OptionCost("--kv-dtype fp8", n, f"{spec.kv_bytes_per_token('float8_e4m3fn'):,} bytes/token "
                                 f"instead of {base.bpt:,} (needs a KV pool that stores fp8)"))
     costs.append(_host_tier_cost(spec, c, base, host_tier_bytes))
+    if spec.gdn_layers and c.prefix_cache:
+        per = spec.state_bytes_per_slot(c.state_dtype) / base.bpt
+        more = 2 * c.checkpoint_slots
+        if (n := delta(checkpoint_slots=more)) is not None:
+            costs.append(OptionCost(f"--checkpoint-slots {more}", n,
+                                    f"{more - c.checkpoint_slots} more reusable prefix states at {per:,.0f} KV tokens "
+                                    f"each: {more // 2} conversations keep their last message and a branch point"))
+        if (n := delta(prefix_cache=False)) is not None:
+            costs.append(OptionCost("--no-prefix-cache", n, "no checkpoints: every turn of a conversation is read "
+                                                            "again from its first token"))
     if spec.gdn_layers:
         scales = 4 * spec.gdn_num_v_heads * spec.gdn_key_head_dim  # one fp32 scale per state row
         int8_slot = spec.gdn_layers * (spec.state_elements_per_layer() + scales)

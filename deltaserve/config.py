@@ -131,7 +131,7 @@ class EngineConfig:
     chat_template: str | None = None  # a jinja file used instead of the model's own chat template
     prefix_cache: bool = True  # reuse the KV pages (and GDN checkpoints) of prompts seen before
     checkpoint_slots: int = 8  # GDN state checkpoints the prefix cache keeps (hybrid models; its own ledger line)
-    checkpoint_interval_tokens: int = 2048  # a GDN checkpoint every this many prompt tokens (a page multiple)
+    checkpoint_interval_tokens: int = 2048  # a GDN checkpoint every this many prompt tokens
     language_model_only: bool = False  # skip a multimodal checkpoint's vision tower: its memory becomes context
     max_images_per_request: int = 8
     max_image_bytes: int = 5 * MiB  # of one encoded image (Anthropic's limit too)
@@ -256,9 +256,6 @@ def _validate(c: EngineConfig) -> None:
     if c.default_max_tokens is not None and c.default_max_tokens > cap:
         raise ConfigError(f"--default-max-tokens {c.default_max_tokens} exceeds the max-new-tokens cap {cap}: "
                           f"lower it or raise --max-new-tokens-cap")
-    if c.checkpoint_interval_tokens % c.page_size:
-        raise ConfigError(f"--checkpoint-interval-tokens {c.checkpoint_interval_tokens} must be a multiple of "
-                          f"--page-size {c.page_size} (checkpoints sit at page ends)")
     if not 0 <= c.port <= 65535:
         raise ConfigError(f"--port {c.port} is out of range: it must be in 0..65535")
     if c.attention_backend not in ATTENTION_BACKENDS:
@@ -329,7 +326,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--checkpoint-slots", type=int, help="GDN state checkpoints the prefix cache keeps on a "
                    "hybrid model (8); each costs what `plan` shows in KV tokens")
     g.add_argument("--checkpoint-interval-tokens", type=int,
-                   help="store a GDN checkpoint every this many prompt tokens (2048, a multiple of --page-size)")
+                   help="store a GDN checkpoint every this many prompt tokens (2048)")
     _add_http_arguments(parser)
 
 

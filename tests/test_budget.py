@@ -185,6 +185,12 @@ def test_option_costs_agree_with_replanning(spec27):
     assert host.delta_kv_tokens == 0 and "GDN state for only" in host.note
     int8 = next(c for name, c in costs.items() if name.startswith("INT8"))
     assert int8.delta_kv_tokens < 0 and "on top" in int8.note
+    slots = config.checkpoint_slots
+    more = costs[f"--checkpoint-slots {2 * slots}"]
+    assert more.delta_kv_tokens == plan(spec27, checkpoint_slots=2 * slots).kv_tokens - base < 0
+    one = plan(spec27).state_bytes_per_slot / plan(spec27).kv_bytes_per_token  # one checkpoint, in KV tokens
+    assert -more.delta_kv_tokens == pytest.approx(slots * one, abs=16) and f"{one:,.0f} KV tokens each" in more.note
+    assert costs["--no-prefix-cache"].delta_kv_tokens == plan(spec27, prefix_cache=False).kv_tokens - base > 0
 
 
 def test_table_and_json(spec27):

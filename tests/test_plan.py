@@ -36,7 +36,8 @@ def test_table_on_the_27b_fixture(capsys):
     assert f"largest context of one request: {budget.max_context_tokens:,} tokens" in out
     fit = min(budget.kv_pages // math.ceil(32768 / 16), budget.state_slots)
     assert f"requests of 32,768 tokens at once: {fit} " in out
-    for option in ("--mem-fraction 0.91", "--state-dtype float32", "host prefix tier 12 GB", "INT8 GDN state"):
+    for option in ("--mem-fraction 0.91", "--state-dtype float32", "host prefix tier 12 GB", "INT8 GDN state",
+                   "--checkpoint-slots 16", "--no-prefix-cache", "tokens of KV", "buys hits for 8 prefixes"):
         assert option in out
 
 

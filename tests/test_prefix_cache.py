@@ -4,25 +4,37 @@ flush. The oracle is the same engine with --no-prefix-cache (itself held to tran
 
 from __future__ import annotations
 
+from pathlib import Path
+from types import SimpleNamespace
+
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from deltaserve.cache.prefix import EVICTION_POLICIES
+from deltaserve.engine.engine import _widened
+from deltaserve.engine.loader import default_model_path
 from deltaserve.engine.request import SamplingParams
-from test_engine_support import HYBRID_VOCAB, engine, make_hybrid_checkpoint, random_prompt, run_all, tokens_of
+from deltaserve.weights.gguf import read_gguf_tokenizer
+from test_engine_support import HYBRID_VOCAB, engine, make_hybrid_checkpoint, random_prompt, tokens_of
 
 PAGE = 16
 SMALL = dict(page_size=PAGE, prefill_chunk_tokens=48, max_running_requests=4)
 
 
 @pytest.fixture(scope="module")
-def hybrid_pair(tmp_path_factory):
+def hybrid_folder(tmp_path_factory):
     folder = tmp_path_factory.mktemp("hybrid")
     make_hybrid_checkpoint(folder)
+    return str(folder)
+
+
+@pytest.fixture(scope="module")
+def hybrid_pair(hybrid_folder):
     # A pool of 40 pages and 3 checkpoints: conversations below outgrow both, so pages and checkpoints are evicted.
-    cached = engine(str(folder), prefix_cache=True, max_total_tokens=640, checkpoint_slots=3,
+    cached = engine(hybrid_folder, prefix_cache=True, max_total_tokens=640, checkpoint_slots=3,
                     checkpoint_interval_tokens=64, **SMALL)
-    plain = engine(str(folder), prefix_cache=False, max_total_tokens=640, **SMALL)
+    plain = engine(hybrid_folder, prefix_cache=False, max_total_tokens=640, **SMALL)
     return cached, plain
 
 
@@ -52,18 +64,27 @@ def conversation(data, vocab: int, turns: int) -> list[tuple[list[int], int]]:
     return plan
 
 
-def greedy(eng, prompt: list[int], max_tokens: int) -> tuple[list[int], int]:
-    out = run_all(eng, [(prompt, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))])[0]
+def greedy(eng, prompt: list[int], max_tokens: int, boundaries=()) -> tuple[list[int], int]:
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    stream = eng.submit(prompt, params, boundaries=boundaries)
+    out = []
+    while not stream.finished:
+        eng.step()
+        out += stream.drain()
+    out += stream.drain()
     return tokens_of(out), out[-1].cached_tokens
 
 
 def check_equal_over(pair, data, vocab: int, turns: int) -> None:
     cached, plain = pair
+    if cached.prefix_cache.checkpoints is not None:
+        cached.prefix_cache.eviction = data.draw(st.sampled_from(EVICTION_POLICIES), label="eviction")
     for prompt, max_tokens in conversation(data, vocab, turns):
-        got, hit = greedy(cached, prompt, max_tokens)
+        cut = data.draw(st.lists(st.integers(1, len(prompt)), max_size=3), label="message boundaries")
+        got, hit = greedy(cached, prompt, max_tokens, tuple(cut))
         want, no_hit = greedy(plain, prompt, max_tokens)
         assert got == want, f"cached output differs after a hit of {hit} of {len(prompt)} prompt tokens"
-        assert no_hit == 0 and hit % PAGE == 0 and hit < len(prompt)
+        assert no_hit == 0 and hit < len(prompt)
         cached.scheduler.check()
     assert cached.stats().kv_pages_used == 0  # pages only the cache holds count as free
 
@@ -90,18 +111,58 @@ def test_dense_cached_equals_uncached(dense_pair, data):
 
 @pytest.mark.parametrize("model", ["hybrid", "dense"])
 def test_hits_at_every_depth_and_nothing_leaks(hybrid_pair, dense_pair, model):
-    """A prompt resent with one more page each time hits one page deeper each time (the hybrid through its
-    prompt-end checkpoints), and the outputs stay equal; after a flush no page or checkpoint is held."""
+    """A prompt resent with a few more tokens each time hits exactly as deep as the previous prompt (the hybrid
+    through its prompt-end checkpoints), at every offset within a page, and the outputs stay equal; after a flush
+    no page or checkpoint is held."""
     cached, plain = hybrid_pair if model == "hybrid" else dense_pair
     cached.flush_cache()
     vocab = HYBRID_VOCAB if model == "hybrid" else 2000
-    tokens = random_prompt(8 * PAGE + 1, 7, vocab)
-    for pages in range(1, 9):
-        prompt = tokens[:pages * PAGE + 1]
-        got, hit = greedy(cached, prompt, 2)
-        assert hit == (pages - 1) * PAGE
-        assert got == greedy(plain, prompt, 2)[0]
+    lengths = [17 * k for k in range(1, 16)] + [16 * 16, 17 * 16]
+    tokens = random_prompt(lengths[-1], 7, vocab)
+    previous = 0
+    for length in lengths:
+        got, hit = greedy(cached, tokens[:length], 1)  # one token: the generation stores nothing past the prompt
+        assert hit == previous, (length, hit)
+        assert got == greedy(plain, tokens[:length], 1)[0]
+        previous = length
+    assert {n % PAGE for n in lengths[:-1]} == set(range(PAGE))  # hits end at every offset within a page
     assert_flush_leaves_nothing(cached)
+
+
+def test_checkpoints_at_message_boundaries_and_branch_points(hybrid_folder, hybrid_pair):
+    """The hybrid keeps its state where the server says chat messages end, and where a prompt branches off a
+    cached one: a later prompt that shares the prompt up to there hits there, to the token."""
+    plain = hybrid_pair[1]
+    cached = engine(hybrid_folder, prefix_cache=True, max_total_tokens=640, checkpoint_slots=8,
+                    checkpoint_interval_tokens=64, **SMALL)
+    base = random_prompt(90, 21, HYBRID_VOCAB)
+    greedy(cached, base, 1, boundaries=(37, 61))
+    for shared, want_hit in [(61, 61), (50, 37)]:  # a boundary, and the one before a divergence past it
+        prompt = base[:shared] + random_prompt(10, shared, HYBRID_VOCAB)
+        got, hit = greedy(cached, prompt, 2)
+        assert hit == want_hit and got == greedy(plain, prompt, 2)[0]
+    branch = base[:50] + random_prompt(12, 99, HYBRID_VOCAB)  # diverges at 50, where the previous one did
+    got, hit = greedy(cached, branch, 2)
+    assert hit == 50 and got == greedy(plain, branch, 2)[0]
+    assert_flush_leaves_nothing(cached)
+
+
+def test_chat_boundaries_are_where_the_rendered_messages_end():
+    """The positions the server passes are the token counts of the chat rendered up to each message (the
+    template's own rendering is the oracle); a turn the template renders differently once later turns follow
+    (Qwen3 drops an earlier answer's reasoning) gives none."""
+    tok = read_gguf_tokenizer(default_model_path())
+    messages = [{"role": "system", "content": "You survey towns."}, {"role": "user", "content": "The river?"},
+                {"role": "assistant", "content": "It is wide.", "reasoning_content": "Rivers are wide."},
+                {"role": "user", "content": "And the bridge?"}]
+    for template, cut_turns in [(None, [1, 2, 3, 4]), ("qwen3.jinja", [1, 2, 4])]:
+        if template is not None:
+            tok.use_chat_template((Path(__file__).parent / "data" / "chat_templates" / template).read_text())
+        ids, boundaries = tok.encode_chat_boundaries(messages)
+        assert ids == tok.encode_chat(messages)
+        want = [len(tok.encode_chat(messages[:i], add_generation_prompt=False)) for i in cut_turns]
+        assert boundaries == want and all(ids[:b] == tok.encode_chat(messages[:i], add_generation_prompt=False)
+                                          for b, i in zip(boundaries, cut_turns))
 
 
 def test_a_hit_pins_its_pages_against_eviction(hybrid_pair):
@@ -110,7 +171,7 @@ def test_a_hit_pins_its_pages_against_eviction(hybrid_pair):
     cached.flush_cache()
     base = random_prompt(5 * PAGE, 11, HYBRID_VOCAB)
     greedy(cached, random_prompt(3 * PAGE + 1, 13, HYBRID_VOCAB), 1)  # 3 pages the next requests must evict
-    greedy(cached, base + [1], 1)  # caches 5 pages and a checkpoint at the prompt's end
+    greedy(cached, base + [1], 1, boundaries=(len(base),))  # caches 5 pages and a checkpoint after them
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
     first = cached.submit(base + [2, 3], params)
     cached.step()  # the hit is taken: the first 5 pages are shared
@@ -123,3 +184,15 @@ def test_a_hit_pins_its_pages_against_eviction(hybrid_pair):
     assert outs[-1].cached_tokens == 5 * PAGE and cached.prefix_cache.evicted_pages_total >= 3
     assert tokens_of(outs) == greedy(plain, base + [2, 3], 4)[0]
     assert_flush_leaves_nothing(cached)
+
+
+def test_boundaries_move_past_the_tokens_images_widen_into():
+    """A boundary counted on the prompt as sent (one placeholder token per image) lands on the same message end
+    once each image is widened into its tokens."""
+    image = -1
+    sent = [5, 6, image, 7, 8, image, 9]
+    widened = [5, 6] + [image] * 5 + [7, 8] + [image] * 3 + [9]
+    layout = SimpleNamespace(starts=[2, 9], lengths=[5, 3])
+    moved = _widened((2, 4, 7), layout, len(widened))
+    assert [widened[:b][-1] for b in moved] == [sent[:b][-1] for b in (2, 4, 7)] and moved == (2, 8, 13)
+    assert _widened((2, 4, 7), None, len(sent)) == (2, 4, 7)

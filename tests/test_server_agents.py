@@ -214,6 +214,11 @@ def claude(server):
     return anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0, timeout=300)
 
 
+def sum_input(usage) -> int:
+    """The prompt's tokens: those read and those the prefix cache supplied."""
+    return usage.input_tokens + (usage.cache_read_input_tokens or 0)
+
+
 def test_anthropic_text_and_count_tokens(claude):
     messages = [{"role": "user", "content": "Name a colour."}]
     reply = claude.messages.create(model="SmolLM2-135M-Instruct", max_tokens=12, messages=messages,
@@ -222,7 +227,8 @@ def test_anthropic_text_and_count_tokens(claude):
     assert [b.type for b in reply.content] == ["text"] and reply.content[0].text
     assert reply.stop_reason in ("end_turn", "max_tokens")
     count = claude.messages.count_tokens(model="SmolLM2-135M-Instruct", messages=messages, system="Be brief.")
-    assert count.input_tokens == reply.usage.input_tokens > 0
+    # the prompt is read (input_tokens) or taken from the prefix cache (cache_read_input_tokens)
+    assert count.input_tokens == sum_input(reply.usage) > 0
     # A stop sequence taken from the answer itself ends the next (identical, greedy) answer there.
     words = [w for w in reply.content[0].text.split() if len(w) > 2]
     if words and reply.stop_reason == "max_tokens":
@@ -278,13 +284,14 @@ def test_anthropic_stream_events_and_multi_turn(claude, oracle):
     send_back(final, THOUGHTS[0])
     second = claude.messages.create(model=model, max_tokens=120, messages=messages, tools=ANTHROPIC_TOOLS,
                                     tool_choice={"type": "tool", "name": "run"}, extra_body=GREEDY)
-    assert second.stop_reason == "tool_use" and second.usage.input_tokens > final.usage.input_tokens
+    assert second.stop_reason == "tool_use"
+    assert sum_input(second.usage) > sum_input(final.usage) and second.usage.cache_read_input_tokens > 0
     send_back(second, THOUGHTS[1])
     answer = claude.messages.create(model=model, max_tokens=10, messages=messages, tools=ANTHROPIC_TOOLS,
                                     extra_body=GREEDY)
     assert answer.stop_reason in ("end_turn", "max_tokens")
     expected_ids = oracle(expected, tokenize=True)
-    assert answer.usage.input_tokens == len(expected_ids)
+    assert sum_input(answer.usage) == len(expected_ids)
     count = claude.messages.count_tokens(model=model, messages=messages, tools=ANTHROPIC_TOOLS).input_tokens
     assert count == len(expected_ids)
     unthought = [{**m, "content": [b for b in m["content"] if b["type"] != "thinking"]}

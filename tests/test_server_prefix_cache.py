@@ -1,17 +1,21 @@
 """The prefix cache through the server, driven by the `openai` client: a chat that resends its history and
 sub-agents that share one long system prompt get `usage.prompt_tokens_details.cached_tokens`, and their answers
-equal those of a server started with --no-prefix-cache."""
+equal those of a server started with --no-prefix-cache; on the tiny hybrid, the chat's message boundaries reach the
+cache (its GDN checkpoints sit there)."""
 
 from __future__ import annotations
 
 import contextlib
+from pathlib import Path
 
 import openai
 import pytest
 
 from server_util import running_server
+from test_engine_support import HYBRID_VOCAB, make_hybrid_checkpoint
 
 POOL = ("--max-total-tokens", "8192", "--max-running-requests", "4", "--kv-dtype", "float32")
+TEMPLATES = Path(__file__).parent / "data" / "chat_templates"
 WORDS = ("river market bridge harbour lantern orchard meadow quarry tower village granary mill forge chapel "
          "square fountain gate wall road field").split()
 
@@ -63,3 +67,42 @@ def test_six_sub_agents_sharing_a_system_prompt(clients):
         assert got == ask(plain, messages)[0]
         if agent >= 2:
             assert usage.prompt_tokens_details.cached_tokens >= 0.9 * shared, (agent, usage)
+
+
+@pytest.fixture(scope="module")
+def hybrid_clients(tmp_path_factory):
+    """The tiny hybrid behind a Qwen3 chat template (its word-level vocabulary reads the words `t0`..`t159`)."""
+    folder = tmp_path_factory.mktemp("hybrid")
+    make_hybrid_checkpoint(folder)
+    args = ("--model", str(folder), "--chat-template", str(TEMPLATES / "qwen3.jinja"), "--checkpoint-slots", "8",
+            *POOL)
+    with contextlib.ExitStack() as stack:
+        cached = stack.enter_context(running_server(tmp_path_factory.mktemp("hcached"), *args))
+        plain = stack.enter_context(running_server(tmp_path_factory.mktemp("hplain"), *args, "--no-prefix-cache"))
+        yield tuple(openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=600)
+                    for s in (cached, plain)) + (cached,)
+
+
+def words(count: int, seed: int) -> str:
+    return " ".join(f"t{1 + (i * 37 + seed * 11 + i * i) % (HYBRID_VOCAB - 1)}" for i in range(count))
+
+
+def test_hybrid_sub_agents_hit_the_system_message_end(hybrid_clients):
+    """On a hybrid a hit needs the GDN state at its exact end: the server passes the chat's message boundaries, so
+    the first sub-agent already leaves a checkpoint where the system message ends and the second hits there (no
+    branch point exists yet to hit at); a resent chat hits where the previous prompt ended."""
+    cached, plain, server = hybrid_clients
+    system = {"role": "system", "content": words(300, 1)}
+    through_system = server.post("/tokenize", json={"messages": [system], "add_generation_prompt": False})
+    through_system = through_system.json()["count"]
+    assert through_system > 300
+    for agent in range(3):
+        messages = [system, {"role": "user", "content": words(20, 10 + agent)}]
+        got, usage = ask(cached, messages)
+        assert got == ask(plain, messages)[0]
+        hit = usage.prompt_tokens_details.cached_tokens
+        assert hit == 0 if agent == 0 else through_system <= hit < usage.prompt_tokens, (agent, usage)
+    previous = usage.prompt_tokens
+    messages += [{"role": "assistant", "content": got}, {"role": "user", "content": words(12, 99)}]
+    got, usage = ask(cached, messages)
+    assert got == ask(plain, messages)[0] and usage.prompt_tokens_details.cached_tokens >= previous

@@ -102,14 +102,19 @@ class KVPool:
         if missing > 0:
             self.allocate(owner, missing)
 
-    def share(self, owner: Hashable, pages: list[int]) -> None:
-        """Append pages another owner holds to this owner's table (a shared prefix); raises their refcounts."""
+    def share(self, owner: Hashable, pages: list[int], *, with_slots: bool = True) -> None:
+        """Append pages another owner holds to this owner's table (a shared prefix); raises their refcounts.
+
+        `with_slots` False: an owner that only holds the pages (a prefix-cache node) and never reads `slots`."""
         for page in pages:
             if self._refcount[page] <= 0:
                 raise PoolCorruption(f"KV pool: page {page} is free and cannot be shared")
         for page in pages:
             self._refcount[page] += 1
-        self._extend(owner, list(pages))
+        if with_slots:
+            self._extend(owner, list(pages))
+        else:
+            self._pages.setdefault(owner, []).extend(pages)
 
     def free(self, owner: Hashable) -> int:
         """Drop the owner's pages; a page returns to the free list when its last owner lets go.
@@ -129,6 +134,15 @@ class KVPool:
                 self._free.append(page)
                 released += 1
         return released
+
+    def copy_tokens(self, src_page: int, dst_page: int, num_tokens: int) -> None:
+        """Copy the K and V of the first `num_tokens` tokens of one page onto another (a shared page's copy on
+        write), in every attention layer."""
+        ps = self.page_size
+        src, dst = slice(src_page * ps, src_page * ps + num_tokens), slice(dst_page * ps, dst_page * ps + num_tokens)
+        for t in self.k + self.v:
+            if t is not None:
+                t[dst].copy_(t[src])
 
     def refcount(self, page: int) -> int:
         return self._refcount[page]

@@ -33,7 +33,7 @@ from deltaserve.engine.admission import AdmissionPolicy
 from deltaserve.engine.errors import internal_error
 from deltaserve.engine.grammar import GrammarError, Grammars
 from deltaserve.engine.loader import LoadedModel, default_model_path, load_model
-from deltaserve.engine.multimodal import ImagePromptError, expand_prompt
+from deltaserve.engine.multimodal import ImagePromptError, PromptImages, expand_prompt
 from deltaserve.engine.request import Request, RequestStream, SamplingParams, TokenLogprob
 from deltaserve.engine.runner import ModelRunner
 from deltaserve.engine.sampler import sample
@@ -180,11 +180,12 @@ class Engine:
     # -- requests ---------------------------------------------------------------------------------------------
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
-               images: list[PreparedImage] | None = None) -> RequestStream:
+               images: list[PreparedImage] | None = None, boundaries: tuple[int, ...] = ()) -> RequestStream:
         """Queue a request (thread-safe): its stream, or RequestRefused / QueueFull at once.
 
         With `images` (deltaserve/images.py), the prompt holds one image token per image, in order: each is widened
-        into the image's tokens here, so admission counts them."""
+        into the image's tokens here, so admission counts them. `boundaries`: prompt positions where chat messages
+        end, where the prefix cache keeps GDN checkpoints (counted before the images are widened)."""
         prompt_ids = [int(t) for t in prompt_ids]
         prompt_images = None
         if images or (self.vision is not None and self.image_token_id in prompt_ids):  # no image tokens alone
@@ -213,7 +214,8 @@ class Engine:
                 reserved_pages=reservation.kv_pages, stream=RequestStream(request_id, len(prompt_ids)),
                 tokenizer=self.tokenizer,
                 eos_token_ids=self.eos_token_ids, generator=torch.Generator(self.device).manual_seed(seed),
-                arrival_s=time.monotonic(), reservation=reservation, grammar=grammar, images=prompt_images)
+                arrival_s=time.monotonic(), reservation=reservation, grammar=grammar, images=prompt_images,
+                boundaries=_widened(boundaries, prompt_images, len(prompt_ids)))
             self._live[request_id] = request
             self.scheduler.add(request)
             self._cond.notify_all()
@@ -400,6 +402,19 @@ class Engine:
             for request in list(self.scheduler.running) + list(self.scheduler.waiting):
                 self.scheduler.abort(request)
             self._live.clear()
+
+
+def _widened(boundaries, images: PromptImages | None, prompt_len: int) -> tuple[int, ...]:
+    """Message boundaries counted on the prompt as sent, moved past the tokens its images were widened into."""
+    moved = []
+    for b in boundaries:
+        shift = removed = 0
+        for start, n in zip(images.starts, images.lengths) if images is not None else ():
+            if start - removed < b:  # the placeholder (one token before widening) lies before the boundary
+                shift += n - 1
+            removed += n - 1
+        moved.append(int(b) + shift)
+    return tuple(sorted({b for b in moved if 0 < b <= prompt_len}))
 
 
 @dataclass

@@ -179,7 +179,8 @@ class Request:
     output_ids: list[int] = field(default_factory=list)
     num_cached: int = 0  # tokens whose K/V (and GDN state) the caches hold
     cached_tokens: int = 0  # prompt tokens taken from the prefix cache instead of computed
-    checkpoint_at: list[int] = field(default_factory=list)  # prompt positions where the GDN state is stored
+    checkpoint_at: list[int] = field(default_factory=list)  # prompt positions where pages and GDN state are stored
+    boundaries: tuple[int, ...] = ()  # prompt positions where chat messages end (from the chat template)
     finish_reason: str | None = None
     first_token_s: float | None = None
     grammar: object = None  # (Grammars, its matcher) when params.grammar is set

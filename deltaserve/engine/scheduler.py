@@ -125,20 +125,22 @@ class Scheduler:
                 self._take_hit(request)
 
     def _take_hit(self, request: Request) -> None:
-        """Start the request from its cached prefix and pick where its prefill stores GDN checkpoints."""
-        cache, ps = self.prefix_cache, self.kv_pool.page_size
-        limit = (request.prompt_len - 1) // ps * ps  # the prompt's last token is computed here, for its logits
-        key = request.cache_ids
-        _, kv_depth = cache.match(key, limit)
-        depth = cache.attach(request, key, limit, self.state_pool)
+        """Start the request from its cached prefix and pick where its prefill stores pages and GDN checkpoints."""
+        cache = self.prefix_cache
+        limit = request.prompt_len - 1  # the prompt's last token is computed here, for its logits
+        hit, kv_depth = cache.lookup(request.cache_ids, limit)
+        depth = cache.attach(request, hit, self.state_pool)
         request.num_cached = request.cached_tokens = depth
-        if cache.checkpoints is None:
-            return
-        positions = {request.prompt_len // ps * ps, kv_depth}  # the prompt's end, and where it branches off
+        # Where reuse comes (Marconi): the prompt's end less its last token (the deepest an identical prompt can hit,
+        # and one token short of a prompt that extends it), its chat message boundaries (the server passes them:
+        # the end of the last message before the generation prompt among them), where it branches off a cached
+        # prompt (the next sibling hits there), and every N tokens of a long prefill. The end of the generation
+        # is stored as the request finishes.
+        positions = {request.prompt_len - 1, kv_depth, *request.boundaries}
         step = self.checkpoint_interval_tokens
         if step > 0:
             positions.update(range(step, request.prompt_len + 1, step))
-        request.checkpoint_at = sorted(p for p in positions if depth < p <= request.prompt_len and p % ps == 0)
+        request.checkpoint_at = sorted(p for p in positions if depth < p <= request.prompt_len)
 
     # -- one step ---------------------------------------------------------------------------------------------
 
@@ -240,9 +242,10 @@ class Scheduler:
     def _release(self, request: Request, reason: str) -> None:
         self.finished_by_reason[reason] += 1
         if self.prefix_cache is not None and reason in ("stop", "length") and request in self.running:
-            # the state slot holds the state after exactly num_cached tokens: a checkpoint when page-aligned
+            # the end of the generation: the state slot holds the state after exactly num_cached tokens, which the
+            # next turn repeats when the client sends the answer back verbatim
             self.prefix_cache.store(request, request.cache_ids + request.output_ids, request.num_cached,
-                                    self.state_pool if request.num_cached % self.kv_pool.page_size == 0 else None)
+                                    self.state_pool)
         if request in self.running:
             self.running.remove(request)
             self.ledger.release(request)

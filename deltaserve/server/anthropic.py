@@ -233,9 +233,17 @@ def matched_stop(req: MessagesRequest, finish: str | None, last_token_was_eos: b
     return max(found)[1] if found else None
 
 
+def usage(prompt_tokens: int, cached_tokens: int) -> dict:
+    """Anthropic's input counts: `input_tokens` are the prompt tokens read, `cache_read_input_tokens` those the
+    prefix cache supplied (their sum is the prompt); the cache is written without a charge."""
+    return {"input_tokens": prompt_tokens - cached_tokens, "cache_creation_input_tokens": 0,
+            "cache_read_input_tokens": cached_tokens}
+
+
 def message_body(msg_id: str, model: str, reasoning: str, text: str, calls: list[ToolCall], reason: str,
-                 stop_sequence: str | None, input_tokens: int, output_tokens: int) -> dict:
-    """The non-streamed response."""
+                 stop_sequence: str | None, input_tokens: int, output_tokens: int, cached_tokens: int = 0) -> dict:
+    """The non-streamed response; `input_tokens` counts the whole prompt, `cached_tokens` of it came from the
+    prefix cache."""
     content = []
     if reasoning:
         content.append({"type": "thinking", "thinking": reasoning, "signature": ""})
@@ -245,7 +253,7 @@ def message_body(msg_id: str, model: str, reasoning: str, text: str, calls: list
                 for c in calls]
     return {"id": msg_id, "type": "message", "role": "assistant", "model": model, "content": content,
             "stop_reason": reason, "stop_sequence": stop_sequence,
-            "usage": {"input_tokens": input_tokens, "output_tokens": output_tokens}}
+            "usage": {**usage(input_tokens, cached_tokens), "output_tokens": output_tokens}}
 
 
 def _tool_id(call_id: str) -> str:
@@ -318,16 +326,19 @@ async def stream_events(outputs: AsyncIterator, parser: ChatOutputParser, msg_id
     """The Messages stream: message_start, ping, content blocks, message_delta, message_stop.
 
     `outputs` yields engine RequestOutputs and raises on failure (sent as an `error` event);
-    `finish_info()` gives (finish reason, last token was EOS, decoded output tail) once it ends.
+    `finish_info()` gives (finish reason, last token was EOS, decoded output tail) once it ends. The prefix
+    cache's part of the prompt is known once the request starts: message_start counts the whole prompt as read,
+    message_delta's cumulative usage says what the cache supplied.
     """
     start = {"id": msg_id, "type": "message", "role": "assistant", "model": model, "content": [],
-             "stop_reason": None, "stop_sequence": None, "usage": {"input_tokens": input_tokens, "output_tokens": 0}}
+             "stop_reason": None, "stop_sequence": None, "usage": {**usage(input_tokens, 0), "output_tokens": 0}}
     yield event("message_start", {"type": "message_start", "message": start})
     yield event("ping", {"type": "ping"})
-    blocks, output_tokens = BlockStream(), 0
+    blocks, output_tokens, cached_tokens = BlockStream(), 0, 0
     try:
         async for out in outputs:
             output_tokens = max(output_tokens, out.completion_tokens)
+            cached_tokens = max(cached_tokens, out.cached_tokens)
             delta = parser.push(out.text)
             for piece in blocks.events(delta):
                 yield piece
@@ -345,5 +356,5 @@ async def stream_events(outputs: AsyncIterator, parser: ChatOutputParser, msg_id
     reason = stop_reason(finish, parser.called, stop_sequence)
     yield event("message_delta", {"type": "message_delta", "delta": {"stop_reason": reason,
                                                                      "stop_sequence": stop_sequence},
-                                  "usage": {"output_tokens": output_tokens}})
+                                  "usage": {**usage(input_tokens, cached_tokens), "output_tokens": output_tokens}})
     yield event("message_stop", {"type": "message_stop"})

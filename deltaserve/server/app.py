@@ -262,10 +262,10 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         sources: list[ImageSource] = []
         messages = protocol.chat_messages(req, sources, _image_marker(engine))
         images = await _prepare_images(state, engine, sources)
-        prompt_ids = await asyncio.to_thread(_encode_chat, engine, messages,
-                                             req.add_generation_prompt, protocol.chat_template_kwargs(req))
+        prompt_ids, boundaries = await asyncio.to_thread(_chat_ids, engine, messages, req.add_generation_prompt,
+                                                         protocol.chat_template_kwargs(req))
         settings, grammar = _openai_chat_output(state, engine, req, prompt_ids)
-        gen = _submit(state, engine, [prompt_ids], req, received_s, grammar, images=images)
+        gen = _submit(state, engine, [prompt_ids], req, received_s, grammar, images=images, boundaries=boundaries)
         meta = protocol.ResponseMeta(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), state.served_name())
         token_bytes = engine.tokenizer.token_bytes
         if req.stream:
@@ -288,7 +288,8 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         sources: list[ImageSource] = []
         chat = anthropic.to_chat(req, sources, _image_marker(engine))
         images = await _prepare_images(state, engine, sources)
-        prompt_ids = await asyncio.to_thread(_encode_chat, engine, chat.messages, True, chat.template_kwargs)
+        prompt_ids, boundaries = await asyncio.to_thread(_chat_ids, engine, chat.messages, True,
+                                                         chat.template_kwargs)
         try:
             settings, grammar = chat_output(state.config, engine.tokenizer, prompt_ids, tools=chat.tools,
                                             tool_choice=chat.tool_choice, forced_name=chat.forced_name,
@@ -296,7 +297,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         except OutputRequestError as e:
             raise ApiError(400, e.message, param=e.param) from None
         gen = _submit(state, engine, [prompt_ids], req, received_s, params=anthropic.sampling_params(req, grammar),
-                      images=images)
+                      images=images, boundaries=boundaries)
         msg_id, model = f"msg_{uuid.uuid4().hex}", state.served_name()
 
         def finish_info() -> tuple[str | None, bool, str]:
@@ -314,7 +315,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         stop = anthropic.matched_stop(req, finish, eos, tail)
         return anthropic.message_body(msg_id, model, reasoning, text, calls,
                                       anthropic.stop_reason(finish, bool(calls), stop), stop, gen.prompt_len(0),
-                                      gen.usage().completion_tokens)
+                                      gen.usage().completion_tokens, gen.cached_tokens[0])
 
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(request: Request):
@@ -469,8 +470,16 @@ def _completion_prompts(engine: Engine, prompt) -> list[list[int]]:
 
 def _encode_chat(engine: Engine, messages: list[dict], add_generation_prompt: bool, kwargs: dict) -> list[int]:
     """The chat's prompt ids; a template that refuses the client's data is a 400 naming `messages`."""
+    return _chat_ids(engine, messages, add_generation_prompt, kwargs, with_boundaries=False)[0]
+
+
+def _chat_ids(engine: Engine, messages: list[dict], add_generation_prompt: bool, kwargs: dict,
+              with_boundaries: bool = True) -> tuple[list[int], list[int]]:
+    """(the chat's prompt ids, where its messages end: the prefix cache keeps checkpoints there)."""
     try:
-        return engine.tokenizer.encode_chat(messages, add_generation_prompt, **kwargs)
+        return engine.tokenizer.encode_chat_boundaries(
+            messages, add_generation_prompt, with_boundaries=with_boundaries and engine.prefix_cache is not None,
+            **kwargs)
     except ChatTemplateError as e:
         raise ApiError(400, f"messages: {e}", param="messages") from None
     except Exception as e:  # the template ran on the client's data (messages, tools, chat_template_kwargs)
@@ -527,10 +536,11 @@ async def _prepare_images(state: ServerState, engine: Engine, sources: list[Imag
 
 def _submit(state: ServerState, engine: Engine, prompts: list[list[int]], req, received_s: float,
             grammar: str | None = None, params: SamplingParams | None = None,
-            images: list[PreparedImage] | None = None) -> Generation:
+            images: list[PreparedImage] | None = None, boundaries: list[int] = ()) -> Generation:
     """One engine request per (prompt, choice); refused as a whole if any part is refused.
 
-    `params` (one choice) replaces the OpenAI request's own sampling fields (the Anthropic route)."""
+    `params` (one choice) replaces the OpenAI request's own sampling fields (the Anthropic route); `boundaries`
+    (a chat's one prompt) are where its messages end."""
     choices = 1 if params is not None else req.n  # per prompt
     total = len(prompts) * choices
     if total > protocol.MAX_CHOICES:
@@ -560,7 +570,7 @@ def _submit(state: ServerState, engine: Engine, prompts: list[list[int]], req, r
             for j in range(choices):
                 choice_params = params or protocol.sampling_params(req, j, grammar)
                 streams.append(engine.submit(prompt_ids, choice_params, request_id=f"{base_id}-{len(streams)}",
-                                             images=images))
+                                             images=images, boundaries=tuple(boundaries)))
                 choice_prompt.append(p)
     except RequestRefused as e:
         _abort_all(engine, streams)

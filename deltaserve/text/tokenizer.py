@@ -4,6 +4,7 @@ A `Tokenizer` wraps a `tokenizers.Tokenizer` (from an HF `tokenizer.json`, or bu
 metadata by deltaserve.weights.gguf) and renders chat templates the way transformers does.
 """
 
+import bisect
 import json
 import re
 from datetime import datetime
@@ -23,6 +24,8 @@ REPLACEMENT_CHAR = "\ufffd"
 REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 # How many prompt tokens the detokenizer keeps as context (a SentencePiece space depends on its neighbour).
 DETOKENIZE_CONTEXT_TOKENS = 5
+# Chat messages whose ends (besides the first's) the prefix cache is told of: the newest, which earlier turns lacked.
+BOUNDARY_MESSAGES = 16
 BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
@@ -132,11 +135,37 @@ class Tokenizer:
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> list[int]:
         """Ids of the rendered chat; one BOS when the model wants it, even if the template wrote it."""
-        ids = self.encode(self.apply_chat_template(messages, add_generation_prompt, **kwargs),
-                          add_special_tokens=False)
+        return self.encode_chat_boundaries(messages, add_generation_prompt, with_boundaries=False, **kwargs)[0]
+
+    def encode_chat_boundaries(self, messages: list[dict], add_generation_prompt: bool = True, *,
+                               with_boundaries: bool = True, **kwargs) -> tuple[list[int], list[int]]:
+        """(ids of the rendered chat, the token positions where its messages end).
+
+        A message ends where the rendering of the messages up to it stops, when that rendering is a prefix of the
+        whole chat's (a template that renders a turn differently once later turns follow gives no boundary
+        there); the last message's end is the position before the generation prompt. Only the first message and
+        the last BOUNDARY_MESSAGES are rendered: earlier boundaries were seen by earlier turns of the chat."""
+        text = self.apply_chat_template(messages, add_generation_prompt, **kwargs)
+        encoding = self.backend.encode(text, add_special_tokens=False)
+        ids = encoding.ids
+        shift = 0
         if self.adds_bos and ids[:1] != [self.bos_token_id]:
-            ids = [self.bos_token_id] + ids
-        return ids
+            ids, shift = [self.bos_token_id] + ids, 1
+        if not with_boundaries:
+            return ids, []
+        ends = [end for _, end in encoding.offsets]
+        count = len(messages)
+        boundaries = []
+        for i in sorted({1} | set(range(max(1, count - BOUNDARY_MESSAGES + 1), count + 1))):
+            if i > count or (i == count and not add_generation_prompt):
+                continue
+            try:
+                part = self.apply_chat_template(messages[:i], False, **kwargs)
+            except Exception:  # a template may refuse a cut chat (one that ends in an assistant turn)
+                continue
+            if part and text.startswith(part):
+                boundaries.append(bisect.bisect_right(ends, len(part)) + shift)  # the tokens that end inside it
+        return ids, sorted(set(b for b in boundaries if 0 < b < len(ids)))
 
     def token_bytes(self, token_id: int) -> bytes:
         """The raw bytes one token stands for (part of a UTF-8 character for some byte-level tokens)."""
