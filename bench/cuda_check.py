@@ -1,5 +1,6 @@
 """The CUDA path in one run, on a lent GPU: fla's GDN kernels against our portable chunk, the tiny hybrid's GPU
-forward against the CPU float32 path, and the engine on the GPU (greedy output, ledger predicted vs measured).
+forward against the CPU float32 path, the engine on the GPU (greedy output, ledger predicted vs measured), and a
+4-bit GGUF held packed on the GPU (llama-quantize's Q4_K fixture) against the same file packed on the CPU.
 
 Nothing here runs in CI (CI has no GPU). The oracles are independent of the fast path: the portable chunked
 gated delta rule in float32 on the same GPU (itself checked against a float64 token loop in the CPU tests), and
@@ -138,6 +139,36 @@ def cpu_engine_tokens(folder: Path, prompts: list[list[int]]) -> list[list[int]]
                                                                       ignore_eos=True))]
 
 
+def packed_int4(path: Path, prompt: list[int]) -> dict:
+    """A 4-bit GGUF held packed on the GPU (kernels/int4.py widens tiles with torch ops there) against the same file
+    packed on the CPU (the C++ kernel, which the CPU suite holds to transformers): logits, argmax, and the bytes the
+    packed layers hold on the GPU against the ledger's weights line."""
+    from deltaserve.config import EngineConfig
+    from deltaserve.engine.engine import Engine
+    from deltaserve.engine.loader import load_model
+    from deltaserve.models.batch import allocate_caches, single_sequence_batch
+    from deltaserve.models.layers import Int4Linear
+
+    def last_logits(device: str) -> tuple[torch.Tensor, int, int]:
+        loaded = load_model(path, device=device, dequantize=False)
+        model = loaded.model
+        packed = [m for m in model.modules() if isinstance(m, Int4Linear)]
+        held = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+        caches = allocate_caches(model.geometry, len(prompt), 1, torch.float32, device=device)
+        batch = single_sequence_batch(prompt, 0, torch.arange(len(prompt)))
+        batch = dataclasses.replace(batch, **{f.name: getattr(batch, f.name).to(device) for f in dataclasses.fields(batch)
+                                              if isinstance(getattr(batch, f.name), torch.Tensor)})
+        with torch.no_grad():
+            return model(batch, caches)[-1].float().cpu(), len(packed), held
+
+    want, _, _ = last_logits("cpu")
+    got, packed_layers, held = last_logits(DEVICE)
+    eng = Engine(EngineConfig(model=str(path), device=DEVICE, max_total_tokens=4096), log=lambda _: None)
+    return {"file": path.name, "packed_layers_on_device": packed_layers, "logits_rel": rel_err(got, want),
+            "argmax_equal": bool(got.argmax() == want.argmax()), "state_dict_bytes": held,
+            "ledger_weights_bytes": eng.budget.line("weights").bytes}
+
+
 def section(fn):
     """fn()'s result, or its error and traceback: one failing part does not hide the others' results."""
     try:
@@ -172,6 +203,8 @@ def main(argv=None) -> int:
     report = {"device": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu", "torch": torch.__version__,
               "fla": installed("flash-linear-attention"), "causal_conv1d": installed("causal-conv1d")}
     report["gdn"] = section(lambda: [gdn_kernels(n) for n in args.lengths])
+    q4k = Path(__file__).resolve().parent.parent / "tests" / "data" / "gguf" / "tiny-qwen35-q4_k.gguf"
+    report["packed_int4"] = section(lambda: packed_int4(q4k, list(range(3, 200))))
     torch.manual_seed(0)
     config = tiny_hybrid_config()
     ref = Qwen3_5ForCausalLM(config).eval()

@@ -88,6 +88,24 @@ def test_logits_equal_transformers_on_the_dequantized_weights(fixture, reference
     assert ((got - expected).abs().max() / expected.abs().max()).item() <= config_rtol(reference.config, len(ids))
 
 
+
+def test_packed_torch_widening_gives_the_same_logits(fixture, reference):
+    """The path a packed model takes off the CPU (CUDA): no C++ kernel, each tile of the weight widened by torch ops.
+    Within the same float32 bound of transformers as the C++ kernel's path, decode rows included."""
+    from deltaserve.kernels import int4_cpu
+
+    _, path, _, peer = fixture
+    model = load_model(path, dequantize=False).model
+    ids = peer["tokens"]
+    with torch.no_grad():
+        expected = reference(torch.tensor([ids])).logits[0]
+    with int4_cpu.disabled():
+        got = logits_at(model, ids)
+        one_row = logits_at(model, ids[:1])[0]  # one row: the decode kernel's case, widened too
+    bound = config_rtol(reference.config, len(ids))
+    assert ((got - expected).abs().max() / expected.abs().max()).item() <= bound
+    assert ((one_row - expected[0]).abs().max() / expected[0].abs().max()).item() <= bound
+
 def q8_k_rounded(x: torch.Tensor) -> torch.Tensor:
     """x [..., K] as llama.cpp's CPU matmuls see it for a K-quant / IQ4_XS weight: each 256-value block rounded to
     q = round(-127 / m * x), m the block's value of largest magnitude, q clipped at 127, read back as q * -m / 127

@@ -55,12 +55,11 @@ def load_model(model: str | Path | None, *, dtype: torch.dtype = torch.float32,
                device: torch.device | str = "cpu", dequantize: bool = True, vision: bool = False) -> LoadedModel:
     """Read the checkpoint (None: the default model) and build its architecture on `device`.
 
-    `dequantize=False` keeps a GGUF's 4-bit matrices packed (kernels/int4.py) where the device has the kernel.
+    `dequantize=False` keeps 4-bit matrices packed (kernels/int4.py) on every device.
     `vision` loads a multimodal checkpoint's vision tower too (else it is not even read)."""
     path = Path(model) if model else default_model_path()
     prefixes = skip_prefixes(read_config(path), vision=vision)
-    keep_int4 = not dequantize and torch.device(device).type == "cpu"
-    checkpoint = load_checkpoint(path, dtype=dtype, skip_prefixes=prefixes, keep_int4=keep_int4)
+    checkpoint = load_checkpoint(path, dtype=dtype, skip_prefixes=prefixes, keep_int4=not dequantize)
     try:
         net = build_model(checkpoint.config, checkpoint.tensors, dtype=dtype, device=device, vision=vision)
     except ValueError as e:  # a tensor missing, unknown or of the wrong shape: the checkpoint's fault, one line

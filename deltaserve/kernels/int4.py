@@ -145,7 +145,8 @@ def int4_linear(x: torch.Tensor, w: PackedInt4, bias: torch.Tensor | None = None
     """x [..., K] @ W.T in float32 arithmetic, W packed; the result in x's dtype.
 
     Up to int4_cpu.MAX_ROWS rows (decode) the C++ kernel reads the packed bytes; more rows (prefill) widen a tile
-    of W at a time and multiply it with torch.mm. Without a compiler the tile widening is done in torch."""
+    of W at a time and multiply it with torch.mm. Without a compiler, and on other devices (CUDA), the tile widening
+    is done by torch ops."""
     from deltaserve.kernels import int4_cpu
 
     n, k = w.shape
@@ -165,10 +166,10 @@ def int4_linear(x: torch.Tensor, w: PackedInt4, bias: torch.Tensor | None = None
 
 
 def _widened_rows(w: PackedInt4, start: int, stop: int) -> torch.Tensor:
-    """Rows start:stop of the float32 weight, by the C++ kernel where built."""
+    """Rows start:stop of the float32 weight: by the C++ kernel on CPU where built, else by torch ops (any device)."""
     from deltaserve.kernels import int4_cpu
 
-    if int4_cpu.built():
+    if int4_cpu.built() and w.packed.device.type == "cpu":
         return int4_cpu.widen(w.packed, w.scales, w.offsets, w.lut, w.group_size, start, stop)
     part = PackedInt4(w.packed[start:stop], w.scales[start:stop], w.offsets[start:stop], w.group_size, w.lut)
     return part.widened()

@@ -145,7 +145,7 @@ def linear(dim_in: int, dim_out: int, bias: bool = False) -> Linear:
 
 class Int4Linear(nn.Module):
     """A linear layer whose weight stays 4-bit (kernels/int4.py's packed layout): what a checkpoint's 4-bit matrix
-    becomes on CPU. Its result equals the dequantized float32 weight's to float32 rounding."""
+    becomes unless --dequantize-weights. Its result equals the dequantized float32 weight's to float32 rounding."""
 
     def __init__(self, codes: Int4Codes | PackedInt4, bias: torch.Tensor | None):
         super().__init__()
@@ -217,12 +217,13 @@ def load_weights(module: nn.Module, tensors: dict[str, torch.Tensor], *, dtype: 
 def _held_int4(module: nn.Module, pname: str, codes: Int4Codes | PackedInt4, tensors: dict, device) -> bool:
     """Swap the Linear owning `pname` for an Int4Linear when the weight is its own; False to dequantize.
 
-    On CPU only: elsewhere (CUDA) the weight is dequantized to the compute dtype, since the packed kernel is a CPU
-    one and torch's CUDA int4 kernels are not tested here. A tied lm_head (the same tensor as the embedding) is
-    packed too: the embedding is then dequantized for its row lookups, the head multiplies the packed codes."""
+    On every device: the C++ kernel serves the CPU; elsewhere (CUDA) kernels/int4.py widens the packed weight a
+    tile at a time with torch ops, so a 4-bit checkpoint takes on the GPU the bytes the ledger prices, not its
+    dequantized size. A tied lm_head (the same tensor as the embedding) is packed too: the embedding is then
+    dequantized for its row lookups, the head multiplies the packed codes."""
     owner_name, _, leaf = pname.rpartition(".")
     owner = module.get_submodule(owner_name) if owner_name else module
-    if leaf != "weight" or type(owner) is not Linear or torch.device(device).type != "cpu":
+    if leaf != "weight" or type(owner) is not Linear:
         return False
     if tuple(owner.weight.shape) != codes.shape:
         raise ValueError(f"tensor {pname} has shape {codes.shape}, expected {tuple(owner.weight.shape)}")
