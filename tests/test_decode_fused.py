@@ -1,6 +1,7 @@
 """The fused decode blocks (kernels/decode_cpu.py) against the per-op path on the same model and caches.
 
-Tiny random Llama / Qwen3 models (float32 weights, and packed 4-bit ones with and without a level table), a batch
+Tiny random Llama / Qwen3 models (float32 weights, and packed 4-bit ones with and without a level table) and the
+hybrid test configs (gated attention with partial RoPE, GDN layers, SwiGLU and mixture-of-experts MLPs), a batch
 of decode rows over contexts of different lengths, float32 and 16-bit caches: every step's logits and the K/V rows
 written agree with the per-op path to float32 rounding (tests/tolerance.py's bound), on the native and the AVX2
 build. The transformers-oracle tests (test_models_dense.py, test_models_hybrid.py) run their decode steps through
@@ -73,7 +74,8 @@ def decode_batch(tokens: list[int], lens: list[int]) -> ForwardBatch:
 
 
 def prefilled(model, prompts: list[list[int]], dtype: torch.dtype):
-    caches = allocate_caches(model.geometry, len(prompts) * SLOTS_PER_SEQ, len(prompts), dtype)
+    caches = allocate_caches(model.geometry, len(prompts) * SLOTS_PER_SEQ, len(prompts), dtype,
+                             state_dtype=torch.float32)
     last = []
     for i, ids in enumerate(prompts):
         slots = torch.arange(i * SLOTS_PER_SEQ, (i + 1) * SLOTS_PER_SEQ)
@@ -146,3 +148,31 @@ def test_weights_it_does_not_take_leave_the_per_op_path():
     assert projection_parts(proj) is not None
     proj.perm = torch.arange(proj.in_features)
     assert projection_parts(proj) is None
+
+
+@pytest.mark.parametrize("name", ["qwen3_5_text", "qwen3_next"])
+@pytest.mark.parametrize("cache", ["float32", "float16"])
+@torch.inference_mode()
+def test_hybrid_fused_decode_equals_the_per_op_path(name, cache, tmp_path):
+    """Gated attention and SwiGLU blocks fused, GDN mixers and experts op by op, in one residual stream."""
+    import json
+
+    from deltaserve.models import skip_prefixes
+    from deltaserve.weights import load_checkpoint
+    from test_models_hybrid import VOCAB as HYBRID_VOCAB, make_checkpoint
+
+    assert decode_cpu.load() is not None
+    ref = make_checkpoint(name, tmp_path)
+    ckpt = load_checkpoint(tmp_path, skip_prefixes=skip_prefixes(json.loads((tmp_path / "config.json").read_text())))
+    model = build_model(ckpt.config, ckpt.tensors)
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, HYBRID_VOCAB, (n,), generator=gen).tolist() for n in (6, 23, 2, 31)]
+    fused, plain, caches, other = steps_both_ways(model, prompts, getattr(torch, cache), steps=5)
+    attention = [layer for layer in model.model.layers if layer.kind != "linear_attention"]
+    assert all(layer.fused.parts[0] is not None for layer in attention)  # their blocks served
+    tol = logits_rtol(ref.config.num_hidden_layers, 64 * 16) * plain.abs().max().item()
+    assert (fused - plain).abs().max().item() <= tol
+    assert torch.equal(fused.argmax(-1), plain.argmax(-1))
+    for i in model.geometry.gdn_layers:  # the GDN states each path left behind
+        scale = other.recurrent[i].abs().max().item()
+        assert (caches.recurrent[i] - other.recurrent[i]).abs().max().item() <= tol / plain.abs().max().item() * scale

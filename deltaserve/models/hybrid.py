@@ -16,11 +16,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from deltaserve.kernels import (conv_decode, conv_prefill, fused_cpu, gated_delta_decode_in_place,
+from deltaserve.kernels import (conv_decode, conv_prefill, decode_cpu, fused_cpu, gated_delta_decode_in_place,
                                 gated_delta_prefill)
 from deltaserve.kernels.attention import paged_attention, write_kv
 from deltaserve.models.batch import ATTENTION, GDN, CacheGeometry, ForwardBatch, ModelCaches
-from deltaserve.models.layers import Rotary, add_then_norm, apply_rotary, by_row_blocks, linear, rope_parameters
+from deltaserve.models.layers import (FusedParts, Rotary, add_then_norm, apply_rotary, attention_parts, by_row_blocks,
+                                     linear, mlp_parts, rope_parameters)
 
 log = logging.getLogger(__name__)
 
@@ -306,6 +307,7 @@ class HybridDecoderLayer(nn.Module):
             self.self_attn = GatedAttention(config, layer_idx, rotary)
         self.post_attention_layernorm = ZeroCentredRMSNorm(config["hidden_size"], eps)
         self.mlp = mlp
+        self.fused = FusedParts(self._fused_parts)
 
     def forward(self, x, cos_sin, batch: ForwardBatch, caches: ModelCaches,
                 rows: torch.Tensor | None = None) -> torch.Tensor:
@@ -319,6 +321,36 @@ class HybridDecoderLayer(nn.Module):
             h = self.self_attn(h, cos_sin, batch, caches, rows)
         normed, x = self.post_attention_layernorm.after_add(h, x if rows is None else x[rows])
         return x + self.mlp(normed)
+
+    def _fused_parts(self):
+        """(attention block parts or None for a GDN layer, MLP block parts or None for a mixture of experts), or
+        None where an attention layer's projections are not in a form the blocks take."""
+        attn = None
+        if self.kind != LINEAR_ATTENTION:
+            attn = attention_parts(self.input_layernorm, self.self_attn, gated=True)
+            if attn is None:
+                return None
+        return attn, mlp_parts(self.post_attention_layernorm, self.mlp) if isinstance(self.mlp, SwiGLU) else None
+
+    def fusable(self) -> bool:
+        """Whether `decode` takes this layer."""
+        return self.fused.get(self.input_layernorm.weight) is not None
+
+    def decode(self, x, cos, sin, batch: ForwardBatch, caches: ModelCaches) -> None:
+        """This layer for decode rows, x updated in place: the attention and SwiGLU blocks one native call each
+        (kernels/decode_cpu.py); a GDN mixer or a mixture of experts op by op."""
+        attn, mlp = self.fused.get(self.input_layernorm.weight)
+        norm = self.input_layernorm
+        if attn is None:
+            x.add_(self.linear_attn(norm(x), batch, caches))
+        else:
+            i = self.self_attn.layer_idx
+            decode_cpu.attention_block(x, *attn, cos, sin, caches.k[i], caches.v[i], batch, norm.eps, 1.0,
+                                       self.self_attn.scale)
+        if mlp is None:
+            x.add_(self.mlp(self.post_attention_layernorm(x)))
+        else:
+            decode_cpu.mlp_block(x, *mlp, self.post_attention_layernorm.eps, 1.0)
 
 
 class HybridModel(nn.Module):
@@ -348,6 +380,13 @@ class HybridModel(nn.Module):
         # Past its token mixer's cache writes, the last layer matters only for the logits rows: when those are
         # at most one per sequence (a prefill's last token), its queries, attention and MLP run for them alone.
         prune = len(rows) < x.shape[0] and len(rows) <= batch.num_seqs
+        k_cache = next((k for k in caches.k if k is not None), None)
+        if decode_cpu.serves(x, batch, k_cache) and all(layer.fusable() for layer in self.layers):
+            x = x.contiguous()  # a decode-only step: the residual stream updated in place, layer by layer
+            cos, sin = (c[:, 0].contiguous() for c in cos_sin)
+            for layer in self.layers:
+                layer.decode(x, cos, sin, batch, caches)
+            return x.index_select(0, rows)
         for layer in self.layers[:-1]:
             x = layer(x, cos_sin, batch, caches)
         x = self.layers[-1](x, cos_sin, batch, caches, rows if prune else None)

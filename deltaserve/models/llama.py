@@ -91,11 +91,11 @@ class LlamaDecoderLayer(nn.Module):
 
     def decode(self, x, cos, sin, batch, caches) -> None:
         """This layer for decode rows in two native calls (kernels/decode_cpu.py), x updated in place."""
-        (attn, meta), (mlp, groups) = self.fused.get(self.input_layernorm.weight)
+        attn, mlp = self.fused.get(self.input_layernorm.weight)
         i = self.self_attn.layer_idx
-        decode_cpu.attention_block(x, attn, meta, cos, sin, caches.k[i], caches.v[i], batch, self.eps, 0.0,
+        decode_cpu.attention_block(x, *attn, cos, sin, caches.k[i], caches.v[i], batch, self.eps, 0.0,
                                    self.self_attn.scale)
-        decode_cpu.mlp_block(x, mlp, groups, self.eps, 0.0)
+        decode_cpu.mlp_block(x, *mlp, self.eps, 0.0)
 
 
 class LlamaModel(nn.Module):
