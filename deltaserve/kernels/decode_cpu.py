@@ -1,4 +1,4 @@
-"""A decode step's layer in two native calls on CPU: the attention block and the MLP block, each one C++ call.
+"""A decode step's layer in two native calls on CPU: the token mixer (attention or GDN) and the MLP, one C++ call each.
 
 A batch-1 decode step of a small model is a few thousand PyTorch ops (SmolLM2: ~100 per layer: norms, three
 projections, views, RoPE's cat / neg / addcmul, cache writes, the attention call, the residual adds, SiLU), each
@@ -9,7 +9,9 @@ call, with every intermediate in one scratch buffer:
 - attention_block: x += o_proj(attend(rope(q_norm(q)), rope(k_norm(k)), v)) over norm(x), the new K/V rows written
   to the paged cache (float32, float16 or bfloat16) and each sequence's context read in place; optionally a
   per-head output gate in q_proj (sigmoid(gate) * o, Qwen3.5 / Qwen3-Next's gated attention);
-- mlp_block: x += down(silu(gate(norm(x))) * up(norm(x))).
+- mlp_block: x += down(silu(gate(norm(x))) * up(norm(x)));
+- gdn_block: x += out_proj(gated_norm(delta_rule(conv(in_proj(norm(x)))))), Qwen3.5's Gated DeltaNet mixer for one
+  token per sequence, its conv and recurrent states updated where they lie in the pool (fused_cpu.py's step).
 
 Projections are either float32 weights (linear_cpu.py's few-row kernel) or packed 4-bit ones (int4_cpu.py's
 kernel); the attention is paged_cpu.py's kernel. Their sources are compiled into this module, each in its own
@@ -22,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from deltaserve.kernels import int4_cpu, linear_cpu, paged_cpu
+from deltaserve.kernels import fused_cpu, int4_cpu, linear_cpu, paged_cpu
 from deltaserve.kernels.cpp_build import VECTOR_PRELUDE, CompiledKernels
 
 MAX_ROWS = 64  # decode rows: what the few-row kernels it builds on take
@@ -280,15 +282,112 @@ torch::Tensor mlp_block(torch::Tensor x, std::vector<torch::Tensor> t, std::vect
   for (int64_t i = 0; i < B * H; ++i) xp[i] += d[i];
   return x;
 }
+
+// x [B, hidden] float32, updated in place: x += out_proj(gated_norm(delta_rule(conv(in_proj_qkv(norm(x)))), z)),
+// Qwen3.5's Gated DeltaNet mixer for one token per sequence, its conv and recurrent states (float32, [S, C, W - 1]
+// and [S, Hv, Dk, Dv]) updated in place at state_slots. t: input norm [hidden], conv weight [C, W], A_log [Hv],
+// dt_bias [Hv], the gated norm's weight [Dv], then in_proj_qkv, in_proj_z, in_proj_b, in_proj_a, out_proj (5
+// tensors each). meta: Hk, Hv, Dk, Dv and the 5 group sizes.
+torch::Tensor gdn_block(torch::Tensor x, std::vector<torch::Tensor> t, std::vector<int64_t> meta,
+                        torch::Tensor conv_states, torch::Tensor states, torch::Tensor state_slots, double eps,
+                        double offset, double norm_eps) {
+  check_rows(x);
+  TORCH_CHECK(t.size() == 30 && meta.size() == 9, "gdn_block: 30 tensors and 9 sizes");
+  const int64_t B = x.size(0), H = x.size(1), Hk = meta[0], Hv = meta[1], Dk = meta[2], Dv = meta[3];
+  const int64_t C = 2 * Hk * Dk + Hv * Dv, ratio = Hv / Hk;
+  TORCH_CHECK(Hv % Hk == 0 && (Dv == 16 || Dv == 32 || Dv == 64 || Dv == 128), "gdn_block: head shapes");
+  const Lin lqkv = lin_of(t, 5, meta[4], H), lz = lin_of(t, 10, meta[5], H), lb = lin_of(t, 15, meta[6], H);
+  const Lin la = lin_of(t, 20, meta[7], H), lo = lin_of(t, 25, meta[8], Hv * Dv);
+  TORCH_CHECK(lqkv.N == C && lz.N == Hv * Dv && lb.N == Hv && la.N == Hv && lo.N == H, "gdn_block: shapes do not match");
+  const auto& cw = t[1];
+  TORCH_CHECK(cw.scalar_type() == torch::kFloat32 && cw.is_contiguous() && cw.dim() == 2 && cw.size(0) == C,
+              "gdn_block: conv weight must be float32 [C, W]");
+  const int64_t W = cw.size(1), Hs = W - 1;
+  TORCH_CHECK(W >= 2 && conv_states.scalar_type() == torch::kFloat32 && conv_states.is_contiguous() &&
+              conv_states.dim() == 3 && conv_states.size(1) == C && conv_states.size(2) == Hs,
+              "gdn_block: conv states must be contiguous float32 [S, C, W - 1]");
+  TORCH_CHECK(states.scalar_type() == torch::kFloat32 && states.is_contiguous() && states.dim() == 4 &&
+              states.size(1) == Hv && states.size(2) == Dk && states.size(3) == Dv,
+              "gdn_block: recurrent states must be contiguous float32 [S, Hv, Dk, Dv]");
+  TORCH_CHECK(state_slots.scalar_type() == torch::kInt64 && state_slots.is_contiguous() && state_slots.numel() == B,
+              "gdn_block: one int64 state slot per sequence");
+  const int64_t* sl = state_slots.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b)
+    TORCH_CHECK(sl[b] >= 0 && sl[b] < states.size(0) && sl[b] < conv_states.size(0), "gdn_block: slot out of range");
+  const float* wn = vec(t[0], H, "gdn_block: the input norm must be float32 [hidden]");
+  const float* A_log = vec(t[2], Hv, "gdn_block: A_log must be float32 [Hv]");
+  const float* dt_bias = vec(t[3], Hv, "gdn_block: dt_bias must be float32 [Hv]");
+  const float* gw = vec(t[4], Dv, "gdn_block: the gated norm must be float32 [Dv]");
+  auto scratch = torch::empty({B * (H + C + Hv * Dv + 2 * Hv + Hv * Dv + H)}, x.options());
+  float* xn = scratch.data_ptr<float>();
+  float* mixed = xn + B * H;
+  float* z = mixed + B * C;
+  float* bb = z + B * Hv * Dv;
+  float* aa = bb + B * Hv;
+  float* o = aa + B * Hv;       // [B, Hv, Dv]
+  float* y = o + B * Hv * Dv;   // [B, H]
+  float* xp = x.data_ptr<float>();
+  const float off = static_cast<float>(offset), e = static_cast<float>(eps);
+  for (int64_t b = 0; b < B; ++b) rms_row(xp + b * H, wn, off, e, H, xn + b * H);
+  matmul(lqkv, xn, B, mixed);
+  matmul(lz, xn, B, z);
+  matmul(lb, xn, B, bb);
+  matmul(la, xn, B, aa);
+  const float* wp = cw.data_ptr<float>();
+  float* cs = conv_states.data_ptr<float>();
+  for (int64_t b = 0; b < B; ++b) {  // the causal conv's one new row from each state, then the state moves on
+    float* row = mixed + b * C;
+    float* st = cs + sl[b] * C * Hs;
+    for (int64_t c = 0; c < C; ++c) {
+      float* sc = st + c * Hs;
+      const float* wc = wp + c * W;
+      float acc = 0.0f;
+      for (int64_t w = 0; w < Hs; ++w) acc += wc[w] * sc[w];
+      acc += wc[Hs] * row[c];
+      for (int64_t w = 0; w + 1 < Hs; ++w) sc[w] = sc[w + 1];
+      sc[Hs - 1] = row[c];
+      row[c] = silu(acc);
+    }
+  }
+  float* sp = states.data_ptr<float>();
+  const float scale = 1.0f / std::sqrt(static_cast<float>(Dk)), ne = static_cast<float>(norm_eps);
+  const int64_t pairs = B * Hv;
+  #pragma omp parallel for schedule(static) if (pairs * Dk * Dv >= 65536)
+  for (int64_t p = 0; p < pairs; ++p) {
+    const int64_t b = p / Hv, h = p % Hv, hk = h / ratio;
+    const float* row = mixed + b * C;
+    const float a = aa[p] + dt_bias[h];
+    const float softplus = a > 20.0f ? a : std::log1p(std::exp(a));
+    const float g = -std::exp(A_log[h]) * softplus, beta = 1.0f / (1.0f + std::exp(-bb[p]));
+    const float* qr = row + hk * Dk;
+    const float* kr = row + Hk * Dk + hk * Dk;
+    const float* vr = row + 2 * Hk * Dk + h * Dv;
+    float* S = sp + (sl[b] * Hv + h) * Dk * Dv;
+    float* orow = o + p * Dv;
+    switch (Dv / 16) {
+      case 1: fusedk::gdn_step_head<1>(qr, kr, vr, g, beta, S, orow, Dk, scale, true); break;
+      case 2: fusedk::gdn_step_head<2>(qr, kr, vr, g, beta, S, orow, Dk, scale, true); break;
+      case 4: fusedk::gdn_step_head<4>(qr, kr, vr, g, beta, S, orow, Dk, scale, true); break;
+      default: fusedk::gdn_step_head<8>(qr, kr, vr, g, beta, S, orow, Dk, scale, true); break;
+    }
+    rms_row(orow, gw, 0.0f, ne, Dv, orow);  // the gated norm: plain weight, times silu(z)
+    const float* zr = z + p * Dv;
+    for (int64_t d = 0; d < Dv; ++d) orow[d] *= silu(zr[d]);
+  }
+  matmul(lo, o, B, y);
+  for (int64_t i = 0; i < B * H; ++i) xp[i] += y[i];
+  return x;
+}
 """
 
 _SOURCE = (VECTOR_PRELUDE + _HEADERS
            + "namespace int4k {\n" + _body(int4_cpu._SOURCE) + "\n}  // namespace int4k\n"
            + "namespace lineark {\n" + _body(linear_cpu._SOURCE) + "\n}  // namespace lineark\n"
            + "namespace pagedk {\n" + _body(paged_cpu._SOURCE) + "\n}  // namespace pagedk\n"
+           + "namespace fusedk {\n" + _body(fused_cpu._SOURCE) + "\n}  // namespace fusedk\n"
            + _BLOCKS)
 
-KERNELS = CompiledKernels("deltaserve_decode_cpu", _SOURCE, ["attention_block", "mlp_block"],
+KERNELS = CompiledKernels("deltaserve_decode_cpu", _SOURCE, ["attention_block", "mlp_block", "gdn_block"],
                            "fused CPU decode blocks", "the per-op decode path")
 
 EMPTY = torch.empty(0)  # where a block has no such tensor (no bias, no level table, no q/k norm)
@@ -323,3 +422,16 @@ def attention_block(x, tensors: list, meta: list[int], cos, sin, k_cache, v_cach
 def mlp_block(x, tensors: list, groups: list[int], eps: float, offset: float) -> torch.Tensor:
     """x [B, hidden] += the SwiGLU MLP of norm(x), in place."""
     return KERNELS.module.mlp_block(x, tensors, groups, eps, offset)
+
+
+def serves_gdn(conv_states: torch.Tensor, states: torch.Tensor) -> bool:
+    """Whether gdn_block takes these state pools: float32 and contiguous (it updates them in place)."""
+    return all(t.dtype == torch.float32 and t.is_contiguous() and t.device.type == "cpu"
+               for t in (conv_states, states))
+
+
+def gdn_block(x, tensors: list, meta: list[int], conv_states, states, state_slots, eps: float, offset: float,
+              norm_eps: float) -> torch.Tensor:
+    """x [B, hidden] += a Gated DeltaNet mixer's output over norm(x) for one token per sequence, its conv and
+    recurrent states updated in place (the C++ comment above gdn_block says which tensors)."""
+    return KERNELS.module.gdn_block(x, tensors, meta, conv_states, states, state_slots, eps, offset, norm_eps)
