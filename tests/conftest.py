@@ -1,6 +1,7 @@
 """Fixtures shared by the tests: the CPU kernel paths (native C++ build, AVX2 build, portable PyTorch) and the
 hypothesis profile."""
 
+import contextlib
 import os
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -8,7 +9,7 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, settings
 
-from deltaserve.kernels import fused_cpu, int4_cpu, linear_cpu, paged_cpu
+from deltaserve.kernels import decode_cpu, fused_cpu, int4_cpu, linear_cpu, paged_cpu
 
 # Property tests are derandomized: a newcomer's `make test` runs the same examples every time, so it never fails at
 # random; what a property finds is fixed, not skipped. HYPOTHESIS_PROFILE=explore searches afresh.
@@ -16,18 +17,19 @@ settings.register_profile("ci", derandomize=True, deadline=None, suppress_health
 settings.register_profile("explore", deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
-KERNEL_MODULES = (fused_cpu, linear_cpu, paged_cpu, int4_cpu)
+KERNEL_MODULES = (fused_cpu, linear_cpu, paged_cpu, int4_cpu, decode_cpu)
 
 
 @pytest.fixture(params=["fused", "portable"])
 def cpu_kernels(request):
     """Each CPU path in turn: the C++ kernels the engine builds at start (fused ops, few-row linears, packed 4-bit
-    matmul), and the portable PyTorch ops."""
+    matmul, fused decode blocks), and the portable PyTorch ops."""
     assert fused_cpu.load() is not None  # this machine builds them; where none could, the engine keeps portable
     assert linear_cpu.load() is not None
     assert int4_cpu.load() is not None
+    assert decode_cpu.load() is not None
     if request.param == "portable":
-        with fused_cpu.disabled(), linear_cpu.disabled(), int4_cpu.disabled():
+        with fused_cpu.disabled(), linear_cpu.disabled(), int4_cpu.disabled(), decode_cpu.disabled():
             yield request.param
     else:
         yield request.param
@@ -63,6 +65,7 @@ def isa(request):
         yield request.param
         return
     modules = request.getfixturevalue("avx2_kernels")
-    with fused_cpu.KERNELS.using(modules[0]), linear_cpu.KERNELS.using(modules[1]), \
-            paged_cpu.KERNELS.using(modules[2]), int4_cpu.KERNELS.using(modules[3]):
+    with contextlib.ExitStack() as stack:
+        for m, module in zip(KERNEL_MODULES, modules):
+            stack.enter_context(m.KERNELS.using(module))
         yield request.param

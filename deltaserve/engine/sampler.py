@@ -53,7 +53,9 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[Sampled]:
     tokens = torch.empty(len(rows), dtype=torch.long, device=x.device)
     greedy = [i for i, r in enumerate(rows) if r.params.greedy]
     random = [i for i, r in enumerate(rows) if not r.params.greedy]
-    if greedy:
+    if len(greedy) == len(rows):  # all greedy (the common decode step): argmax over the logits where they lie
+        tokens = x.argmax(-1)
+    elif greedy:
         index = torch.tensor(greedy, device=x.device)
         tokens[index] = x.index_select(0, index).argmax(-1)
     if random:

@@ -16,11 +16,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from deltaserve.kernels import (conv_decode, conv_prefill, fused_cpu, gated_delta_decode_in_place,
+from deltaserve.kernels import (conv_decode, conv_prefill, decode_cpu, fused_cpu, gated_delta_decode_in_place,
                                 gated_delta_prefill)
 from deltaserve.kernels.attention import paged_attention, write_kv
 from deltaserve.models.batch import ATTENTION, GDN, CacheGeometry, ForwardBatch, ModelCaches
-from deltaserve.models.layers import Rotary, add_then_norm, apply_rotary, by_row_blocks, linear, rope_parameters
+from deltaserve.models.layers import (FusedParts, Rotary, add_then_norm, apply_rotary, attention_parts, by_row_blocks,
+                                     linear, mlp_parts, projection_parts, rope_parameters)
 
 log = logging.getLogger(__name__)
 
@@ -198,6 +199,25 @@ class GatedDeltaNet(nn.Module):
         mixed = torch.cat([q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)], dim=-1)
         return mixed, z.reshape(t, self.num_v_heads, self.head_v_dim), b.reshape(t, -1), a.reshape(t, -1)
 
+    def block_parts(self, norm: nn.Module) -> tuple[list, list[int]] | None:
+        """kernels/decode_cpu.py's gdn_block tensors and sizes for this mixer after `norm`, or None (Qwen3-Next's
+        packed in-projections, or projections not in a form it takes): then it runs op by op."""
+        if self.fused_projections:
+            return None
+        projections = [projection_parts(p) for p in (self.in_proj_qkv, self.in_proj_z, self.in_proj_b,
+                                                     self.in_proj_a, self.out_proj)]
+        if any(p is None for p in projections) or self.conv1d.bias is not None:
+            return None
+        small = [self.conv1d.weight.squeeze(1).contiguous(), self.A_log.float().contiguous(),
+                 self.dt_bias.float().contiguous(), self.norm.weight]
+        if any(t.dtype != torch.float32 for t in small):
+            return None
+        tensors = [norm.weight, *small]
+        for parts, _ in projections:
+            tensors += parts
+        meta = [self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim] + [g for _, g in projections]
+        return tensors, meta
+
     def forward(self, x: torch.Tensor, batch: ForwardBatch, caches: ModelCaches) -> torch.Tensor:
         t = x.shape[0]
         mixed, z, b, a = self.project(x)
@@ -307,6 +327,7 @@ class HybridDecoderLayer(nn.Module):
             self.self_attn = GatedAttention(config, layer_idx, rotary)
         self.post_attention_layernorm = ZeroCentredRMSNorm(config["hidden_size"], eps)
         self.mlp = mlp
+        self.fused = FusedParts(self._fused_parts)
 
     def forward(self, x, cos_sin, batch: ForwardBatch, caches: ModelCaches,
                 rows: torch.Tensor | None = None) -> torch.Tensor:
@@ -320,6 +341,38 @@ class HybridDecoderLayer(nn.Module):
             h = self.self_attn(h, cos_sin, batch, caches, rows)
         normed, x = self.post_attention_layernorm.after_add(h, x if rows is None else x[rows])
         return x + self.mlp(normed)
+
+    def _fused_parts(self):
+        """(mixer block parts, MLP block parts), each None where that part runs op by op: a Qwen3-Next GDN
+        (packed in-projections), a mixture of experts, or projections not in a form the blocks take."""
+        if self.kind == LINEAR_ATTENTION:
+            mixer = self.linear_attn.block_parts(self.input_layernorm)
+        else:
+            mixer = attention_parts(self.input_layernorm, self.self_attn, gated=True)
+        return mixer, mlp_parts(self.post_attention_layernorm, self.mlp) if isinstance(self.mlp, SwiGLU) else None
+
+    def decode(self, x, cos_sin, batch: ForwardBatch, caches: ModelCaches) -> None:
+        """This layer for decode rows, x updated in place: the token mixer and the SwiGLU MLP one native call each
+        (kernels/decode_cpu.py) where they take it, else op by op."""
+        mixer, mlp = self.fused.get(self.input_layernorm.weight)
+        norm, i = self.input_layernorm, getattr(self.linear_attn if self.kind == LINEAR_ATTENTION else self.self_attn,
+                                                "layer_idx")
+        if self.kind == LINEAR_ATTENTION:
+            if mixer is not None and decode_cpu.serves_gdn(caches.conv[i], caches.recurrent[i]):
+                decode_cpu.gdn_block(x, *mixer, caches.conv[i], caches.recurrent[i], batch.state_slots, norm.eps, 1.0,
+                                     self.linear_attn.norm.eps)
+            else:
+                x.add_(self.linear_attn(norm(x), batch, caches))
+        elif mixer is not None:
+            cos, sin = cos_sin
+            decode_cpu.attention_block(x, *mixer, cos, sin, caches.k[i], caches.v[i], batch, norm.eps, 1.0,
+                                       self.self_attn.scale)
+        else:
+            x.add_(self.self_attn(norm(x), (cos_sin[0][:, None], cos_sin[1][:, None]), batch, caches))
+        if mlp is None:
+            x.add_(self.mlp(self.post_attention_layernorm(x)))
+        else:
+            decode_cpu.mlp_block(x, *mlp, self.post_attention_layernorm.eps, 1.0)
 
 
 class HybridModel(nn.Module):
@@ -353,6 +406,13 @@ class HybridModel(nn.Module):
         # Past its token mixer's cache writes, the last layer matters only for the logits rows: when those are
         # at most one per sequence (a prefill's last token), its queries, attention and MLP run for them alone.
         prune = len(rows) < x.shape[0] and len(rows) <= batch.num_seqs
+        k_cache = next((k for k in caches.k if k is not None), None)
+        if decode_cpu.serves(x, batch, k_cache):
+            x = x.contiguous()  # a decode-only step: the residual stream updated in place, layer by layer
+            cos_sin = tuple(c[:, 0].contiguous() for c in cos_sin)
+            for layer in self.layers:
+                layer.decode(x, cos_sin, batch, caches)
+            return x.index_select(0, rows)
         for layer in self.layers[:-1]:
             x = layer(x, cos_sin, batch, caches)
         x = self.layers[-1](x, cos_sin, batch, caches, rows if prune else None)

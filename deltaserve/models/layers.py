@@ -164,6 +164,67 @@ class Int4Linear(nn.Module):
         return int4_linear(x, w, self.bias)
 
 
+def projection_parts(layer: nn.Module) -> tuple[list[torch.Tensor], int] | None:
+    """A projection as kernels/decode_cpu.py's blocks take it: [weight or packed codes, scales, offsets, level
+    table, bias] (EMPTY where absent) and its group size (0: a float32 weight); None where they do not take it."""
+    from deltaserve.kernels.decode_cpu import EMPTY
+
+    bias = EMPTY if layer.bias is None else layer.bias
+    if bias.dtype != torch.float32:
+        return None
+    if type(layer) is Int4Linear:
+        if layer.perm is not None:
+            return None
+        return [layer.packed, layer.scales, layer.offsets, EMPTY if layer.lut is None else layer.lut, bias], \
+            layer.group_size
+    if type(layer) is Linear and layer.weight.dtype == torch.float32 and layer.weight.is_contiguous() \
+            and layer.in_features % 16 == 0:
+        return [layer.weight, EMPTY, EMPTY, EMPTY, bias], 0
+    return None
+
+
+def attention_parts(norm: nn.Module, attn: nn.Module, gated: bool) -> tuple[list, list[int]] | None:
+    """The fused attention block's tensors and sizes for a layer (input norm, q/k norms where the model has them,
+    q/k/v/o projections), or None where a projection is not in a form it takes."""
+    from deltaserve.kernels.decode_cpu import EMPTY
+
+    projections = [projection_parts(p) for p in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj)]
+    if any(p is None for p in projections):
+        return None
+    q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+    tensors = [norm.weight, EMPTY if q_norm is None else q_norm.weight, EMPTY if k_norm is None else k_norm.weight]
+    for parts, _ in projections:
+        tensors += parts
+    meta = [attn.num_heads, attn.num_kv_heads, attn.head_dim, int(gated)] + [group for _, group in projections]
+    return tensors, meta
+
+
+def mlp_parts(norm: nn.Module, mlp: nn.Module) -> tuple[list, list[int]] | None:
+    """The fused MLP block's tensors and group sizes for a SwiGLU MLP after `norm`, or None."""
+    projections = [projection_parts(p) for p in (mlp.gate_proj, mlp.up_proj, mlp.down_proj)]
+    if any(p is None for p in projections):
+        return None
+    tensors = [norm.weight]
+    for parts, _ in projections:
+        tensors += parts
+    return tensors, [group for _, group in projections]
+
+
+class FusedParts:
+    """What a layer hands the fused decode blocks, built once per loaded weights: rebuilt only when the layer's
+    input norm weight is no longer the one it was built from (load_weights replaced the parameters)."""
+
+    def __init__(self, build):
+        self.build = build
+        self.key = None
+        self.parts = None
+
+    def get(self, key: torch.Tensor):
+        if self.key is not key:
+            self.parts, self.key = self.build(), key
+        return self.parts
+
+
 MLP_ROW_BLOCK = 2048  # rows per MLP pass: the [rows, intermediate] temporaries of a long prompt stay in cache
 
 

@@ -10,10 +10,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from deltaserve.kernels import decode_cpu
 from deltaserve.kernels.attention import paged_attention
 from deltaserve.models.batch import ATTENTION, CacheGeometry, ForwardBatch, ModelCaches
-from deltaserve.models.layers import (Int4Linear, RMSNorm, Rotary, apply_rotary, by_row_blocks, linear,
-                                     rope_parameters)
+from deltaserve.models.layers import (FusedParts, Int4Linear, RMSNorm, Rotary, apply_rotary, attention_parts,
+                                     by_row_blocks, linear, mlp_parts, rope_parameters)
 
 
 class LlamaAttention(nn.Module):
@@ -71,11 +72,30 @@ class LlamaDecoderLayer(nn.Module):
         self.self_attn = LlamaAttention(config, layer_idx, rotary)
         self.post_attention_layernorm = RMSNorm(config["hidden_size"], eps)
         self.mlp = LlamaMLP(config["hidden_size"], config["intermediate_size"])
+        self.eps = eps
+        self.fused = FusedParts(self._fused_parts)
 
     def forward(self, x, cos_sin, batch, caches):
         h = self.self_attn(self.input_layernorm(x), cos_sin, batch, caches)
         normed, x = self.post_attention_layernorm.after_add(h, x)
         return x + self.mlp(normed)
+
+    def _fused_parts(self):
+        attn = attention_parts(self.input_layernorm, self.self_attn, gated=False)
+        mlp = mlp_parts(self.post_attention_layernorm, self.mlp)
+        return None if attn is None or mlp is None else (attn, mlp)
+
+    def fusable(self) -> bool:
+        """Whether `decode` takes this layer: its weights are in a form kernels/decode_cpu.py's blocks take."""
+        return self.fused.get(self.input_layernorm.weight) is not None
+
+    def decode(self, x, cos, sin, batch, caches) -> None:
+        """This layer for decode rows in two native calls (kernels/decode_cpu.py), x updated in place."""
+        attn, mlp = self.fused.get(self.input_layernorm.weight)
+        i = self.self_attn.layer_idx
+        decode_cpu.attention_block(x, *attn, cos, sin, caches.k[i], caches.v[i], batch, self.eps, 0.0,
+                                   self.self_attn.scale)
+        decode_cpu.mlp_block(x, *mlp, self.eps, 0.0)
 
 
 class LlamaModel(nn.Module):
@@ -94,6 +114,12 @@ class LlamaModel(nn.Module):
     def forward(self, batch: ForwardBatch, caches: ModelCaches) -> torch.Tensor:
         x = self.embed_tokens(batch.input_ids).to(self.norm.weight.dtype)  # a bf16-held vocab: back to compute
         cos_sin = self.rotary.cos_sin(batch.positions)
+        if decode_cpu.serves(x, batch, caches.k[0]) and all(layer.fusable() for layer in self.layers):
+            x = x.contiguous()  # a decode-only step: two native calls per layer, the residual stream in place
+            cos, sin = (c[:, 0].contiguous() for c in cos_sin)
+            for layer in self.layers:
+                layer.decode(x, cos, sin, batch, caches)
+            return x
         for layer in self.layers:
             x = layer(x, cos_sin, batch, caches)
         return x

@@ -1,0 +1,437 @@
+"""A decode step's layer in two native calls on CPU: the token mixer (attention or GDN) and the MLP, one C++ call each.
+
+A batch-1 decode step of a small model is a few thousand PyTorch ops (SmolLM2: ~100 per layer: norms, three
+projections, views, RoPE's cat / neg / addcmul, cache writes, the attention call, the residual adds, SiLU), each
+~5-20 us of dispatch and allocation on top of its arithmetic, while the arithmetic itself (reading ~3 MB of packed
+weights per layer) takes ~0.2 ms. Here each block runs from the residual stream to the residual stream in one
+call, with every intermediate in one scratch buffer:
+
+- attention_block: x += o_proj(attend(rope(q_norm(q)), rope(k_norm(k)), v)) over norm(x), the new K/V rows written
+  to the paged cache (float32, float16 or bfloat16) and each sequence's context read in place; optionally a
+  per-head output gate in q_proj (sigmoid(gate) * o, Qwen3.5 / Qwen3-Next's gated attention);
+- mlp_block: x += down(silu(gate(norm(x))) * up(norm(x)));
+- gdn_block: x += out_proj(gated_norm(delta_rule(conv(in_proj(norm(x)))))), Qwen3.5's Gated DeltaNet mixer for one
+  token per sequence, its conv and recurrent states updated where they lie in the pool (fused_cpu.py's step).
+
+Projections are either float32 weights (linear_cpu.py's few-row kernel) or packed 4-bit ones (int4_cpu.py's
+kernel); the attention is paged_cpu.py's kernel. Their sources are compiled into this module, each in its own
+namespace, so one arithmetic serves both paths: the result equals the per-op path's to float32 rounding (the order
+of a few additions differs). Norms are RMSNorm with scale offset + weight (offset 1: zero-centred). float32
+activations, 1 to MAX_ROWS decode rows; anything else (prefill chunks, other dtypes) takes the per-op path.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from deltaserve.kernels import fused_cpu, int4_cpu, linear_cpu, paged_cpu
+from deltaserve.kernels.cpp_build import VECTOR_PRELUDE, CompiledKernels
+
+MAX_ROWS = 64  # decode rows: what the few-row kernels it builds on take
+
+_HEADERS = r"""
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
+"""
+
+
+def _body(source: str) -> str:
+    """A kernel module's source without the shared prelude (included once, above all of them)."""
+    assert source.startswith(VECTOR_PRELUDE)
+    return source[len(VECTOR_PRELUDE):]
+
+
+_BLOCKS = r"""
+namespace {
+
+inline float silu(float a) { return a / (1.0f + std::exp(-a)); }
+
+// One projection: float32 weight [N, K] (group 0) or packed 4-bit (int4_cpu's layout), and an optional bias.
+struct Lin {
+  int64_t N = 0, K = 0, group = 0;
+  const float* w = nullptr;
+  int4k::Weight q4{};
+  bool lut = false;
+  const float* bias = nullptr;
+};
+
+// t[i .. i + 4]: weight or packed codes, scales, offsets, level table, bias (empty tensors where absent).
+Lin lin_of(const std::vector<torch::Tensor>& t, size_t i, int64_t group, int64_t K) {
+  Lin l;
+  l.group = group;
+  if (group == 0) {
+    const auto& w = t[i];
+    TORCH_CHECK(w.scalar_type() == torch::kFloat32 && w.is_contiguous() && w.dim() == 2 && w.size(1) == K &&
+                K % 16 == 0, "decode block: a float32 weight must be contiguous [N, K], K a multiple of 16");
+    l.w = w.data_ptr<float>();
+    l.N = w.size(0);
+  } else {
+    c10::optional<torch::Tensor> lut;
+    if (t[i + 3].numel()) lut = t[i + 3];
+    l.q4 = int4k::weight_of(t[i], t[i + 1], t[i + 2], lut, group);
+    l.lut = lut.has_value();
+    l.N = t[i].size(0);
+    TORCH_CHECK(l.q4.K == K, "decode block: a packed weight's input width does not match");
+  }
+  l.K = K;
+  const auto& b = t[i + 4];
+  if (b.numel()) {
+    TORCH_CHECK(b.scalar_type() == torch::kFloat32 && b.is_contiguous() && b.numel() == l.N,
+                "decode block: a bias must be float32 [N]");
+    l.bias = b.data_ptr<float>();
+  }
+  return l;
+}
+
+// y [M, N] = x [M, K] @ W.T (+ bias)
+void matmul(const Lin& l, const float* x, int64_t M, float* y) {
+  const int64_t N = l.N, K = l.K;
+  if (l.group) {
+    if (l.lut) int4k::decode_all<true>(x, M, l.q4, N, y);
+    else int4k::decode_all<false>(x, M, l.q4, N, y);
+  } else {
+    constexpr int NR = lineark::NR_MAX;
+    const int64_t blocks = N / NR;
+    const float* wp = l.w;
+    #pragma omp parallel for schedule(static)
+    for (int64_t b = 0; b < blocks; ++b) {
+      if (b + 2 < blocks) {  // the weight rows two blocks on: in flight while these are used
+        const char* ahead = reinterpret_cast<const char*>(wp + NR * (b + 2) * K);
+        for (int64_t c = 0; c < NR * K * 4; c += 64) __builtin_prefetch(ahead + c, 0, 1);
+      }
+      lineark::rows_past<NR>(x, M, wp + NR * b * K, K, y + NR * b, N);
+    }
+    for (int64_t n = NR * blocks; n < N; ++n) lineark::rows_past<1>(x, M, wp + n * K, K, y + n, N);
+  }
+  if (l.bias)
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t n = 0; n < N; ++n) y[m * N + n] += l.bias[n];
+}
+
+// y = x / rms(x) * (offset + weight) over D channels (fused_cpu's rms_norm, the same arithmetic)
+inline void rms_row(const float* __restrict x, const float* __restrict w, float off, float eps, int64_t D,
+                    float* __restrict y) {
+  float ss = 0.0f;
+  #pragma omp simd reduction(+:ss)
+  for (int64_t d = 0; d < D; ++d) ss += x[d] * x[d];
+  const float inv = 1.0f / std::sqrt(ss / static_cast<float>(D) + eps);
+  #pragma omp simd
+  for (int64_t d = 0; d < D; ++d) y[d] = x[d] * inv * (off + w[d]);
+}
+
+// Rotate-half RoPE of the first rd channels: x * cos + rotate_half(x) * sin, in place.
+inline void rope_row(float* __restrict x, const float* __restrict c, const float* __restrict s, int64_t rd) {
+  const int64_t half = rd / 2;
+  for (int64_t i = 0; i < half; ++i) {
+    const float a = x[i], b = x[i + half];
+    x[i] = a * c[i] + (-b) * s[i];
+    x[i + half] = b * c[i + half] + a * s[i + half];
+  }
+}
+
+template <typename T>
+inline void store_row(T* __restrict dst, const float* __restrict src, int64_t D) {
+  for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(src[d]);
+}
+
+template <typename T>
+void write_and_attend(const float* q, const float* k, const float* v, torch::Tensor& k_cache, torch::Tensor& v_cache,
+                      const int64_t* slot, const int64_t* ctx, const int64_t* lens, int64_t B, int64_t Hq,
+                      int64_t Hkv, int64_t D, int64_t Lmax, float scale, float* out) {
+  T* kc = reinterpret_cast<T*>(k_cache.data_ptr());
+  T* vc = reinterpret_cast<T*>(v_cache.data_ptr());
+  for (int64_t b = 0; b < B; ++b) {
+    store_row(kc + slot[b] * Hkv * D, k + b * Hkv * D, Hkv * D);
+    store_row(vc + slot[b] * Hkv * D, v + b * Hkv * D, Hkv * D);
+  }
+  pagedk::decode_all<T>(q, kc, vc, ctx, lens, out, B, Hq, Hkv, D, Lmax, scale);
+}
+
+void check_rows(const torch::Tensor& x) {
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.is_contiguous() && x.dim() == 2,
+              "decode block: x must be contiguous float32 [B, hidden]");
+}
+
+const float* vec(const torch::Tensor& t, int64_t n, const char* what) {
+  TORCH_CHECK(t.scalar_type() == torch::kFloat32 && t.is_contiguous() && t.numel() == n, what);
+  return t.data_ptr<float>();
+}
+
+}  // namespace
+
+// x [B, hidden] float32, updated in place: x += o_proj(attention(norm(x))), the new K/V rows stored at
+// slot_mapping. t: input norm [hidden], q_norm [D] or empty, k_norm [D] or empty, then q, k, v, o projections
+// (5 tensors each, see lin_of). meta: Hq, Hkv, D, gated (q_proj yields [q | gate] per head), and the 4 group sizes
+// (0: float32 weight). cos / sin [B, rd]; caches [slots, Hkv, D]; context_slots [B, Lmax]; context_lens [B].
+torch::Tensor attention_block(torch::Tensor x, std::vector<torch::Tensor> t, std::vector<int64_t> meta,
+                              torch::Tensor cos, torch::Tensor sin, torch::Tensor k_cache, torch::Tensor v_cache,
+                              torch::Tensor slot_mapping, torch::Tensor context_slots, torch::Tensor context_lens,
+                              double eps, double offset, double scale) {
+  check_rows(x);
+  TORCH_CHECK(t.size() == 23 && meta.size() == 8, "attention_block: 23 tensors and 8 sizes");
+  const int64_t B = x.size(0), H = x.size(1), Hq = meta[0], Hkv = meta[1], D = meta[2];
+  const bool gated = meta[3] != 0;
+  TORCH_CHECK(Hq % Hkv == 0, "attention_block: query heads must be a multiple of KV heads");
+  const Lin lq = lin_of(t, 3, meta[4], H), lk = lin_of(t, 8, meta[5], H), lv = lin_of(t, 13, meta[6], H);
+  const Lin lo = lin_of(t, 18, meta[7], Hq * D);
+  const int64_t qw = Hq * D * (gated ? 2 : 1);
+  TORCH_CHECK(lq.N == qw && lk.N == Hkv * D && lv.N == Hkv * D && lo.N == H, "attention_block: shapes do not match");
+  const auto kv = k_cache.scalar_type();
+  TORCH_CHECK(v_cache.scalar_type() == kv && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+              k_cache.dim() == 3 && k_cache.size(1) == Hkv && k_cache.size(2) == D && v_cache.sizes() == k_cache.sizes(),
+              "attention_block: caches must be contiguous [slots, Hkv, D], one dtype");
+  for (const auto* s : {&slot_mapping, &context_slots, &context_lens})
+    TORCH_CHECK(s->scalar_type() == torch::kInt64 && s->is_contiguous(), "attention_block: int64 contiguous slots");
+  TORCH_CHECK(slot_mapping.numel() == B && context_slots.dim() == 2 && context_slots.size(0) == B &&
+              context_lens.numel() == B, "attention_block: one slot row and length per sequence");
+  const int64_t rd = cos.size(1);
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.sizes() == sin.sizes() && cos.size(0) == B &&
+              rd <= D && rd % 2 == 0 && cos.scalar_type() == torch::kFloat32 && sin.scalar_type() == torch::kFloat32,
+              "attention_block: cos / sin must be float32 [B, rd]");
+  const int64_t* slot = slot_mapping.data_ptr<int64_t>();
+  const int64_t* lens = context_lens.data_ptr<int64_t>();
+  const int64_t S = k_cache.size(0), Lmax = context_slots.size(1);
+  for (int64_t b = 0; b < B; ++b)
+    TORCH_CHECK(slot[b] >= 0 && slot[b] < S && lens[b] >= 1 && lens[b] <= Lmax, "attention_block: slot out of range");
+  const float* wn = vec(t[0], H, "attention_block: the input norm must be float32 [hidden]");
+  const float* qn = t[1].numel() ? vec(t[1], D, "attention_block: q_norm must be float32 [D]") : nullptr;
+  const float* kn = t[2].numel() ? vec(t[2], D, "attention_block: k_norm must be float32 [D]") : nullptr;
+  const float off = static_cast<float>(offset), e = static_cast<float>(eps);
+
+  auto scratch = torch::empty({B * (H + qw + 2 * Hkv * D + 2 * Hq * D + H)}, x.options());
+  float* xn = scratch.data_ptr<float>();
+  float* qr = xn + B * H;      // q_proj's output [B, qw]
+  float* kr = qr + B * qw;     // [B, Hkv * D]
+  float* vr = kr + B * Hkv * D;
+  float* q = vr + B * Hkv * D; // [B, Hq, D]: normed and rotated queries
+  float* att = q + B * Hq * D; // [B, Hq, D]
+  float* o = att + B * Hq * D; // [B, H]
+  float* xp = x.data_ptr<float>();
+  for (int64_t b = 0; b < B; ++b) rms_row(xp + b * H, wn, off, e, H, xn + b * H);
+  matmul(lq, xn, B, qr);
+  matmul(lk, xn, B, kr);
+  matmul(lv, xn, B, vr);
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t h = 0; h < Hq; ++h) {
+      float* dst = q + (b * Hq + h) * D;
+      const float* src = qr + b * qw + h * D * (gated ? 2 : 1);
+      if (qn) rms_row(src, qn, off, e, D, dst);
+      else std::copy(src, src + D, dst);
+      rope_row(dst, cp + b * rd, sp + b * rd, rd);
+    }
+    for (int64_t h = 0; h < Hkv; ++h) {
+      float* row = kr + (b * Hkv + h) * D;
+      if (kn) rms_row(row, kn, off, e, D, row);
+      rope_row(row, cp + b * rd, sp + b * rd, rd);
+    }
+  }
+  const int64_t* ctx = context_slots.data_ptr<int64_t>();
+  const float sc = static_cast<float>(scale);
+  if (kv == torch::kFloat32)
+    write_and_attend<float>(q, kr, vr, k_cache, v_cache, slot, ctx, lens, B, Hq, Hkv, D, Lmax, sc, att);
+  else if (kv == torch::kHalf)
+    write_and_attend<at::Half>(q, kr, vr, k_cache, v_cache, slot, ctx, lens, B, Hq, Hkv, D, Lmax, sc, att);
+  else if (kv == torch::kBFloat16)
+    write_and_attend<at::BFloat16>(q, kr, vr, k_cache, v_cache, slot, ctx, lens, B, Hq, Hkv, D, Lmax, sc, att);
+  else
+    TORCH_CHECK(false, "attention_block: caches must be float32, float16 or bfloat16");
+  if (gated)
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t h = 0; h < Hq; ++h) {
+        const float* gate = qr + b * qw + h * 2 * D + D;
+        float* row = att + (b * Hq + h) * D;
+        for (int64_t d = 0; d < D; ++d) row[d] *= 1.0f / (1.0f + std::exp(-gate[d]));
+      }
+  matmul(lo, att, B, o);
+  for (int64_t i = 0; i < B * H; ++i) xp[i] += o[i];
+  return x;
+}
+
+// x [B, hidden] float32, updated in place: x += down(silu(gate(norm(x))) * up(norm(x))). t: the norm [hidden], then
+// gate, up, down projections (5 tensors each); groups: their group sizes (0: float32 weight).
+torch::Tensor mlp_block(torch::Tensor x, std::vector<torch::Tensor> t, std::vector<int64_t> groups, double eps,
+                        double offset) {
+  check_rows(x);
+  TORCH_CHECK(t.size() == 16 && groups.size() == 3, "mlp_block: 16 tensors and 3 group sizes");
+  const int64_t B = x.size(0), H = x.size(1);
+  const Lin lg = lin_of(t, 1, groups[0], H), lu = lin_of(t, 6, groups[1], H);
+  const int64_t I = lg.N;
+  const Lin ld = lin_of(t, 11, groups[2], I);
+  TORCH_CHECK(lu.N == I && ld.N == H, "mlp_block: shapes do not match");
+  const float* wn = vec(t[0], H, "mlp_block: the norm must be float32 [hidden]");
+  auto scratch = torch::empty({B * (H + 2 * I + H)}, x.options());
+  float* xn = scratch.data_ptr<float>();
+  float* g = xn + B * H;
+  float* u = g + B * I;
+  float* d = u + B * I;
+  float* xp = x.data_ptr<float>();
+  const float off = static_cast<float>(offset), e = static_cast<float>(eps);
+  for (int64_t b = 0; b < B; ++b) rms_row(xp + b * H, wn, off, e, H, xn + b * H);
+  matmul(lg, xn, B, g);
+  matmul(lu, xn, B, u);
+  for (int64_t i = 0; i < B * I; ++i) g[i] = silu(g[i]) * u[i];
+  matmul(ld, g, B, d);
+  for (int64_t i = 0; i < B * H; ++i) xp[i] += d[i];
+  return x;
+}
+
+// x [B, hidden] float32, updated in place: x += out_proj(gated_norm(delta_rule(conv(in_proj_qkv(norm(x)))), z)),
+// Qwen3.5's Gated DeltaNet mixer for one token per sequence, its conv and recurrent states (float32, [S, C, W - 1]
+// and [S, Hv, Dk, Dv]) updated in place at state_slots. t: input norm [hidden], conv weight [C, W], A_log [Hv],
+// dt_bias [Hv], the gated norm's weight [Dv], then in_proj_qkv, in_proj_z, in_proj_b, in_proj_a, out_proj (5
+// tensors each). meta: Hk, Hv, Dk, Dv and the 5 group sizes.
+torch::Tensor gdn_block(torch::Tensor x, std::vector<torch::Tensor> t, std::vector<int64_t> meta,
+                        torch::Tensor conv_states, torch::Tensor states, torch::Tensor state_slots, double eps,
+                        double offset, double norm_eps) {
+  check_rows(x);
+  TORCH_CHECK(t.size() == 30 && meta.size() == 9, "gdn_block: 30 tensors and 9 sizes");
+  const int64_t B = x.size(0), H = x.size(1), Hk = meta[0], Hv = meta[1], Dk = meta[2], Dv = meta[3];
+  const int64_t C = 2 * Hk * Dk + Hv * Dv, ratio = Hv / Hk;
+  TORCH_CHECK(Hv % Hk == 0 && (Dv == 16 || Dv == 32 || Dv == 64 || Dv == 128), "gdn_block: head shapes");
+  const Lin lqkv = lin_of(t, 5, meta[4], H), lz = lin_of(t, 10, meta[5], H), lb = lin_of(t, 15, meta[6], H);
+  const Lin la = lin_of(t, 20, meta[7], H), lo = lin_of(t, 25, meta[8], Hv * Dv);
+  TORCH_CHECK(lqkv.N == C && lz.N == Hv * Dv && lb.N == Hv && la.N == Hv && lo.N == H, "gdn_block: shapes do not match");
+  const auto& cw = t[1];
+  TORCH_CHECK(cw.scalar_type() == torch::kFloat32 && cw.is_contiguous() && cw.dim() == 2 && cw.size(0) == C,
+              "gdn_block: conv weight must be float32 [C, W]");
+  const int64_t W = cw.size(1), Hs = W - 1;
+  TORCH_CHECK(W >= 2 && conv_states.scalar_type() == torch::kFloat32 && conv_states.is_contiguous() &&
+              conv_states.dim() == 3 && conv_states.size(1) == C && conv_states.size(2) == Hs,
+              "gdn_block: conv states must be contiguous float32 [S, C, W - 1]");
+  TORCH_CHECK(states.scalar_type() == torch::kFloat32 && states.is_contiguous() && states.dim() == 4 &&
+              states.size(1) == Hv && states.size(2) == Dk && states.size(3) == Dv,
+              "gdn_block: recurrent states must be contiguous float32 [S, Hv, Dk, Dv]");
+  TORCH_CHECK(state_slots.scalar_type() == torch::kInt64 && state_slots.is_contiguous() && state_slots.numel() == B,
+              "gdn_block: one int64 state slot per sequence");
+  const int64_t* sl = state_slots.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b)
+    TORCH_CHECK(sl[b] >= 0 && sl[b] < states.size(0) && sl[b] < conv_states.size(0), "gdn_block: slot out of range");
+  const float* wn = vec(t[0], H, "gdn_block: the input norm must be float32 [hidden]");
+  const float* A_log = vec(t[2], Hv, "gdn_block: A_log must be float32 [Hv]");
+  const float* dt_bias = vec(t[3], Hv, "gdn_block: dt_bias must be float32 [Hv]");
+  const float* gw = vec(t[4], Dv, "gdn_block: the gated norm must be float32 [Dv]");
+  auto scratch = torch::empty({B * (H + C + Hv * Dv + 2 * Hv + Hv * Dv + H)}, x.options());
+  float* xn = scratch.data_ptr<float>();
+  float* mixed = xn + B * H;
+  float* z = mixed + B * C;
+  float* bb = z + B * Hv * Dv;
+  float* aa = bb + B * Hv;
+  float* o = aa + B * Hv;       // [B, Hv, Dv]
+  float* y = o + B * Hv * Dv;   // [B, H]
+  float* xp = x.data_ptr<float>();
+  const float off = static_cast<float>(offset), e = static_cast<float>(eps);
+  for (int64_t b = 0; b < B; ++b) rms_row(xp + b * H, wn, off, e, H, xn + b * H);
+  matmul(lqkv, xn, B, mixed);
+  matmul(lz, xn, B, z);
+  matmul(lb, xn, B, bb);
+  matmul(la, xn, B, aa);
+  const float* wp = cw.data_ptr<float>();
+  float* cs = conv_states.data_ptr<float>();
+  for (int64_t b = 0; b < B; ++b) {  // the causal conv's one new row from each state, then the state moves on
+    float* row = mixed + b * C;
+    float* st = cs + sl[b] * C * Hs;
+    for (int64_t c = 0; c < C; ++c) {
+      float* sc = st + c * Hs;
+      const float* wc = wp + c * W;
+      float acc = 0.0f;
+      for (int64_t w = 0; w < Hs; ++w) acc += wc[w] * sc[w];
+      acc += wc[Hs] * row[c];
+      for (int64_t w = 0; w + 1 < Hs; ++w) sc[w] = sc[w + 1];
+      sc[Hs - 1] = row[c];
+      row[c] = silu(acc);
+    }
+  }
+  float* sp = states.data_ptr<float>();
+  const float scale = 1.0f / std::sqrt(static_cast<float>(Dk)), ne = static_cast<float>(norm_eps);
+  const int64_t pairs = B * Hv;
+  #pragma omp parallel for schedule(static) if (pairs * Dk * Dv >= 65536)
+  for (int64_t p = 0; p < pairs; ++p) {
+    const int64_t b = p / Hv, h = p % Hv, hk = h / ratio;
+    const float* row = mixed + b * C;
+    const float a = aa[p] + dt_bias[h];
+    const float softplus = a > 20.0f ? a : std::log1p(std::exp(a));
+    const float g = -std::exp(A_log[h]) * softplus, beta = 1.0f / (1.0f + std::exp(-bb[p]));
+    const float* qr = row + hk * Dk;
+    const float* kr = row + Hk * Dk + hk * Dk;
+    const float* vr = row + 2 * Hk * Dk + h * Dv;
+    float* S = sp + (sl[b] * Hv + h) * Dk * Dv;
+    float* orow = o + p * Dv;
+    switch (Dv / 16) {
+      case 1: fusedk::gdn_step_head<1>(qr, kr, vr, g, beta, S, orow, Dk, scale, true); break;
+      case 2: fusedk::gdn_step_head<2>(qr, kr, vr, g, beta, S, orow, Dk, scale, true); break;
+      case 4: fusedk::gdn_step_head<4>(qr, kr, vr, g, beta, S, orow, Dk, scale, true); break;
+      default: fusedk::gdn_step_head<8>(qr, kr, vr, g, beta, S, orow, Dk, scale, true); break;
+    }
+    rms_row(orow, gw, 0.0f, ne, Dv, orow);  // the gated norm: plain weight, times silu(z)
+    const float* zr = z + p * Dv;
+    for (int64_t d = 0; d < Dv; ++d) orow[d] *= silu(zr[d]);
+  }
+  matmul(lo, o, B, y);
+  for (int64_t i = 0; i < B * H; ++i) xp[i] += y[i];
+  return x;
+}
+"""
+
+_SOURCE = (VECTOR_PRELUDE + _HEADERS
+           + "namespace int4k {\n" + _body(int4_cpu._SOURCE) + "\n}  // namespace int4k\n"
+           + "namespace lineark {\n" + _body(linear_cpu._SOURCE) + "\n}  // namespace lineark\n"
+           + "namespace pagedk {\n" + _body(paged_cpu._SOURCE) + "\n}  // namespace pagedk\n"
+           + "namespace fusedk {\n" + _body(fused_cpu._SOURCE) + "\n}  // namespace fusedk\n"
+           + _BLOCKS)
+
+KERNELS = CompiledKernels("deltaserve_decode_cpu", _SOURCE, ["attention_block", "mlp_block", "gdn_block"],
+                           "fused CPU decode blocks", "the per-op decode path")
+
+EMPTY = torch.empty(0)  # where a block has no such tensor (no bias, no level table, no q/k norm)
+
+
+def load(log=None):
+    """The compiled module (built once per machine into our kernel cache), or None when it cannot be built here."""
+    return KERNELS.load(log)
+
+
+def disabled():
+    """Inside the block the per-op path serves (the built module is kept); for comparisons and tests."""
+    return KERNELS.disabled()
+
+
+def serves(x: torch.Tensor, batch, k_cache: torch.Tensor | None) -> bool:
+    """Whether a step's rows x [B, hidden] take the fused blocks: built, float32 on CPU, every sequence one decode
+    row (no prefill chunk in the step), at most MAX_ROWS of them, the paged kernel allowed, a cache it reads."""
+    return (KERNELS.module is not None and x.device.type == "cpu" and x.dtype == torch.float32
+            and batch.paged_kernel and batch.num_decode == batch.num_seqs == x.shape[0]
+            and 0 < x.shape[0] <= MAX_ROWS
+            and (k_cache is None or (k_cache.dtype in paged_cpu.CACHE_DTYPES and k_cache.is_contiguous())))
+
+
+def attention_block(x, tensors: list, meta: list[int], cos, sin, k_cache, v_cache, batch, eps: float,
+                    offset: float, scale: float) -> torch.Tensor:
+    """x [B, hidden] += the attention block's output over norm(x), in place (the module docstring)."""
+    return KERNELS.module.attention_block(x, tensors, meta, cos, sin, k_cache, v_cache, batch.slot_mapping,
+                                          batch.context_slots, batch.decode_context_lens, eps, offset, scale)
+
+
+def mlp_block(x, tensors: list, groups: list[int], eps: float, offset: float) -> torch.Tensor:
+    """x [B, hidden] += the SwiGLU MLP of norm(x), in place."""
+    return KERNELS.module.mlp_block(x, tensors, groups, eps, offset)
+
+
+def serves_gdn(conv_states: torch.Tensor, states: torch.Tensor) -> bool:
+    """Whether gdn_block takes these state pools: float32 and contiguous (it updates them in place)."""
+    return all(t.dtype == torch.float32 and t.is_contiguous() and t.device.type == "cpu"
+               for t in (conv_states, states))
+
+
+def gdn_block(x, tensors: list, meta: list[int], conv_states, states, state_slots, eps: float, offset: float,
+              norm_eps: float) -> torch.Tensor:
+    """x [B, hidden] += a Gated DeltaNet mixer's output over norm(x) for one token per sequence, its conv and
+    recurrent states updated in place (the C++ comment above gdn_block says which tensors)."""
+    return KERNELS.module.gdn_block(x, tensors, meta, conv_states, states, state_slots, eps, offset, norm_eps)

@@ -1,0 +1,181 @@
+"""The fused decode blocks (kernels/decode_cpu.py) against the per-op path on the same model and caches.
+
+Tiny random Llama / Qwen3 models (float32 weights, and packed 4-bit ones with and without a level table) and the
+hybrid test configs (gated attention with partial RoPE, GDN layers, SwiGLU and mixture-of-experts MLPs), a batch
+of decode rows over contexts of different lengths, float32 and 16-bit caches: every step's logits and the K/V rows
+written agree with the per-op path to float32 rounding (tests/tolerance.py's bound), on the native and the AVX2
+build. The transformers-oracle tests (test_models_dense.py, test_models_hybrid.py) run their decode steps through
+the fused blocks too.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from deltaserve.kernels import decode_cpu
+from deltaserve.kernels.int4 import Int4Codes
+from deltaserve.models import build_model
+from deltaserve.models.batch import ForwardBatch, allocate_caches, single_sequence_batch
+from tolerance import logits_rtol
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 256
+SLOTS_PER_SEQ = 64
+
+
+def tiny_dense(kind: str, weights: str):
+    """A tiny random Llama ("llama", with q/k/v biases) or Qwen3 ("qwen3", q/k norms) in our model classes, its
+    projections float32 ("fp32") or packed 4-bit ("int4", "iq4": a 16-level table)."""
+    torch.manual_seed(3)
+    common = dict(vocab_size=VOCAB, hidden_size=128, intermediate_size=192, num_hidden_layers=3,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, rope_theta=10000.0,
+                  tie_word_embeddings=False)
+    if kind == "qwen3":
+        cfg, cls = transformers.Qwen3Config(head_dim=64, **common), transformers.Qwen3ForCausalLM
+    else:
+        cfg, cls = transformers.LlamaConfig(attention_bias=True, **common), transformers.LlamaForCausalLM
+    hf = cls(cfg).eval()
+    tensors = {}
+    for name, t in hf.state_dict().items():
+        if "norm" in name:
+            t = t + torch.randn_like(t) * 0.2  # norms are ones at init: hide no weight-vs-offset slip
+        if "bias" in name:
+            t = torch.randn_like(t) * 0.1  # biases are zeros at init
+        if weights != "fp32" and t.dim() == 2 and "layers." in name:
+            t = random_int4(t.shape, lut=weights == "iq4")
+        tensors[name] = t
+    config = cfg.to_dict()
+    config["o_bias"] = kind == "llama"  # transformers' attention_bias puts one on o_proj too
+    return build_model(config, tensors)
+
+
+def random_int4(shape, lut: bool) -> Int4Codes:
+    n, k = shape
+    codes = torch.randint(0, 16, (n, k), dtype=torch.uint8)
+    scales = torch.rand(n, k // 32) * 0.02 + 0.005
+    offsets = -8 * scales + torch.randn(n, k // 32) * 0.002
+    table = torch.sort(torch.randn(16)).values if lut else None
+    return Int4Codes(codes, scales, offsets, 32, table)
+
+
+def decode_batch(tokens: list[int], lens: list[int]) -> ForwardBatch:
+    """One decode row per sequence b, whose context lives in slots b * SLOTS_PER_SEQ onwards."""
+    b = len(tokens)
+    slots = [torch.arange(i * SLOTS_PER_SEQ, i * SLOTS_PER_SEQ + n + 1) for i, n in enumerate(lens)]
+    return ForwardBatch(
+        input_ids=torch.tensor(tokens), positions=torch.tensor(lens), q_lens=[1] * b, cached_lens=list(lens),
+        num_decode=b, cu_q=torch.arange(b + 1), slot_mapping=torch.stack([s[-1] for s in slots]),
+        context_slots=torch.nn.utils.rnn.pad_sequence(slots, batch_first=True), state_slots=torch.arange(b),
+        logits_indices=torch.arange(b))
+
+
+def prefilled(model, prompts: list[list[int]], dtype: torch.dtype):
+    caches = allocate_caches(model.geometry, len(prompts) * SLOTS_PER_SEQ, len(prompts), dtype,
+                             state_dtype=torch.float32)
+    last = []
+    for i, ids in enumerate(prompts):
+        slots = torch.arange(i * SLOTS_PER_SEQ, (i + 1) * SLOTS_PER_SEQ)
+        last.append(int(model(single_sequence_batch(ids, 0, slots, state_slot=i), caches)[-1].argmax()))
+    return caches, last
+
+
+def steps_both_ways(model, prompts, dtype, steps: int):
+    """(fused logits, per-op logits, fused caches, per-op caches) of `steps` batched decode steps from the same
+    prefilled caches, both fed the per-op path's greedy tokens."""
+    caches, tokens = prefilled(model, prompts, dtype)
+    other = copy.deepcopy(caches)
+    lens = [len(p) for p in prompts]
+    fused, plain = [], []
+    for _ in range(steps):
+        batch = decode_batch(tokens, lens)
+        fused.append(model(batch, caches))
+        with decode_cpu.disabled():
+            plain.append(model(decode_batch(tokens, lens), other))
+        tokens = plain[-1].argmax(-1).tolist()
+        lens = [n + 1 for n in lens]
+    return torch.stack(fused), torch.stack(plain), caches, other
+
+
+@pytest.mark.parametrize("kind,weights", [("llama", "fp32"), ("llama", "int4"), ("qwen3", "iq4"),
+                                          ("qwen3", "fp32")])
+@pytest.mark.parametrize("cache", ["float32", "float16", "bfloat16"])
+@torch.inference_mode()
+def test_fused_decode_equals_the_per_op_path(kind, weights, cache, isa):
+    assert decode_cpu.load() is not None  # this machine builds it; where none could, the per-op path serves
+    model = tiny_dense(kind, weights)
+    gen = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in (5, 17, 1, 40, 9)]
+    fused, plain, caches, other = steps_both_ways(model, prompts, getattr(torch, cache), steps=6)
+    assert model.model.layers[0].fused.parts is not None  # the blocks served (they take these weights)
+    hidden = model.config["hidden_size"]
+    tol = logits_rtol(3, max(hidden, model.config["intermediate_size"], 48)) * plain.abs().max().item()
+    assert (fused - plain).abs().max().item() <= tol
+    assert torch.equal(fused.argmax(-1), plain.argmax(-1))
+    for i in model.geometry.attention_layers:  # the rows each path wrote: equal to their dtype's rounding
+        for a, b in ((caches.k[i], other.k[i]), (caches.v[i], other.v[i])):
+            step = 1e-6 if cache == "float32" else (2 ** -10 if cache == "float16" else 2 ** -7)
+            assert ((a.float() - b.float()).abs() <= step * (1 + b.float().abs()) * 4).all()
+
+
+@torch.inference_mode()
+def test_one_to_sixty_four_rows_and_a_prefill_step_keep_their_paths():
+    """64 decode rows take the blocks; a step with a prefill chunk in it (or more rows) takes the per-op path."""
+    assert decode_cpu.load() is not None
+    model = tiny_dense("llama", "int4")
+    gen = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(0, VOCAB, (int(n),), generator=gen).tolist()
+               for n in torch.randint(1, 30, (64,), generator=gen)]
+    fused, plain, _, _ = steps_both_ways(model, prompts, torch.float16, steps=2)
+    tol = logits_rtol(3, 192) * plain.abs().max().item()
+    assert (fused - plain).abs().max().item() <= tol
+    x = torch.zeros(3, 128)
+    prefill_step = single_sequence_batch([1, 2, 3], 0, torch.arange(8))
+    assert not decode_cpu.serves(x, prefill_step, None)
+    assert not decode_cpu.serves(torch.zeros(65, 128), decode_batch([1] * 65, [1] * 65), None)
+    assert decode_cpu.serves(torch.zeros(64, 128), decode_batch([1] * 64, [1] * 64), None)
+
+
+def test_weights_it_does_not_take_leave_the_per_op_path():
+    """An activation-ordered 4-bit weight (a column permutation) is not taken: that layer runs op by op."""
+    from deltaserve.models.layers import projection_parts
+
+    model = tiny_dense("llama", "int4")
+    proj = model.model.layers[1].mlp.down_proj
+    assert projection_parts(proj) is not None
+    proj.perm = torch.arange(proj.in_features)
+    assert projection_parts(proj) is None
+
+
+@pytest.mark.parametrize("name", ["qwen3_5_text", "qwen3_next"])
+@pytest.mark.parametrize("cache", ["float32", "float16"])
+@torch.inference_mode()
+def test_hybrid_fused_decode_equals_the_per_op_path(name, cache, tmp_path):
+    """Gated attention, Qwen3.5's GDN and SwiGLU blocks fused, Qwen3-Next's GDN and experts op by op, in one
+    residual stream; the GDN states each path leaves behind agree too."""
+    import json
+
+    from deltaserve.models import skip_prefixes
+    from deltaserve.weights import load_checkpoint
+    from test_models_hybrid import VOCAB as HYBRID_VOCAB, make_checkpoint
+
+    assert decode_cpu.load() is not None
+    ref = make_checkpoint(name, tmp_path)
+    ckpt = load_checkpoint(tmp_path, skip_prefixes=skip_prefixes(json.loads((tmp_path / "config.json").read_text())))
+    model = build_model(ckpt.config, ckpt.tensors)
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, HYBRID_VOCAB, (n,), generator=gen).tolist() for n in (6, 23, 2, 31)]
+    fused, plain, caches, other = steps_both_ways(model, prompts, getattr(torch, cache), steps=5)
+    # the attention layers' blocks served, and Qwen3.5's GDN mixers (Qwen3-Next's packed in-projections: op by op)
+    for layer in model.model.layers:
+        fused_mixer = layer.kind != "linear_attention" or name == "qwen3_5_text"
+        assert (layer.fused.parts[0] is not None) == fused_mixer
+    tol = logits_rtol(ref.config.num_hidden_layers, 64 * 16) * plain.abs().max().item()
+    assert (fused - plain).abs().max().item() <= tol
+    assert torch.equal(fused.argmax(-1), plain.argmax(-1))
+    for i in model.geometry.gdn_layers:  # the GDN states each path left behind
+        scale = other.recurrent[i].abs().max().item()
+        assert (caches.recurrent[i] - other.recurrent[i]).abs().max().item() <= tol / plain.abs().max().item() * scale
