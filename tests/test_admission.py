@@ -172,7 +172,8 @@ def test_ledger_property_random_arrivals_and_finishes(events):
 
 def test_policy_from_budget_admits_exactly_the_longest_context():
     spec = spec_from_config(json.loads(FIXTURE.read_text()))
-    budget = plan_budget(spec, EngineConfig(max_total_tokens=20_000, context_length=20_000, max_running_requests=4),
+    budget = plan_budget(spec, EngineConfig(max_total_tokens=20_000, context_length=20_000, max_running_requests=4,
+                                            language_model_only=True),  # the tower is test_plan_vision's
                          device_total_bytes=24 * GiB, device_kind="cuda")
     p = AdmissionPolicy.from_budget(budget, max_queue=8)
     assert (p.kv_pool_tokens, p.state_slots, p.context_length) == (budget.kv_tokens, 4, 20_000)
