@@ -89,6 +89,53 @@ struct Weight {
 };
 
 // y[m, n] for MR input rows and NR weight rows starting at row n0.
+#if defined(__AVX2__) && !defined(__AVX512F__)
+// AVX2: 8-float __m256 accumulators. With arrays of 16-float values GCC keeps the tile in memory and moves each value
+// through general registers at every step (linear_cpu.py measured 2.3-4.5x from the same change).
+template <int MR, int NR, bool LUT>
+inline void tile(const float* __restrict x, const Weight& w, int64_t n0, float* __restrict y, int64_t ldy) {
+  const int64_t K = w.K, groups = K / w.group;
+  __m256 table[2];
+  if constexpr (LUT) std::memcpy(table, &w.table, 64);
+  const __m128i mask = _mm_set1_epi8(15);
+  __m256 acc[MR * NR];
+  for (int i = 0; i < MR * NR; ++i) acc[i] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m256 s[NR], o[NR];
+    for (int n = 0; n < NR; ++n) {
+      s[n] = _mm256_set1_ps(w.scales[(n0 + n) * groups + g]);
+      o[n] = _mm256_set1_ps(w.offsets[(n0 + n) * groups + g]);
+    }
+    for (int64_t k = g * w.group; k < (g + 1) * w.group; k += 32) {
+      __m256 wv[NR][4];  // columns k..k+7, +8..15 (low nibbles), +16..23, +24..31 (high nibbles)
+      for (int n = 0; n < NR; ++n) {
+        const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.packed + (n0 + n) * (K / 2) + k / 2));
+        const __m128i ql = _mm_and_si128(bytes, mask), qh = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);
+        wv[n][0] = _mm256_fmadd_ps(level8(ql, table, LUT), s[n], o[n]);
+        wv[n][1] = _mm256_fmadd_ps(level8(_mm_srli_si128(ql, 8), table, LUT), s[n], o[n]);
+        wv[n][2] = _mm256_fmadd_ps(level8(qh, table, LUT), s[n], o[n]);
+        wv[n][3] = _mm256_fmadd_ps(level8(_mm_srli_si128(qh, 8), table, LUT), s[n], o[n]);
+      }
+      for (int m = 0; m < MR; ++m) {
+        const float* xr = x + m * K + k;
+        const __m256 x0 = _mm256_loadu_ps(xr), x1 = _mm256_loadu_ps(xr + 8);
+        const __m256 x2 = _mm256_loadu_ps(xr + 16), x3 = _mm256_loadu_ps(xr + 24);
+        for (int n = 0; n < NR; ++n) {
+          __m256 a = _mm256_fmadd_ps(x0, wv[n][0], acc[m * NR + n]);
+          a = _mm256_fmadd_ps(x1, wv[n][1], a);
+          a = _mm256_fmadd_ps(x2, wv[n][2], a);
+          acc[m * NR + n] = _mm256_fmadd_ps(x3, wv[n][3], a);
+        }
+      }
+    }
+  }
+  for (int i = 0; i < MR * NR; ++i) {
+    const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(acc[i]), _mm256_extractf128_ps(acc[i], 1));
+    const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+    y[i / NR * ldy + i % NR] = _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
+  }
+}
+#else
 template <int MR, int NR, bool LUT>
 inline void tile(const float* __restrict x, const Weight& w, int64_t n0, float* __restrict y, int64_t ldy) {
   const int64_t K = w.K, groups = K / w.group;
@@ -120,6 +167,7 @@ inline void tile(const float* __restrict x, const Weight& w, int64_t n0, float* 
     for (int i = 0; i < 16 && i0 + i < MR * NR; ++i) y[(i0 + i) / NR * ldy + (i0 + i) % NR] = sums[i];
   }
 }
+#endif
 
 template <int NR, bool LUT>
 inline void rows_past(const float* x, int64_t M, const Weight& w, int64_t n0, float* y, int64_t ldy) {
