@@ -93,14 +93,19 @@ def test_engine_takes_the_kernel_only_when_its_backend_says_so(kernel, monkeypat
     from deltaserve.engine.request import SamplingParams
     from test_engine_support import engine, run_all, tokens_of
 
+    from deltaserve.kernels import decode_cpu
+
     calls = []
-    real = paged_cpu.paged_decode_attention
 
-    def counted(*args):
-        calls.append(args[0].shape[0])
-        return real(*args)
+    def counting(real):
+        def counted(*args):
+            calls.append(args[0].shape[0])
+            return real(*args)
+        return counted
 
-    monkeypatch.setattr(paged_cpu, "paged_decode_attention", counted)
+    # the kernel serves decode on its own, or inside kernels/decode_cpu.py's fused attention block (its source)
+    monkeypatch.setattr(paged_cpu, "paged_decode_attention", counting(paged_cpu.paged_decode_attention))
+    monkeypatch.setattr(decode_cpu, "attention_block", counting(decode_cpu.attention_block))
     eng = engine(None, max_running_requests=2, max_total_tokens=1024, attention_backend=backend)
     ids = eng.tokenizer.encode("The capital of France is")
     out = run_all(eng, [(ids, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))])[0]
