@@ -36,7 +36,8 @@ class Ours:
         from deltaserve.engine.engine import Engine
 
         config = EngineConfig(model=path, device="cpu", max_total_tokens=4 * longest, dequantize_weights=dequantize,
-                              prefill_chunk_tokens=longest, max_running_requests=4)
+                              prefill_chunk_tokens=longest, max_running_requests=4,
+                              prefix_cache=False)  # each repeat reads its prompt again, as llama-bench does
         self.engine = Engine(config, log=None)
         self.weight_bytes = self.engine.measured_bytes()["weights"]
 
