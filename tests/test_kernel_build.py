@@ -109,6 +109,16 @@ def test_other_flags_or_sources_build_elsewhere():
     assert cpp_build.build_key(tiny()) != cpp_build.build_key(tiny(source=TINY + "// changed\n"))
 
 
+
+def test_a_native_build_is_keyed_by_the_cpu(monkeypatch):
+    """-march=native means another binary on another CPU: a home folder shared by an AVX-512 machine and an AVX2 one
+    must not hand the AVX2 one a module that dies of SIGILL at import. A fixed-ISA build is the same everywhere."""
+    native, avx2 = fused_cpu.KERNELS, fused_cpu.KERNELS.variant("avx2")
+    keys = (cpp_build.build_key(native), cpp_build.build_key(avx2))
+    monkeypatch.setattr(cpp_build, "cpu_features", lambda: "fpu sse2 avx2 avx512f")
+    other = (cpp_build.build_key(native), cpp_build.build_key(avx2))
+    assert keys[0] != other[0] and keys[1] == other[1]
+
 def test_a_compiler_error_names_the_log_and_falls_back(cache):
     broken = tiny("deltaserve_test_broken", "int64_t add_one(int64_t x) { return x + ; }\n")
     messages: list[str] = []

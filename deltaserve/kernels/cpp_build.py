@@ -136,7 +136,8 @@ def cache_root() -> Path:
 
 
 def build_key(kernels: CompiledKernels) -> str:
-    """A hash of everything the binary depends on: source, flags, compiler (path and version), torch, Python."""
+    """A hash of everything the binary depends on: source, flags, compiler (path and version), torch, Python, and
+    for a -march=native build the CPU's instruction sets."""
     import torch
 
     compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or "c++"
@@ -146,7 +147,22 @@ def build_key(kernels: CompiledKernels) -> str:
         version = "none"
     parts = [kernels.source, " ".join(kernels.flags), compiler, version, torch.__version__,
              str(Path(torch.__file__).parent), sys.version, ",".join(kernels.functions)]
+    if "-march=native" in kernels.flags:
+        parts.append(cpu_features())  # a native build from an AVX-512 CPU dies of SIGILL on an AVX2 one (shared home)
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
+
+
+def cpu_features() -> str:
+    """This CPU's instruction-set flags (Linux /proc/cpuinfo), or its platform name elsewhere."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or platform.machine()
 
 
 def _load_or_build(kernels: CompiledKernels, log):
