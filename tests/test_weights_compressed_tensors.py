@@ -283,3 +283,21 @@ def test_multimodal_layout_skips_the_vision_tower_by_name_and_bytes(case):
     nbytes = sum(t.numel() * t.element_size() for t in vision)
     assert ckpt.skipped == [f"model.visual.* ({len(vision)} tensors, {nbytes:,} bytes)"]
     assert not any(k.startswith("model.visual.") for k in ckpt.tensors)
+
+
+@pytest.mark.parametrize("dequantize", [True, False], ids=["dequantized", "packed"])
+def test_plan_from_config_alone_prices_what_a_load_holds(case, dequantize):
+    """`deltaserve plan` on the checkpoint's config.json alone (no tensors) prices each quantized module as the
+    loader holds it (weights/held.py: packed with a float32 scale and offset, an INT8 embedding int8, a tied head
+    its own weight), not at its checkpoint size: its weights line equals the header ledger's, which the test above
+    holds to the resident bytes."""
+    from deltaserve.budget import plan_budget
+    from deltaserve.config import EngineConfig
+    from deltaserve.models.spec import spec_from_checkpoint, spec_from_config
+
+    name, _, _, ckpt, _ = case
+    config = EngineConfig(max_total_tokens=64, dequantize_weights=dequantize)
+    lines = [plan_budget(spec, config, device_total_bytes=4 * 2**30, device_kind="cpu").line("weights").bytes
+             for spec in (spec_from_config(json.loads((ckpt.path / "config.json").read_text())),
+                          spec_from_checkpoint(ckpt.path))]
+    assert lines[0] == lines[1], (name, *lines)

@@ -8,6 +8,8 @@ the tolerance is a relative 2^-11 (float16 has 10 fraction bits)."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -170,7 +172,7 @@ def test_ledger_weights_line_equals_resident_bytes(tiny_qwen3, dequantize):
     from deltaserve.config import EngineConfig
     from deltaserve.engine.loader import load_model
     from deltaserve.models.layers import Int4Linear
-    from deltaserve.models.spec import spec_from_checkpoint
+    from deltaserve.models.spec import spec_from_checkpoint, spec_from_config
     from tests.test_weights_compressed_tensors import resident_bytes
 
     folder, _, layout = tiny_qwen3
@@ -182,3 +184,8 @@ def test_ledger_weights_line_equals_resident_bytes(tiny_qwen3, dequantize):
                          device_total_bytes=4 * 2**30, device_kind="cpu")
     predicted, measured = budget.line("weights").bytes, resident_bytes(model)
     assert abs(predicted - measured) <= 0.01 * measured, (predicted, measured)
+    # `deltaserve plan` on config.json alone prices the same held bytes (weights/held.py), not the checkpoint's
+    alone = plan_budget(spec_from_config(json.loads((folder / "config.json").read_text())),
+                        EngineConfig(max_total_tokens=64, dequantize_weights=dequantize),
+                        device_total_bytes=4 * 2**30, device_kind="cpu")
+    assert alone.line("weights").bytes == predicted
