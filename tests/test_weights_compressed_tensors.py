@@ -268,7 +268,7 @@ def test_load_logs_progress_in_bytes_per_second(case, caplog):
     import logging
 
     _, _, _, ckpt, state = case
-    with caplog.at_level(logging.INFO, logger="deltaserve.weights.hf"):
+    with caplog.at_level(logging.INFO, logger="deltaserve.weights"):
         load_checkpoint(ckpt.path)
     line = caplog.records[-1].getMessage()
     size = sum(t.numel() * t.element_size() for t in state.values())
