@@ -122,7 +122,7 @@ def test_27b_quantized_sizes_near_the_field_notes():
 
 def test_compressed_tensors_header_parts(tmp_path):
     """A packed W4 weight: stored bytes from the header, logical params from weight_shape, held packed at the
-    kernel's size (kernels/int4.held_bytes: a float32 scale and offset per group where the file has a bf16 scale)."""
+    kernel's size (kernels/int4.held_bytes: a symmetric weight keeps the file's bf16 scale per group, no offset)."""
     from safetensors.torch import save_file
 
     out_f, in_f, group = 64, 256, 128
@@ -143,7 +143,7 @@ def test_compressed_tensors_header_parts(tmp_path):
     assert spec.weight_bytes == sum(t.nbytes for t in tensors.values())
     assert layers.params == out_f * in_f + 64 and layers.float_params == 64
     assert parse_quant("w4a16-g128").tensor_bytes(out_f, in_f) == out_f * in_f // 2 + out_f * 2 * 2 + 16
-    assert layers.quantized_bytes == out_f * in_f // 2 + out_f * 2 * 8
+    assert layers.quantized_bytes == out_f * in_f // 2 + out_f * 2 * 2  # symmetric: the bf16 scale kept, no offset
     gpu = plan_budget(spec, EngineConfig(max_total_tokens=64), device_total_bytes=4 * GiB, device_kind="cuda")
     cpu = plan_budget(spec, EngineConfig(max_total_tokens=64, dequantize_weights=True), device_total_bytes=4 * GiB,
                       device_kind="cpu")
@@ -167,7 +167,8 @@ def test_config_groups_matched_by_compressed_tensors_precedence():
     assert layers[0] == layers[1]
     h, inter, layers_n = TINY["hidden_size"], TINY["intermediate_size"], TINY["num_hidden_layers"]
     attention = (4 * 16 + 2 * 2 * 16) * h + h * 4 * 16  # q, k, v, o
-    assert layers[0].quantized_bytes == layers_n * (attention // 2 + attention // 32 * 8)
+    # symmetric: a scale per group of 32 kept in the model's dtype (float32: TINY names none), no offset
+    assert layers[0].quantized_bytes == layers_n * (attention // 2 + attention // 32 * 4)
     assert layers[0].float_params == layers[0].params - layers_n * attention
     assert layers[0].float_params >= layers_n * 3 * h * inter
 

@@ -51,12 +51,15 @@ def kernel():
     return int4_cpu.load()
 
 
-def random_codes(n: int, k: int, group: int, seed: int, lut: bool = False, perm: bool = False) -> Int4Codes:
-    """Random codes with float16-representable scales and offsets (as GGUF stores them), optionally an IQ4-style
-    level table and an activation-order column permutation."""
+def random_codes(n: int, k: int, group: int, seed: int, lut: bool = False, perm: bool = False,
+                 dtype: torch.dtype = torch.float32, symmetric: bool = False) -> Int4Codes:
+    """Random codes with float16-representable scales and offsets (as GGUF stores them), held in `dtype` (a 16-bit
+    dtype: kept so by pack), none when `symmetric`; optionally an IQ4-style level table and an activation-order
+    column permutation."""
     g = torch.Generator().manual_seed(seed)
-    scales = (torch.rand(n, k // group, generator=g) * 0.02 + 0.001).half().float()
-    offsets = (torch.randn(n, k // group, generator=g) * 0.05).half().float()
+    scales = (torch.rand(n, k // group, generator=g) * 0.02 + 0.001).to(torch.bfloat16 if dtype == torch.bfloat16
+                                                                           else torch.float16).to(dtype)
+    offsets = None if symmetric else (torch.randn(n, k // group, generator=g) * 0.05).half().to(dtype)
     table = torch.sort(torch.randn(16, generator=g) * 8).values if lut else None
     order = torch.randperm(k, generator=g) if perm else None
     return Int4Codes(torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8), scales, offsets, group,
@@ -72,7 +75,7 @@ def assert_float32_exact(got: torch.Tensor, x: torch.Tensor, codes: Int4Codes, b
     off by orders of magnitude more."""
     n, k = codes.shape
     w = codes.dequantize(torch.float64)
-    magnitude = Int4Codes(codes.codes, codes.scales.abs(), codes.offsets.abs(), codes.group_size,
+    magnitude = Int4Codes(codes.codes, codes.scales.float().abs(), codes.offset_values().abs(), codes.group_size,
                           None if codes.lut is None else codes.lut.abs(), codes.perm).dequantize(torch.float64)
     exact = x.double().reshape(-1, k) @ w.T
     bound = (k + 2) * 2.0**-24 * (x.double().abs().reshape(-1, k) @ magnitude.T)
@@ -103,6 +106,39 @@ def test_packed_linear_equals_the_dequantized_float32_product(case, rows):
         assert_float32_exact(int4_linear(x, w, bias), x, codes, bias)
 
 
+FORMS = [(torch.float16, True), (torch.bfloat16, True), (torch.float16, False), (torch.bfloat16, False),
+         (torch.float32, True)]
+
+
+@pytest.mark.parametrize("rows", [1, 5, 64, 300])
+@pytest.mark.parametrize("case", CASES[:4], ids=lambda c: f"{c[0]}x{c[1]}-g{c[2]}{'-lut' if c[3] else ''}"
+                         f"{'-perm' if c[4] else ''}")
+@pytest.mark.parametrize("form", FORMS, ids=lambda f: f"{str(f[0])[6:]}{'-sym' if f[1] else ''}")
+def test_checkpoint_scale_forms_equal_the_dequantized_float32_product(form, case, rows):
+    """16-bit scales kept as the checkpoint stores them and symmetric weights without offsets: the same bound."""
+    dtype, symmetric = form
+    n, k, group, lut, perm = case
+    codes = random_codes(n, k, group, rows, lut, perm, dtype, symmetric)
+    w = pack(codes)
+    assert w.scales.dtype == dtype and (w.offsets is None) == symmetric
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(7))
+    assert_float32_exact(int4_linear(x, w), x, codes)
+    with int4_cpu.disabled():
+        assert_float32_exact(int4_linear(x, w), x, codes)
+
+
+def test_held_bytes_follow_the_scale_form():
+    from deltaserve.kernels.int4 import held_bytes
+
+    for dtype, symmetric in FORMS:
+        w = pack(random_codes(48, 256, 64, 3, dtype=dtype, symmetric=symmetric))
+        size = torch.finfo(dtype).bits // 8
+        assert w.nbytes() == held_bytes(48 * 256, 64, scale_bytes=size, offsets=not symmetric)
+    mixed = random_codes(48, 256, 64, 3, dtype=torch.float16)
+    mixed.offsets = mixed.offsets.float()  # scales and offsets of two dtypes: both held as float32
+    assert pack(mixed).scales.dtype == torch.float32 and pack(mixed).offsets.dtype == torch.float32
+
+
 def test_packed_layout_round_trips_and_holds_the_predicted_bytes():
     from deltaserve.kernels.int4 import held_bytes
 
@@ -113,7 +149,7 @@ def test_packed_layout_round_trips_and_holds_the_predicted_bytes():
         assert w.nbytes() == held_bytes(48 * 256, 64, lut)
         if int4_cpu.built():  # the C++ widening equals torch's up to fused multiply-add: 2 roundings at most
             want = codes.dequantize(torch.float64)[5:40]
-            scale = Int4Codes(codes.codes, codes.scales.abs(), codes.offsets.abs(), 64,
+            scale = Int4Codes(codes.codes, codes.scales.abs(), codes.offset_values().abs(), 64,
                               None if codes.lut is None else codes.lut.abs()).dequantize(torch.float64)[5:40]
             got = int4_cpu.widen(w.packed, w.scales, w.offsets, w.lut, 64, 5, 40).double()
             assert bool(((got - want).abs() <= 2 * 2.0**-24 * scale).all())

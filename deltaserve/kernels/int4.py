@@ -6,9 +6,11 @@ load into one layout, `PackedInt4`, that one C++ kernel (kernels/int4_cpu.py) mu
 - codes nibble-packed [N, K / 2] uint8, row-major. Within each run of 32 columns, byte i holds column i in its low
   nibble and column i + 16 in its high one (GGUF's own Q4 block order): 16 bytes widen into two 16-float vectors
   with one load, a mask and a shift, no shuffles.
-- scales and offsets [N, K / group] float32: exact for every format's scales (float16 GGUF, bfloat16 GPTQ/AWQ,
-  float32 AutoRound, and Q4_K's products of two scales, which float16 cannot hold), at 8 bytes per group: 0.25 extra
-  bytes per weight at group 32, 0.06 at group 128.
+- scales [N, K / group] in the checkpoint's own dtype where that holds them (float16 GGUF Q4_0 / Q4_1 / IQ4_NL,
+  bfloat16 compressed-tensors), float32 otherwise (Q4_K's and IQ4_XS's products of two scales, which float16 cannot
+  hold); offsets [N, K / group] in the same dtype, or none for a symmetric weight (offset -8 * scale, or 0 with a
+  level table). The field's W4A16 (bfloat16 scales, symmetric) is held at its checkpoint's 2 bytes a group; an
+  asymmetric or Q4_K weight at 8 (0.25 extra bytes per weight at group 32, 0.06 at group 128).
 - the 16 float32 levels (`lut`) of a non-uniform format (IQ4_NL / IQ4_XS), or none (levels 0..15).
 - the column permutation of activation-ordered groups: the input's columns are permuted once per call.
 
@@ -33,13 +35,14 @@ class Int4Codes:
     codes [N, K] uint8 in 0..15; scales and offsets [N, K / group_size] float; the weight is
     w = scale * lut[q] + offset per group, where `lut` is 16 float32 values (None: lut[q] = q, the affine formats:
     GGUF Q4_0/Q4_1/Q4_K, GPTQ, AWQ, compressed-tensors; a table: GGUF IQ4_NL/IQ4_XS's non-uniform levels).
+    offsets None: a symmetric weight, offset = -8 * scale without a table (w = scale * (q - 8)), 0 with one.
     `perm` (activation-ordered groups, GPTQ's g_idx): None, or a permutation [K] such that stored column j is the
     checkpoint's input column perm[j] (columns sorted by group); a layer then multiplies x[..., perm].
     """
 
     codes: torch.Tensor
     scales: torch.Tensor
-    offsets: torch.Tensor
+    offsets: torch.Tensor | None
     group_size: int
     lut: torch.Tensor | None = None
     perm: torch.Tensor | None = None
@@ -47,6 +50,10 @@ class Int4Codes:
     @property
     def shape(self) -> tuple[int, int]:
         return tuple(self.codes.shape)
+
+    def offset_values(self) -> torch.Tensor:
+        """The offsets as float32, stored or implied (symmetric)."""
+        return _offsets(self.scales, self.offsets, self.lut)
 
     def levels(self) -> torch.Tensor:
         """The 16 float32 values a code stands for before its group's scale and offset."""
@@ -57,15 +64,15 @@ class Int4Codes:
         n, k = self.codes.shape
         q = self.levels()[self.codes.long()] if self.lut is not None else self.codes.to(torch.float32)
         groups = q.view(n, k // self.group_size, self.group_size)
-        w = (groups * self.scales.float()[..., None] + self.offsets.float()[..., None]).view(n, k)
+        w = (groups * self.scales.float()[..., None] + self.offset_values()[..., None]).view(n, k)
         if self.perm is not None:
             w = torch.empty_like(w).index_copy_(1, self.perm, w)
         return w.to(dtype)
 
     def rows(self, order: torch.Tensor) -> Int4Codes:
         """The same weight with its output rows reordered (llama.cpp's q/k row permutation, undone)."""
-        return Int4Codes(self.codes[order], self.scales[order], self.offsets[order], self.group_size,
-                         self.lut, self.perm)
+        return Int4Codes(self.codes[order], self.scales[order], None if self.offsets is None else self.offsets[order],
+                         self.group_size, self.lut, self.perm)
 
 
 def packable(shape: tuple[int, ...], group_size: int) -> bool:
@@ -74,10 +81,24 @@ def packable(shape: tuple[int, ...], group_size: int) -> bool:
             and (group_size in (32, 64, 128, 256) or group_size == shape[1]))
 
 
-def held_bytes(params: int, group_size: int, lut: bool = False) -> int:
-    """Bytes `pack` holds for `params` weights: half a byte each, a float32 scale and offset per group, and the
-    16 float32 levels when the format has a table."""
-    return params // 2 + params // group_size * 8 + (16 * 4 if lut else 0)
+def held_bytes(params: int, group_size: int, lut: bool = False, scale_bytes: int = 4, offsets: bool = True) -> int:
+    """Bytes `pack` holds for `params` weights: half a byte each, a scale (`scale_bytes`: 4 float32, 2 a 16-bit
+    checkpoint scale) and, unless symmetric, an offset of the same size per group, and the 16 float32 levels when
+    the format has a table."""
+    return params // 2 + params // group_size * scale_bytes * (2 if offsets else 1) + (16 * 4 if lut else 0)
+
+
+def held_scale_dtype(scales: torch.dtype, offsets: torch.dtype | None) -> torch.dtype:
+    """The dtype `pack` holds scales (and offsets) in: a 16-bit checkpoint dtype both share, else float32."""
+    if scales in (torch.bfloat16, torch.float16) and offsets in (None, scales):
+        return scales
+    return torch.float32
+
+
+def _offsets(scales: torch.Tensor, offsets: torch.Tensor | None, lut: torch.Tensor | None) -> torch.Tensor:
+    if offsets is not None:
+        return offsets.float()
+    return torch.zeros_like(scales, dtype=torch.float32) if lut is not None else -8 * scales.float()
 
 
 @dataclass
@@ -85,8 +106,8 @@ class PackedInt4:
     """A 4-bit weight in the kernel's layout (module docstring): what a layer holds."""
 
     packed: torch.Tensor  # [N, K / 2] uint8
-    scales: torch.Tensor  # [N, K / group] float32
-    offsets: torch.Tensor  # [N, K / group] float32
+    scales: torch.Tensor  # [N, K / group] float32, bfloat16 or float16
+    offsets: torch.Tensor | None  # [N, K / group] the scales' dtype; None: symmetric (Int4Codes)
     group_size: int
     lut: torch.Tensor | None = None  # [16] float32
     perm: torch.Tensor | None = None  # [K] int64
@@ -119,7 +140,8 @@ class PackedInt4:
         q = self.codes()
         levels = q.to(torch.float32) if self.lut is None else self.lut[q.long()]
         groups = levels.view(n, k // self.group_size, self.group_size)
-        return (groups * self.scales[..., None] + self.offsets[..., None]).view(n, k)
+        offsets = _offsets(self.scales, self.offsets, self.lut)
+        return (groups * self.scales.float()[..., None] + offsets[..., None]).view(n, k)
 
 
 def pack(w: Int4Codes) -> PackedInt4:
@@ -132,8 +154,9 @@ def pack(w: Int4Codes) -> PackedInt4:
     packed = (runs[..., :BLOCK // 2] | (runs[..., BLOCK // 2:] << 4)).reshape(n, k // 2).contiguous()
     lut = None if w.lut is None else w.lut.to(torch.float32).contiguous()
     perm = None if w.perm is None else w.perm.to(torch.int64).contiguous()
-    return PackedInt4(packed, w.scales.to(torch.float32).contiguous(), w.offsets.to(torch.float32).contiguous(),
-                      w.group_size, lut, perm)
+    dtype = held_scale_dtype(w.scales.dtype, None if w.offsets is None else w.offsets.dtype)
+    offsets = None if w.offsets is None else w.offsets.to(dtype).contiguous()
+    return PackedInt4(packed, w.scales.to(dtype).contiguous(), offsets, w.group_size, lut, perm)
 
 
 # Rows of the weight widened to float32 at a time for a prefill GEMM: ~4 MiB, so a tile is written and read back
@@ -155,7 +178,7 @@ def int4_linear(x: torch.Tensor, w: PackedInt4, bias: torch.Tensor | None = None
         rows = rows[:, w.perm]
     rows = rows.contiguous()
     if int4_cpu.serves(rows):
-        y = int4_cpu.decode(rows, w.packed, w.scales, w.offsets, w.lut, w.group_size)
+        y = int4_cpu.decode(rows, w.packed, w.scales, _stored(w.offsets), w.lut, w.group_size)
     else:
         step = max(16, WIDEN_FLOATS // k)
         y = torch.cat([rows @ _widened_rows(w, start, min(start + step, n)).t() for start in range(0, n, step)],
@@ -170,6 +193,12 @@ def _widened_rows(w: PackedInt4, start: int, stop: int) -> torch.Tensor:
     from deltaserve.kernels import int4_cpu
 
     if int4_cpu.built() and w.packed.device.type == "cpu":
-        return int4_cpu.widen(w.packed, w.scales, w.offsets, w.lut, w.group_size, start, stop)
-    part = PackedInt4(w.packed[start:stop], w.scales[start:stop], w.offsets[start:stop], w.group_size, w.lut)
+        return int4_cpu.widen(w.packed, w.scales, _stored(w.offsets), w.lut, w.group_size, start, stop)
+    part = PackedInt4(w.packed[start:stop], w.scales[start:stop],
+                      None if w.offsets is None else w.offsets[start:stop], w.group_size, w.lut)
     return part.widened()
+
+
+def _stored(offsets: torch.Tensor | None) -> torch.Tensor:
+    """The offsets as the C++ kernel takes them: an empty tensor for a symmetric weight."""
+    return torch.empty(0) if offsets is None else offsets

@@ -80,12 +80,29 @@ inline void widen32(const uint8_t* p, f16v table, f16v& lo, f16v& hi) {
 }
 #endif
 
+// Scales (and offsets, where stored) are float32, bfloat16 or float16, one dtype for both: a checkpoint's 16-bit
+// scales are held as they came. Without stored offsets the weight is symmetric: offset = -8 * scale for the codes
+// 0..15 (levels centred on 8), 0 with a level table (IQ4's levels are centred already). Either way every w formed in
+// float32 is the float32 product the dequantized weight holds (a 16-bit scale times a 4-bit level is exact).
+enum ScaleKind : int { F32 = 0, BF16 = 1, F16 = 2 };
+
 struct Weight {
   const uint8_t* packed;
-  const float* scales;
-  const float* offsets;
+  const void* scales;
+  const void* offsets;  // nullptr: symmetric (above)
+  ScaleKind kind;
+  bool lut;
   f16v table;
   int64_t K, group;
+
+  float at(const void* p, int64_t i) const {
+    if (kind == F32) return static_cast<const float*>(p)[i];
+    const uint16_t bits = static_cast<const uint16_t*>(p)[i];
+    if (kind == BF16) return static_cast<float>(c10::BFloat16(bits, c10::BFloat16::from_bits()));
+    return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+  }
+  float scale(int64_t i) const { return at(scales, i); }
+  float offset(int64_t i, float s) const { return offsets ? at(offsets, i) : (lut ? 0.0f : -8.0f * s); }
 };
 
 // y[m, n] for MR input rows and NR weight rows starting at row n0.
@@ -103,8 +120,9 @@ inline void tile(const float* __restrict x, const Weight& w, int64_t n0, float* 
   for (int64_t g = 0; g < groups; ++g) {
     __m256 s[NR], o[NR];
     for (int n = 0; n < NR; ++n) {
-      s[n] = _mm256_set1_ps(w.scales[(n0 + n) * groups + g]);
-      o[n] = _mm256_set1_ps(w.offsets[(n0 + n) * groups + g]);
+      const float sc = w.scale((n0 + n) * groups + g);
+      s[n] = _mm256_set1_ps(sc);
+      o[n] = _mm256_set1_ps(w.offset((n0 + n) * groups + g, sc));
     }
     for (int64_t k = g * w.group; k < (g + 1) * w.group; k += 32) {
       __m256 wv[NR][4];  // columns k..k+7, +8..15 (low nibbles), +16..23, +24..31 (high nibbles)
@@ -144,8 +162,9 @@ inline void tile(const float* __restrict x, const Weight& w, int64_t n0, float* 
   for (int64_t g = 0; g < groups; ++g) {
     f16v s[NR], o[NR];
     for (int n = 0; n < NR; ++n) {
-      s[n] = f16v{} + w.scales[(n0 + n) * groups + g];
-      o[n] = f16v{} + w.offsets[(n0 + n) * groups + g];
+      const float sc = w.scale((n0 + n) * groups + g);
+      s[n] = f16v{} + sc;
+      o[n] = f16v{} + w.offset((n0 + n) * groups + g, sc);
     }
     for (int64_t k = g * w.group; k < (g + 1) * w.group; k += 32) {
       f16v lo[NR], hi[NR];
@@ -202,10 +221,17 @@ Weight weight_of(const torch::Tensor& packed, const torch::Tensor& scales, const
               "int4: packed codes must be contiguous uint8 [N, K / 2]");
   const int64_t N = packed.size(0), K = packed.size(1) * 2;
   TORCH_CHECK(K % 32 == 0 && group % 32 == 0 && K % group == 0, "int4: K and the group must be multiples of 32");
+  const auto dtype = scales.scalar_type();
+  TORCH_CHECK(dtype == torch::kFloat32 || dtype == torch::kBFloat16 || dtype == torch::kHalf,
+              "int4: scales must be float32, bfloat16 or float16");
+  const bool has_offsets = offsets.numel() > 0;
   for (const auto* t : {&scales, &offsets})
-    TORCH_CHECK(t->scalar_type() == torch::kFloat32 && t->is_contiguous() && t->size(0) == N &&
-                t->size(1) == K / group, "int4: scales and offsets must be contiguous float32 [N, K / group]");
-  Weight w{packed.data_ptr<uint8_t>(), scales.data_ptr<float>(), offsets.data_ptr<float>(), f16v{}, K, group};
+    TORCH_CHECK((t == &offsets && !has_offsets) || (t->scalar_type() == dtype && t->is_contiguous() && t->dim() == 2 &&
+                t->size(0) == N && t->size(1) == K / group),
+                "int4: scales (and offsets, or an empty tensor) must be contiguous [N, K / group] of one dtype");
+  const ScaleKind kind = dtype == torch::kFloat32 ? F32 : dtype == torch::kBFloat16 ? BF16 : F16;
+  Weight w{packed.data_ptr<uint8_t>(), scales.data_ptr(), has_offsets ? offsets.data_ptr() : nullptr, kind,
+           lut.has_value(), f16v{}, K, group};
   if (lut.has_value()) {
     TORCH_CHECK(lut->scalar_type() == torch::kFloat32 && lut->numel() == 16, "int4: the level table is 16 float32");
     w.table = load16(lut->contiguous().data_ptr<float>());
@@ -234,7 +260,7 @@ torch::Tensor int4_widen(torch::Tensor packed, torch::Tensor scales, torch::Tens
   const Weight w = weight_of(packed, scales, offsets, lut, group);
   TORCH_CHECK(0 <= start && start <= stop && stop <= packed.size(0), "int4_widen: rows out of range");
   const int64_t K = w.K, groups = K / group;
-  auto out = torch::empty({stop - start, K}, scales.options());
+  auto out = torch::empty({stop - start, K}, packed.options().dtype(torch::kFloat32));
   float* op = out.data_ptr<float>();
   const bool has_lut = lut.has_value();
   #pragma omp parallel for schedule(static)
@@ -243,7 +269,7 @@ torch::Tensor int4_widen(torch::Tensor packed, torch::Tensor scales, torch::Tens
       f16v lo, hi;
       if (has_lut) widen32<true>(w.packed + n * (K / 2) + k / 2, w.table, lo, hi);
       else widen32<false>(w.packed + n * (K / 2) + k / 2, w.table, lo, hi);
-      const float s = w.scales[n * groups + k / group], o = w.offsets[n * groups + k / group];
+      const float s = w.scale(n * groups + k / group), o = w.offset(n * groups + k / group, s);
       store16(op + (n - start) * K + k, lo * s + o);
       store16(op + (n - start) * K + k + 16, hi * s + o);
     }
@@ -277,7 +303,7 @@ def serves(rows: torch.Tensor) -> bool:
 
 
 def decode(rows, packed, scales, offsets, lut, group_size: int) -> torch.Tensor:
-    """rows [M, K] float32 @ W.T, reading the packed bytes."""
+    """rows [M, K] float32 @ W.T, reading the packed bytes (offsets: an empty tensor for a symmetric weight)."""
     return KERNELS.module.int4_decode(rows, packed, scales, offsets, lut, group_size)
 
 

@@ -175,7 +175,8 @@ def projection_parts(layer: nn.Module) -> tuple[list[torch.Tensor], int] | None:
     if type(layer) is Int4Linear:
         if layer.perm is not None:
             return None
-        return [layer.packed, layer.scales, layer.offsets, EMPTY if layer.lut is None else layer.lut, bias], \
+        offsets = EMPTY if layer.offsets is None else layer.offsets
+        return [layer.packed, layer.scales, offsets, EMPTY if layer.lut is None else layer.lut, bias], \
             layer.group_size
     if type(layer) is Linear and layer.weight.dtype == torch.float32 and layer.weight.is_contiguous() \
             and layer.in_features % 16 == 0:

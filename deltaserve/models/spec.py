@@ -41,6 +41,9 @@ class QuantScheme:
     bits: int
     group_size: int = 128  # -1: one scale per output channel
     symmetric: bool = True
+    # bytes of a symmetric module's scale, which the loader keeps as stored (compressed-tensors: the model's dtype);
+    # None: held as a float32 scale and offset a group (GPTQ / AWQ layouts; weights/held.py)
+    kept_scale_bytes: int | None = 2
 
     def tensor_bytes(self, out_features: int, in_features: int) -> int:
         """Bytes in the checkpoint."""
@@ -56,14 +59,18 @@ class QuantScheme:
         from deltaserve.weights.held import module_held_bytes
 
         group = in_features if self.group_size <= 0 else self.group_size
-        return module_held_bytes(out_features, in_features, group, self.bits, embedding)
+        return module_held_bytes(out_features, in_features, group, self.bits, embedding,
+                                 symmetric_scale_bytes=self._kept_scale_bytes())
 
     def tied_head_held_bytes(self, out_features: int, in_features: int) -> int | None:
         """Bytes an lm_head tied to an embedding of this scheme is held in when not as floats; None: floats."""
         from deltaserve.weights.held import tied_head_held_bytes
 
         group = in_features if self.group_size <= 0 else self.group_size
-        return tied_head_held_bytes(out_features, in_features, group, self.bits)
+        return tied_head_held_bytes(out_features, in_features, group, self.bits, self._kept_scale_bytes())
+
+    def _kept_scale_bytes(self) -> int | None:
+        return self.kept_scale_bytes if self.symmetric else None
 
     def __str__(self) -> str:
         group = "channel" if self.group_size <= 0 else f"g{self.group_size}"
@@ -353,6 +360,14 @@ def _float_dtype(config: dict, text: dict) -> int:
     return DTYPE_BYTES.get(str(name or "bfloat16"), 2)
 
 
+def _scale_bytes(config: dict) -> int:
+    """Bytes of a compressed-tensors scale: stored in the model's dtype (float32 where the config names none, as
+    transformers then builds the model)."""
+    text = config.get("text_config") or {}
+    name = config.get("torch_dtype") or config.get("dtype") or text.get("torch_dtype") or text.get("dtype")
+    return DTYPE_BYTES.get(str(name or "float32"), 4)
+
+
 class _QuantRules:
     """Which scheme applies to a tensor: overrides first, then the config's quantization_config."""
 
@@ -365,9 +380,9 @@ class _QuantRules:
         self.groups: list[tuple[list[str], QuantScheme]] = []
         self.ignore: list[str] = []
         if not self.override:
-            self._read_config(config.get("quantization_config") or {})
+            self._read_config(config.get("quantization_config") or {}, _scale_bytes(config))
 
-    def _read_config(self, qc: dict) -> None:
+    def _read_config(self, qc: dict, scale_bytes: int) -> None:
         method = qc.get("quant_method", "")
         if method == "compressed-tensors":
             for group in qc.get("config_groups", {}).values():
@@ -375,11 +390,13 @@ class _QuantRules:
                 if w.get("num_bits"):
                     size = -1 if w.get("strategy") == "channel" else (w.get("group_size") or -1)
                     self.groups.append((group.get("targets", []), QuantScheme(w["num_bits"], size,
-                                                                               w.get("symmetric", True))))
+                                                                               w.get("symmetric", True),
+                                                                               scale_bytes)))
             self.ignore = qc.get("ignore", [])
         elif method in ("gptq", "awq", "auto-round", "autoround"):
             sym = qc.get("sym", not qc.get("zero_point", False))
-            self.groups.append((["Linear"], QuantScheme(qc.get("bits", 4), qc.get("group_size", 128), sym)))
+            self.groups.append((["Linear"], QuantScheme(qc.get("bits", 4), qc.get("group_size", 128), sym,
+                                                        kept_scale_bytes=None)))
             self.ignore = ["lm_head"] if not qc.get("lm_head", False) else []
         elif method:
             raise SpecError(f"quantization_config quant_method {method!r} is not supported for estimates: "
@@ -537,8 +554,9 @@ def _spec_from_gguf(path: Path) -> ModelMemorySpec:
 def _gguf_held(t) -> tuple[str, int, int, bool, int]:
     """(name, params, stored bytes, held as floats?, bytes held packed) of one GGUF tensor.
 
-    What weights/gguf.py keeps packed (kernels/int4.py: half a byte per weight, a float32 scale and offset per 32, the
-    level table of IQ4_NL / IQ4_XS) is counted at that size; the rest (the embedding included) in the compute dtype."""
+    What weights/gguf.py keeps packed (kernels/int4.py: half a byte per weight, per 32 the block's float16 scale (and
+    Q4_1's float16 offset) or float32 products of two scales (Q4_K, IQ4_XS), the level table of IQ4_NL / IQ4_XS) is
+    counted at that size; the rest (the embedding included) in the compute dtype."""
     from deltaserve.weights.gguf import int4_held_bytes, kept_int4
 
     params, shape = int(t.n_elements), tuple(int(d) for d in reversed(t.shape))

@@ -112,11 +112,17 @@ def decode(config: dict, tensors: dict[str, torch.Tensor], path: Path, dtype: to
 def module_bits(config: dict, module: str) -> int | None:
     """The weight bits config_groups gives a stored quantized module (the loader's own matching), None when the
     config gives it no supported scheme (the loader then refuses it)."""
+    scheme = module_scheme(config, module)
+    return None if scheme is None else scheme.bits
+
+
+def module_scheme(config: dict, module: str) -> Scheme | None:
+    """The scheme config_groups gives a stored quantized module (the loader's own matching), None when none."""
     qc = config["quantization_config"]
     try:
         schemes = [Scheme(name, group, qc.get("format") or "dense", Path("config.json"))
                    for name, group in (qc.get("config_groups") or {}).items()]
-        return _scheme_of(module, schemes, [], Path("config.json")).bits
+        return _scheme_of(module, schemes, [], Path("config.json"))
     except CheckpointError:
         return None
 
@@ -150,12 +156,14 @@ def _module_weight(module: str, parts: dict, weight, scheme: Scheme, path: Path,
     if tuple(scale.shape) != (n, groups):
         raise CheckpointError(path, f"tensor {module}.weight_scale has shape {tuple(scale.shape)}, expected "
                                     f"{(n, groups)} for a [{n}, {k}] weight in groups of {group}")
-    scale = scale.float()
     zero = _zero_point(module, parts, scheme, n, groups, path)
     perm = _act_order(module, parts, k, group, path)
     if perm is not None:
         q = q[:, perm]
-    if scheme.bits == 4:  # codes 0..15: w = scale * (code - 8 - zero)
+    if scheme.bits == 4 and scheme.symmetric:  # codes 0..15: w = scale * (code - 8), the scale kept as stored
+        return Int4Codes(q.contiguous(), scale, None, group, perm=perm)
+    scale = scale.float()
+    if scheme.bits == 4:  # w = scale * (code - 8 - zero)
         return Int4Codes(q.contiguous(), scale, -(8 + zero) * scale, group, perm=perm)
     rows = Int8Rows((q.to(torch.int16) - 128).to(torch.int8), scale, -zero * scale, group)
     if module.endswith("embed_tokens") and perm is None:

@@ -16,7 +16,7 @@ from gguf.quants import dequantize
 
 from deltaserve.kernels.int4 import Int4Codes, held_bytes, pack, packable
 from deltaserve.weights import gguf_hybrid
-from deltaserve.weights.gguf_int4 import int4_codes
+from deltaserve.weights.gguf_int4 import held_scales, int4_codes
 from deltaserve.weights.errors import CheckpointError
 from deltaserve.weights.gguf_tokenizer import gguf_tokenizer
 from deltaserve.weights.progress import LoadProgress
@@ -279,8 +279,10 @@ def _fused_qkvz(config: dict, qkv, z):
     if isinstance(qkv, Int4Codes) and isinstance(z, Int4Codes) and qkv.group_size == z.group_size and (
             (qkv.lut is None and z.lut is None) or (qkv.lut is not None and z.lut is not None
                                                     and torch.equal(qkv.lut, z.lut))):
-        both = Int4Codes(torch.cat([qkv.codes, z.codes]), torch.cat([qkv.scales, z.scales]),
-                         torch.cat([qkv.offsets, z.offsets]), qkv.group_size, qkv.lut)
+        offsets = None if qkv.offsets is None and z.offsets is None else \
+            torch.cat([qkv.offset_values(), z.offset_values()])
+        both = Int4Codes(torch.cat([qkv.codes, z.codes]), torch.cat([qkv.scales, z.scales]), offsets,
+                         qkv.group_size, qkv.lut)
         return both.rows(order)
     as_float = [t.dequantize() if isinstance(t, Int4Codes) else t for t in (qkv, z)]
     return torch.cat(as_float)[order]
@@ -302,4 +304,6 @@ def kept_int4(kind: Q, gguf_name: str, shape: tuple[int, ...]) -> bool:
 def int4_held_bytes(params: int, kind: Q, matrices: int = 1) -> int:
     """Bytes a kept INT4_TYPES tensor of `params` weights in `matrices` matrices holds once packed
     (kernels/int4.held_bytes: the level table once per matrix)."""
-    return held_bytes(params, Q4_BLOCK) + (matrices * 16 * 4 if kind in LUT_TYPES else 0)
+    scale_bytes, offsets = held_scales(kind)
+    return held_bytes(params, Q4_BLOCK, scale_bytes=scale_bytes, offsets=offsets) + \
+        (matrices * 16 * 4 if kind in LUT_TYPES else 0)

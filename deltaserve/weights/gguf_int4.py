@@ -24,6 +24,11 @@ def _f16(blocks: np.ndarray, start: int) -> np.ndarray:
     return blocks[:, start:start + 2].copy().view(np.float16).astype(np.float32)
 
 
+def _half(blocks: np.ndarray, start: int) -> np.ndarray:
+    """The float16 at byte `start` of each block [blocks, 1], kept float16."""
+    return blocks[:, start:start + 2].copy().view(np.float16)
+
+
 def _split_nibbles(qs: np.ndarray) -> np.ndarray:
     """[blocks, 16] code bytes -> [blocks, 32] codes: low nibbles then high nibbles."""
     return np.concatenate([qs & 0x0F, qs >> 4], axis=1)
@@ -48,17 +53,20 @@ def _blocks(data: np.ndarray, width: int) -> np.ndarray:
 
 
 def int4_codes(data: np.ndarray, kind: Q, shape: tuple[int, int]) -> Int4Codes:
-    """The Int4Codes of a 4-bit GGUF matrix of HF-order `shape`, straight from its blocks."""
-    lut = None
+    """The Int4Codes of a 4-bit GGUF matrix of HF-order `shape`, straight from its blocks: float16 scales (and
+    offsets) where the block stores them so (Q4_0, Q4_1, IQ4_NL), float32 products of two scales (Q4_K, IQ4_XS);
+    no offsets where the format is symmetric (Q4_0: w = d * (q - 8); IQ4: centred levels)."""
+    lut, offsets = None, None
     if kind in (Q.Q4_0, Q.Q4_1):
         head = 2 if kind == Q.Q4_0 else 4
         blocks = _blocks(data, head + 16)
-        scales = _f16(blocks, 0)
-        offsets = -8 * scales if kind == Q.Q4_0 else _f16(blocks, 2)
+        scales = _half(blocks, 0)
+        if kind == Q.Q4_1:
+            offsets = _half(blocks, 2)
         codes = _split_nibbles(blocks[:, head:])
     elif kind == Q.IQ4_NL:
         blocks = _blocks(data, 18)
-        scales, offsets = _f16(blocks, 0), np.zeros((len(blocks), 1), np.float32)
+        scales = _half(blocks, 0)
         codes, lut = _split_nibbles(blocks[:, 2:]), IQ4_LEVELS
     elif kind == Q.Q4_K:
         blocks = _blocks(data, 144)
@@ -71,12 +79,20 @@ def int4_codes(data: np.ndarray, kind: Q, shape: tuple[int, int]) -> Int4Codes:
         low = blocks[:, 4:8]
         low = np.stack([low & 0x0F, low >> 4], axis=2).reshape(-1, 8).astype(np.int32)
         ls = low | (((high >> (2 * np.arange(8))) & 3) << 4)
-        scales, offsets = _f16(blocks, 0) * (ls - 32).astype(np.float32), np.zeros((len(blocks), 8), np.float32)
+        scales = _f16(blocks, 0) * (ls - 32).astype(np.float32)
         codes, lut = _split_nibbles(blocks[:, 8:].reshape(-1, 16)).reshape(-1, 256), IQ4_LEVELS
     else:
         raise ValueError(f"GGUF type {kind.name} is not a 4-bit type; 4-bit: {', '.join(t.name for t in TYPES)}")
     rows, groups = shape[0], shape[1] // GROUP
-    return Int4Codes(torch.from_numpy(np.ascontiguousarray(codes).reshape(shape)),
-                     torch.from_numpy(np.ascontiguousarray(scales, dtype=np.float32).reshape(rows, groups)),
-                     torch.from_numpy(np.ascontiguousarray(offsets, dtype=np.float32).reshape(rows, groups)),
-                     GROUP, None if lut is None else torch.tensor(lut, dtype=torch.float32))
+
+    def matrix(values: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(values).reshape(rows, groups))
+
+    return Int4Codes(torch.from_numpy(np.ascontiguousarray(codes).reshape(shape)), matrix(scales),
+                     None if offsets is None else matrix(offsets), GROUP,
+                     None if lut is None else torch.tensor(lut, dtype=torch.float32))
+
+
+def held_scales(kind: Q) -> tuple[int, bool]:
+    """(bytes a scale, whether offsets are stored) of a packed matrix of this type (int4_codes's forms)."""
+    return (2 if kind in (Q.Q4_0, Q.Q4_1, Q.IQ4_NL) else 4), kind in (Q.Q4_1, Q.Q4_K)

@@ -3,8 +3,9 @@ weights line (models/spec.py) must equal the bytes the loaded model keeps, not t
 
 On CPU with 4-bit matrices packed (the default), loading keeps
 - a 4-bit linear (compressed-tensors, GPTQ, AWQ) whose shape and group the kernel takes as kernels/int4.held_bytes:
-  half a byte a weight and a float32 scale and offset per group (the checkpoint's 16-bit scale and packed zero
-  point become 8 bytes a group);
+  half a byte a weight and, per group, a symmetric compressed-tensors module's scale as stored (2 bytes for the
+  usual 16-bit scale: the checkpoint's own size), or a float32 scale and offset (8 bytes: asymmetric schemes, where
+  a 16-bit scale times a zero point needs float32, and the GPTQ / AWQ layouts);
 - an 8-bit embedding as int8 codes with a float32 scale and offset per group (models/layers.Int8Embedding);
 - every other quantized module (a 4-bit embedding, an 8-bit linear, a group the kernel does not take) dequantized to
   the compute dtype;
@@ -13,6 +14,8 @@ and a tied lm_head over a quantized embedding is its own weight: dequantized fro
 """
 
 from __future__ import annotations
+
+import math
 
 from deltaserve.kernels.int4 import held_bytes, packable
 from deltaserve.weights import compressed_tensors
@@ -39,7 +42,8 @@ def held_rows(config: dict, rows: list[Row], shapes: dict[str, tuple[int, ...]],
     # a module's weight count sits on one of its rows (weight_shape, or the codes when no shape is stored)
     counts = {module: sum(params.get(f"{module}.{part}", 0) for part in (main.rpartition(".")[2], *SIDE_PARTS))
               for module, main in mains.items()}
-    forms = {module: (main, counts[module], _held_form(config, qc, module, counts[module], shapes))
+    stored = {row[0]: row[2] for row in rows}
+    forms = {module: (main, counts[module], _held_form(config, qc, module, counts[module], shapes, stored))
              for module, main in mains.items()}
     out = []
     for name, p, nbytes, is_float, *held in rows:
@@ -53,7 +57,7 @@ def held_rows(config: dict, rows: list[Row], shapes: dict[str, tuple[int, ...]],
             out.append((name, p, nbytes, is_float, *held))
     embedding = next((m for m in forms if m.endswith("embed_tokens")), None)
     if tied and embedding is not None and not any(name.startswith("lm_head.") for name in params):
-        out.append(_tied_head(config, qc, embedding, forms[embedding][1], shapes))
+        out.append(_tied_head(config, qc, embedding, forms[embedding][1], shapes, stored))
     return out
 
 
@@ -72,30 +76,52 @@ def _geometry(module: str, params: int, shapes: dict) -> tuple[int, int, int] | 
     return n, k, k // groups
 
 
+def _symmetric_scale_bytes(config: dict, qc: dict, module: str, shapes: dict, stored: dict) -> int | None:
+    """A symmetric compressed-tensors module's stored scale element size (the loader keeps it as stored), else None."""
+    if qc.get("quant_method") != compressed_tensors.QUANT_METHOD:
+        return None
+    scheme = compressed_tensors.module_scheme({**config, "quantization_config": qc}, module)
+    if scheme is None or not scheme.symmetric:
+        return None
+    name = module + ".weight_scale"
+    count = math.prod(shapes.get(name) or (0,))
+    return stored[name] // count if count and name in stored else None
+
+
 def _bits(config: dict, qc: dict, module: str) -> int | None:
     if qc.get("quant_method") == compressed_tensors.QUANT_METHOD:
         return compressed_tensors.module_bits({**config, "quantization_config": qc}, module)
     return 4  # the GPTQ-layout and AWQ loaders take 4 bits only
 
 
-def module_held_bytes(n: int, k: int, group: int, bits: int, embedding: bool, act_order: bool = False) -> int | None:
+def module_held_bytes(n: int, k: int, group: int, bits: int, embedding: bool, act_order: bool = False,
+                      symmetric_scale_bytes: int | None = None) -> int | None:
     """Bytes one quantized [n, k] module (`group` inputs a scale; k: per channel) is held in when not as floats (the
     module docstring's rules); None: dequantized to the compute dtype. The one price the checkpoint-header ledger
-    (held_rows) and the config-only estimate (models/spec.spec_from_config) both use."""
+    (held_rows) and the config-only estimate (models/spec.spec_from_config) both use. `symmetric_scale_bytes`: a
+    symmetric compressed-tensors module's stored scale size (kept as stored, no offsets); None: float32 scale and
+    offset."""
     if bits == 4 and not embedding and packable((n, k), group):
-        return held_bytes(n * k, group)
+        return _packed_bytes(n * k, group, symmetric_scale_bytes)
     if bits == 8 and embedding and not act_order and group and k % group == 0:
         return n * k + n * (k // group) * 8
     return None
 
 
-def tied_head_held_bytes(n: int, k: int, group: int, bits: int) -> int | None:
+def tied_head_held_bytes(n: int, k: int, group: int, bits: int,
+                         symmetric_scale_bytes: int | None = None) -> int | None:
     """Bytes the lm_head tied to a quantized [n, k] embedding is held in when not as floats: packed from a 4-bit
     table (models/layers._held_int4), None (floats) from any other."""
-    return held_bytes(n * k, group) if bits == 4 and packable((n, k), group) else None
+    return _packed_bytes(n * k, group, symmetric_scale_bytes) if bits == 4 and packable((n, k), group) else None
 
 
-def _held_form(config: dict, qc: dict, module: str, params: int, shapes: dict) -> int | None:
+def _packed_bytes(params: int, group: int, symmetric_scale_bytes: int | None) -> int:
+    if symmetric_scale_bytes is None:
+        return held_bytes(params, group)
+    return held_bytes(params, group, scale_bytes=symmetric_scale_bytes, offsets=False)
+
+
+def _held_form(config: dict, qc: dict, module: str, params: int, shapes: dict, stored: dict) -> int | None:
     """Bytes the module is held in when not as floats; None: dequantized to the compute dtype."""
     if module + ".weight_scale" not in shapes and module + ".scales" not in shapes:
         return None
@@ -104,11 +130,13 @@ def _held_form(config: dict, qc: dict, module: str, params: int, shapes: dict) -
         return None
     n, k, group = geometry
     return module_held_bytes(n, k, group, _bits(config, qc, module), module.endswith("embed_tokens"),
-                             act_order=module + ".weight_g_idx" in shapes)
+                             act_order=module + ".weight_g_idx" in shapes,
+                             symmetric_scale_bytes=_symmetric_scale_bytes(config, qc, module, shapes, stored))
 
 
-def _tied_head(config: dict, qc: dict, embedding: str, count: int, shapes: dict) -> Row:
+def _tied_head(config: dict, qc: dict, embedding: str, count: int, shapes: dict, stored: dict) -> Row:
     """The lm_head row of a tied quantized embedding: packed when the embedding is 4-bit and packable, else float."""
     geometry = _geometry(embedding, count, shapes)
-    held = None if geometry is None else tied_head_held_bytes(*geometry, _bits(config, qc, embedding))
+    held = None if geometry is None else tied_head_held_bytes(*geometry, _bits(config, qc, embedding),
+                                                              _symmetric_scale_bytes(config, qc, embedding, shapes, stored))
     return ("lm_head.weight", count, 0, True) if held is None else ("lm_head.weight", count, 0, False, held)
