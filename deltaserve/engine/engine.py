@@ -119,7 +119,8 @@ class Engine:
                                    token_names=self.tokenizer.token_str, prefix_cache=self.prefix_cache,
                                    checkpoint_interval_tokens=c.checkpoint_interval_tokens)
         self.runner = ModelRunner(loaded.model, self.kv_pool, self.state_pool, self.device,
-                                  paged_kernel=c.attention_backend == "paged")
+                                  paged_kernel=c.attention_backend == "paged",
+                                  snapshot_pool=self.checkpoint_pool.states if self.checkpoint_pool else None)
         if self.device.type == "cpu":
             fused_cpu.load(self._log)  # each built once per machine (~1 min), then loaded from torch's cache
             linear_cpu.load(self._log)
