@@ -443,7 +443,9 @@ class HybridModel(nn.Module):
         rows = batch.logits_indices
         # Past its token mixer's cache writes, the last layer matters only for the logits rows: when those are
         # at most one per sequence (a prefill's last token), its queries, attention and MLP run for them alone.
-        prune = len(rows) < x.shape[0] and len(rows) <= batch.num_seqs
+        # A prefill chunk of one token is pruned too: as a decode row its attention reads the pages in place
+        # instead of gathering its whole context (at 9.6K tokens: 3 ms).
+        prune = len(rows) <= batch.num_seqs and (len(rows) < x.shape[0] or batch.num_decode < batch.num_seqs)
         k_cache = next((k for k in caches.k if k is not None), None)
         if decode_cpu.serves(x, batch, k_cache):
             x = x.contiguous()  # a decode-only step: the residual stream updated in place, layer by layer
