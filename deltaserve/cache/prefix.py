@@ -136,6 +136,9 @@ class PrefixCache:
         self._nodes: set[Node] = set()
         self._holders: dict[int, int] = {}  # page -> tree nodes holding it (a partial node may share a full one's)
         self._clock = itertools.count(1)
+        # owner -> the deepest whole-page node its last store reached: a running request's next store goes on from
+        # there instead of hashing its whole prefix again, page by page (at 11K tokens: ~1 ms a store)
+        self._frontier: dict[Hashable, Node] = {}
         self.hit_tokens_total = 0
         self.evicted_pages_total = 0
         self.evicted_checkpoints_total = 0
@@ -250,7 +253,12 @@ class PrefixCache:
         ps = self.page_size
         pages = self.kv_pool.pages(owner)
         node, now = self.root, next(self._clock)
-        for i in range(num_tokens // ps):
+        front = self._frontier.get(owner)
+        if front is not None and front in self._nodes and front.depth <= num_tokens:
+            node = front  # still in the tree, so its path from the root is still the owner's prefix
+            while front is not self.root:
+                front.last_used, front = now, front.parent
+        for i in range(node.depth // ps, num_tokens // ps):
             key = tuple(tokens[i * ps:(i + 1) * ps])
             child = node.children.get(key)
             if child is None:
@@ -258,6 +266,8 @@ class PrefixCache:
                 self._drop_covered_partials(node, key)
             child.last_used = now
             node = child
+        if node is not self.root:
+            self._frontier[owner] = node
         rest = num_tokens % ps
         checkpoint = (live is not None or snapshot is not None) and self.checkpoints is not None
         if rest and (checkpoint or self.checkpoints is None):
@@ -281,6 +291,10 @@ class PrefixCache:
                     return
                 self.checkpoints.save(node, live, live.slot(owner))
             node.has_checkpoint = True
+
+    def forget(self, owner: Hashable) -> None:
+        """The owner (a request) has ended: its next store, if any, walks from the root."""
+        self._frontier.pop(owner, None)
 
     def _add(self, parent: Node, key: tuple[int, ...], page: int, depth: int) -> Node:
         node = Node(key, page, parent, depth, next(self._clock))

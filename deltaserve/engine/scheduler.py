@@ -278,9 +278,11 @@ class Scheduler:
             # next turn repeats when the client sends the answer back verbatim
             self.prefix_cache.store(request, request.cache_ids + request.output_ids, request.num_cached,
                                     self.state_pool)
-        if self.prefix_cache is not None and self.prefix_cache.checkpoints is not None:
-            for p in request.checkpoint_at:  # slots reserved for a step that failed before storing them
-                self.prefix_cache.checkpoints.release((request, p))
+        if self.prefix_cache is not None:
+            self.prefix_cache.forget(request)
+            if self.prefix_cache.checkpoints is not None:
+                for p in request.checkpoint_at:  # slots reserved for a step that failed before storing them
+                    self.prefix_cache.checkpoints.release((request, p))
         if request in self.running:
             self.running.remove(request)
             self.ledger.release(request)
