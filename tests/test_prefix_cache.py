@@ -179,6 +179,23 @@ def test_checkpoints_inside_a_chunk_do_not_cut_it(hybrid_folder):
             assert (got - want).abs().max() <= rtol * want.abs().max(), depth
 
 
+def test_a_failed_step_keeps_no_reserved_checkpoint(hybrid_folder):
+    """The checkpoint slots reserved for a chunk's snapshots go back to the pool when its step fails."""
+    eng = engine(hybrid_folder, prefix_cache=True, max_total_tokens=640, checkpoint_slots=8,
+                 checkpoint_interval_tokens=64, **SMALL)
+
+    def fail(point):
+        if point == "during_forward":
+            raise RuntimeError("injected")
+
+    eng.step_hook = fail
+    stream = eng.submit(random_prompt(90, 41, HYBRID_VOCAB), SamplingParams(max_tokens=2), boundaries=(20, 37))
+    eng.step()  # the first chunk, 48 tokens, with a snapshot at 20 and one at 37
+    assert stream.finished and stream.drain()[-1].finish_reason == "error"
+    eng.scheduler.check()
+    assert eng.checkpoint_pool.used_slots == 0
+
+
 def test_chat_boundaries_are_where_the_rendered_messages_end():
     """The positions the server passes are the token counts of the chat rendered up to each message (the
     template's own rendering is the oracle); a turn the template renders differently once later turns follow
