@@ -5,9 +5,9 @@ The trace: a main conversation that resends its whole history each turn, growing
 prompt (`--system` tokens), each with a task of its own that it carries on for `--agent-turns` turns, their turns
 interleaved with the main conversation's. Each prompt comes with its message boundaries, as the server passes them.
 For each request: time to the first token (the request's prefill and its first token, max_tokens=1 so decode does
-not count; the least over `--repeat` identical engines per side) and the prompt tokens the cache supplied; then the hit rate over reusable tokens (tokens an earlier
-request of the trace already sent as the same prefix), the speedup at 8K tokens of history and beyond, and the
-checkpoint pool's bytes. With `--eviction lru marconi` the cached run is repeated once per eviction policy, on the
+not count; the least over `--repeat` identical engines per side) and the prompt tokens the cache supplied; then
+the hit rate over reusable tokens (tokens an earlier request of the trace already sent as the same prefix), the
+speedup at 8K tokens of history and beyond, and the checkpoint pool's bytes. With `--eviction lru marconi` the cached run is repeated once per eviction policy, on the
 pools given (small pools make them evict), and each policy's hit rate and prefill tokens are printed.
 
     OMP_NUM_THREADS=2 .venv/bin/python bench/prefix_cache.py --turns 10 --max-tokens 16384
