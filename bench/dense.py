@@ -11,14 +11,29 @@ and `generate`. With `--llama-cpp DIR` (bench/llamacpp.py), llama.cpp's llama-be
   embedding), and the GB/s that decode rate reaches, next to torch.sum over a float32 tensor of the same size
   (a plain read of those bytes on this machine: the memory limit a decode step can approach).
 
+The W4A16 row (issue 17): a compressed-tensors checkpoint (pack-quantized, symmetric 4-bit, group --w4a16-group,
+lm_head left float as the library's W4A16 preset does) written by compressed-tensors' own compressor, run packed
+(the CPU default) and dequantized to float32 (`--dequantize-weights`), alternated in one run. Its weights are
+SmolLM2's own (read from the GGUF) where the group divides SmolLM2's widths (group 64); SmolLM2's 576-wide hidden
+state is not a multiple of 128, so at group 128 it is a random Llama of SmolLM2's shape with the hidden size rounded
+up to 640 (10 heads of 64, 2 KV heads; 30 layers, MLP 1536, vocab 49152, tied head). Then the logits check: one
+prompt's logits packed vs dequantized, within the float32 bound the W4A16 tests use (tests/tolerance.py), and
+whether the decode runs' greedy tokens are identical. Needs `compressed-tensors` (the [test] extra).
+
     OMP_NUM_THREADS=2 .venv/bin/python bench/dense.py --prefill 512,2048 --decode 128
+    OMP_NUM_THREADS=2 .venv/bin/python bench/dense.py --formats w4a16 --prefill 512 --decode 64   # a few minutes
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
+import math
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
@@ -40,6 +55,7 @@ class Ours:
                               prefix_cache=False)  # each repeat reads its prompt again, as llama-bench does
         self.engine = Engine(config, log=None)
         self.weight_bytes = self.engine.measured_bytes()["weights"]
+        self.tokens: list[int] = []  # the last run's generated ids
 
     def _run(self, ids: list[int], new_tokens: int) -> tuple[float, float]:
         """(seconds to the first token, seconds from the first to the last token)."""
@@ -48,15 +64,24 @@ class Ours:
         start = time.perf_counter()
         stream = self.engine.submit(ids, SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True))
         first = last = None
-        produced = 0
+        self.tokens = []
         while self.engine.step():
             for out in stream.drain():
-                produced += len(out.token_ids)
+                self.tokens += out.token_ids
                 now = time.perf_counter()
                 first = first or now
                 last = now
-        assert produced == new_tokens, (produced, new_tokens)
+        assert len(self.tokens) == new_tokens, (len(self.tokens), new_tokens)
         return first - start, last - first
+
+    def logits(self, ids: list[int]) -> torch.Tensor:
+        """Every position's logits [len(ids), vocab] of one prefill through the loaded model (fresh caches)."""
+        from deltaserve.models.batch import allocate_caches, single_sequence_batch
+
+        model = self.engine.loaded.model
+        caches = allocate_caches(model.geometry, len(ids), 1, torch.float32)
+        with torch.inference_mode():
+            return model(single_sequence_batch(ids, 0, torch.arange(len(ids)), all_logits=True), caches)
 
     def prefill(self, ids: list[int]) -> float:
         return self._run(ids, 1)[0]
@@ -101,16 +126,38 @@ def main(argv=None) -> int:
     parser.add_argument("--decode-prompt", type=int, default=16, help="prompt tokens before the decode run")
     parser.add_argument("--repeats", type=int, default=3, help="best of this many runs per cell")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--formats", default="gguf,w4a16",
+                        help="tables to run: gguf (SmolLM2's Q4_1 file), w4a16 (compressed-tensors) [gguf,w4a16]")
+    parser.add_argument("--w4a16-group", type=int, default=128, help="the W4A16 checkpoint's group size [128]")
     parser.add_argument("--llama-cpp", help="a llama.cpp tree with build/bin/llama-bench (or LLAMA_CPP_DIR)")
     args = parser.parse_args(argv)
+    formats = args.formats.split(",")
     try:
         lengths = [int(x) for x in args.prefill.split(",")]
-        if any(n < 1 for n in lengths) or args.decode < 2 or args.repeats < 1:
+        if (any(n < 1 for n in lengths) or args.decode < 2 or args.repeats < 1 or not formats
+                or set(formats) - {"gguf", "w4a16"} or args.w4a16_group not in (32, 64, 128, 256)):
             raise ValueError
     except ValueError:
-        print("error: --prefill must be positive ints, --decode >= 2, --repeats >= 1", file=sys.stderr)
+        print("error: --prefill must be positive ints, --decode >= 2, --repeats >= 1, --formats of gguf and "
+              "w4a16, --w4a16-group 32, 64, 128 or 256", file=sys.stderr)
         return 2
     torch.set_num_threads(args.threads)
+    longest = max(lengths + [args.decode_prompt + args.decode])
+    cells = [(f"prefill {n} tokens", n, lambda side, ids: side.prefill(ids), prompt(n, n), f"pp{n}")
+             for n in lengths]
+    cells.append((f"decode {args.decode} (batch 1)", args.decode - 1,
+                  lambda side, ids: side.decode(ids, args.decode), prompt(args.decode_prompt, 1), f"tg{args.decode}"))
+    ok = True
+    if "gguf" in formats:
+        gguf_table(args, lengths, longest, cells)
+    if "w4a16" in formats:
+        with tempfile.TemporaryDirectory(prefix="w4a16-") as folder:
+            ok = w4a16_table(args, Path(folder), longest, cells)
+    return 0 if ok else 1
+
+
+def gguf_table(args, lengths: list[int], longest: int, cells: list) -> None:
+    """SmolLM2's Q4_1 GGUF: transformers, deltaserve packed and fp32, and llama.cpp when given."""
     import llamacpp
 
     from deltaserve.engine.loader import default_model_path
@@ -119,39 +166,143 @@ def main(argv=None) -> int:
     peer = llamacpp.tree(args.llama_cpp)
     peer_rates = (llamacpp.run_bench(peer, path, prompts=lengths, gen=args.decode, threads=args.threads,
                                      repeats=args.repeats) if peer else {})
-    longest = max(lengths + [args.decode_prompt + args.decode])
     sides = {"transformers": Theirs(path), "deltaserve packed": Ours(str(path), longest, False),
              "deltaserve fp32": Ours(str(path), longest, True)}
-    warm = prompt(64, 0)
-    for side in sides.values():
-        side.prefill(warm)
     print(f"{path.name}, {torch.get_num_threads()} threads, best of {args.repeats}; tok/s, and the ratio to "
           f"transformers")
-    print(f"{'what':<22}" + "".join(f"{name:>17}" for name in sides) + "".join(f"{'x ' + n.split()[-1]:>11}"
+    decode_rates = run_table(sides, cells, args.repeats, peer_rates)
+    print_bytes(sides, decode_rates, args.repeats)
+
+
+def w4a16_table(args, folder: Path, longest: int, cells: list) -> bool:
+    """The W4A16 compressed-tensors checkpoint packed vs dequantized, then the logits check; False when it fails."""
+    started = time.perf_counter()
+    source = write_w4a16_checkpoint(folder, args.w4a16_group)
+    made = time.perf_counter() - started
+    sides = {"deltaserve fp32": Ours(str(folder), longest, True), "deltaserve packed": Ours(str(folder), longest,
+                                                                                             False)}
+    print(f"\nW4A16 compressed-tensors, group {args.w4a16_group}, {source} (written by compressed-tensors' "
+          f"compressor in {made:.0f} s), {torch.get_num_threads()} threads, best of {args.repeats}; tok/s, and "
+          f"packed / dequantized (fp32)")
+    decode_rates = run_table(sides, cells, args.repeats, {}, peer_column=False)
+    print_bytes(sides, decode_rates, args.repeats)
+    return logits_check(sides["deltaserve packed"], sides["deltaserve fp32"], folder)
+
+
+def run_table(sides: dict, cells: list, repeats: int, peer_rates: dict, peer_column: bool = True) -> dict:
+    """Print one row per cell (tok/s per side, the ratio of each to the first side); the decode rates by side."""
+    print(f"{'what':<22}" + "".join(f"{name:>20}" for name in sides) + "".join(f"{'x ' + n.split()[-1]:>11}"
                                                                                 for n in list(sides)[1:])
-          + f"{'llama.cpp':>11}")
-    cells = [(f"prefill {n} tokens", n, lambda side, ids: side.prefill(ids), prompt(n, n), f"pp{n}")
-             for n in lengths]
-    cells.append((f"decode {args.decode} (batch 1)", args.decode - 1,
-                  lambda side, ids: side.decode(ids, args.decode), prompt(args.decode_prompt, 1), f"tg{args.decode}"))
+          + (f"{'llama.cpp':>11}" if peer_column else ""))
+    warm = prompt(min(64, *(len(ids) for *_, ids, _ in cells)), 0)
+    for side in sides.values():
+        side.prefill(warm)  # warm-up: first-call costs (kernel loads, allocations) out of the timings
+    decode_rates = {}
     for label, tokens, run, ids, peer_key in cells:
         best = {name: float("inf") for name in sides}
-        for _ in range(args.repeats):  # alternate the sides so all see the same machine load
+        for _ in range(repeats):  # alternate the sides so all see the same machine load
             for name, side in sides.items():
                 best[name] = min(best[name], run(side, ids))
         rates = [tokens / best[name] for name in sides]
         if peer_key.startswith("tg"):
             decode_rates = dict(zip(sides, rates))
-        print(f"{label:<22}" + "".join(f"{r:>17.1f}" for r in rates)
-              + "".join(f"{r / rates[0]:>10.2f}x" for r in rates[1:])
-              + (f"{peer_rates[peer_key]:>11.1f}" if peer_key in peer_rates else f"{'-':>11}"), flush=True)
+        peer = (f"{peer_rates[peer_key]:>11.1f}" if peer_key in peer_rates else f"{'-':>11}") if peer_column else ""
+        print(f"{label:<22}" + "".join(f"{r:>20.1f}" for r in rates)
+              + "".join(f"{r / rates[0]:>10.2f}x" for r in rates[1:]) + peer, flush=True)
+    return decode_rates
+
+
+def print_bytes(sides: dict, decode_rates: dict, repeats: int) -> None:
     for name, side in sides.items():
         if isinstance(side, Ours):
             reached = side.weight_bytes * decode_rates[name] / 1e9
-            limit = plain_read_gbps(side.weight_bytes, args.repeats)
+            limit = plain_read_gbps(side.weight_bytes, repeats)
             print(f"{name}: {side.weight_bytes / 1e6:.1f} MB per decode token, {reached:.1f} GB/s; a plain read "
                   f"of the same bytes: {limit:.1f} GB/s ({reached / limit:.0%})")
-    return 0
+
+
+def write_w4a16_checkpoint(folder: Path, group: int) -> str:
+    """A pack-quantized W4A16 checkpoint of SmolLM2's shape in `folder`, made by compressed-tensors' own
+    compressor (module docstring); what its weights are, in words."""
+    import transformers
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import QuantizationConfig, apply_quantization_config
+
+    from deltaserve.engine.loader import default_model_path
+
+    gguf = default_model_path()
+    config = transformers.AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    if config.hidden_size % group == 0 and config.intermediate_size % group == 0:
+        model = transformers.AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
+                                                                  dtype=torch.float32)
+        source = f"SmolLM2-135M's weights ({gguf.name} dequantized)"
+    else:
+        hidden = math.ceil(config.hidden_size / group) * group
+        heads = hidden // config.head_dim
+        kv_heads = max(d for d in range(1, heads + 1) if heads % d == 0 and 3 * d <= heads)  # SmolLM2: 9 / 3
+        config = transformers.LlamaConfig(**{**config.to_dict(), "hidden_size": hidden, "num_attention_heads": heads,
+                                             "num_key_value_heads": kv_heads, "head_dim": config.head_dim})
+        torch.manual_seed(0)
+        model = transformers.LlamaForCausalLM(config)
+        source = (f"a random Llama of SmolLM2's shape, hidden {hidden} ({heads} heads, {kv_heads} KV heads; "
+                  f"SmolLM2's 576 is not a multiple of {group})")
+    model = model.eval()
+    scheme = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": group}
+    qconfig = QuantizationConfig.model_validate(dict(config_groups={"group_0": {"targets": ["Linear"],
+                                                                                "weights": scheme}},
+                                                     ignore=["lm_head"], format="pack-quantized",
+                                                     quantization_status="frozen"))
+    apply_quantization_config(model, qconfig, show_progress=False)
+    minmax_qparams_(model)
+    compressor = ModelCompressor.from_pretrained_model(model, "pack-quantized")
+    with contextlib.redirect_stderr(io.StringIO()):  # its per-module progress bar
+        compressor.compress_model(model)
+    tied = model.config.tie_word_embeddings
+    state = {k: v.contiguous() for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")}
+    from safetensors.torch import save_file
+
+    model.config.save_pretrained(folder)
+    save_file(state, folder / "model.safetensors")
+    compressor.update_config(str(folder))
+    transformers.AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(folder)
+    return source
+
+
+def minmax_qparams_(model: torch.nn.Module) -> None:
+    """Each group's scale from its min / max (a minmax observer's), computed by the library
+    (as tests/test_weights_compressed_tensors.py does)."""
+    from compressed_tensors.quantization.utils.helpers import calculate_qparams
+
+    for module in model.modules():
+        scheme = getattr(module, "quantization_scheme", None)
+        if scheme is None:
+            continue
+        weight, args = module.weight.detach(), scheme.weights
+        groups = weight.view(weight.shape[0], -1, args.group_size)
+        scale, zero = calculate_qparams(groups.amin(-1), groups.amax(-1), args)
+        module.weight_scale.data.copy_(scale)
+
+
+def logits_check(packed: Ours, dequantized: Ours, folder: Path) -> bool:
+    """Packed vs dequantized logits over one 512-token prompt within the W4A16 tests' float32 bound
+    (tests/tolerance.py: both sides compute the same weights in float32, in different orders); the decode runs'
+    greedy tokens compared. True when the logits hold."""
+    import json
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+    from tolerance import logits_rtol
+
+    config = json.loads((folder / "config.json").read_text())
+    ids = prompt(512, 7)
+    got, want = packed.logits(ids), dequantized.logits(ids)
+    error = ((got - want).abs().max() / want.abs().max()).item()
+    bound = logits_rtol(config["num_hidden_layers"], max(config["hidden_size"], config["intermediate_size"],
+                                                         len(ids)))
+    same = packed.tokens == dequantized.tokens
+    print(f"logits check (512-token prompt): max|packed - fp32| / max|fp32| = {error:.2e}, bound {bound:.2e}: "
+          f"{'holds' if error <= bound else 'FAILS'}; the decode runs' greedy tokens "
+          f"{'identical' if same else 'differ'} ({len(packed.tokens)} tokens)")
+    return error <= bound
 
 
 def plain_read_gbps(nbytes: int, repeats: int) -> float:

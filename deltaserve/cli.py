@@ -88,10 +88,25 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _show_progress() -> None:
+    """Our loggers' INFO lines (a checkpoint's load progress, weights/progress.py) on stderr, once per process."""
+    import logging
+
+    class Stderr(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            print(self.format(record), file=sys.stderr, flush=True)  # the sys.stderr of the moment
+
+    logger = logging.getLogger("deltaserve")
+    if not logger.handlers:
+        logger.addHandler(Stderr())
+        logger.setLevel(logging.INFO)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Parse, run, and turn every expected failure into one line on stderr with exit code 2."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    _show_progress()
     try:
         return int(args.run(args) or 0)
     except _expected_errors() as e:

@@ -172,11 +172,12 @@ def test_ledger_property_random_arrivals_and_finishes(events):
 
 def test_policy_from_budget_admits_exactly_the_longest_context():
     spec = spec_from_config(json.loads(FIXTURE.read_text()))
-    budget = plan_budget(spec, EngineConfig(max_total_tokens=20_000, context_length=20_000, max_running_requests=4,
+    budget = plan_budget(spec, EngineConfig(max_total_tokens=12_000, context_length=12_000, max_running_requests=4,
+                                            max_new_tokens_cap=8_192,
                                             language_model_only=True),  # the tower is test_plan_vision's
                          device_total_bytes=24 * GiB, device_kind="cuda")
     p = AdmissionPolicy.from_budget(budget, max_queue=8)
-    assert (p.kv_pool_tokens, p.state_slots, p.context_length) == (budget.kv_tokens, 4, 20_000)
-    assert p.max_new_tokens_cap == 16_384 and p.default_max_tokens is None
-    assert p.refusal(20_000 - 16_384, 16_384) is None
-    assert p.refusal(20_000 - 16_384 + 1, 16_384).code == CONTEXT_LENGTH_EXCEEDED
+    assert (p.kv_pool_tokens, p.state_slots, p.context_length) == (budget.kv_tokens, 4, 12_000)
+    assert p.max_new_tokens_cap == 8_192 and p.default_max_tokens is None
+    assert p.refusal(12_000 - 8_192, 8_192) is None
+    assert p.refusal(12_000 - 8_192 + 1, 8_192).code == CONTEXT_LENGTH_EXCEEDED

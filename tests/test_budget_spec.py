@@ -151,6 +151,27 @@ def test_compressed_tensors_header_parts(tmp_path):
     assert cpu.line("weights").bytes == (out_f * in_f + 64 + 320 * 64) * 4  # dequantized, float32
 
 
+def test_config_groups_matched_by_compressed_tensors_precedence():
+    """A module named by a `re:` target takes that group's scheme over a class-name target, whatever the groups'
+    order (compressed-tensors' rule, weights/compressed_tensors.py): the MLP's 8-bit matrices are held as floats
+    (no int8 matmul), the attention's 4-bit ones packed."""
+    def scheme(bits, group):
+        return {"num_bits": bits, "type": "int", "strategy": "group", "group_size": group, "symmetric": True}
+
+    mlp = {"targets": [r"re:.*mlp\..*"], "weights": scheme(8, 32)}
+    attn = {"targets": ["Linear"], "weights": scheme(4, 32)}
+    specs = [spec_from_config(dict(TINY, model_type="qwen3", quantization_config={
+        "quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": groups,
+        "ignore": ["lm_head"]})) for groups in ({"mlp": mlp, "attn": attn}, {"attn": attn, "mlp": mlp})]
+    layers = [next(g for g in spec.weight_groups if g.name == "layers") for spec in specs]
+    assert layers[0] == layers[1]
+    h, inter, layers_n = TINY["hidden_size"], TINY["intermediate_size"], TINY["num_hidden_layers"]
+    attention = (4 * 16 + 2 * 2 * 16) * h + h * 4 * 16  # q, k, v, o
+    assert layers[0].quantized_bytes == layers_n * (attention // 2 + attention // 32 * 8)
+    assert layers[0].float_params == layers[0].params - layers_n * attention
+    assert layers[0].float_params >= layers_n * 3 * h * inter
+
+
 def test_bad_inputs(tmp_path):
     with pytest.raises(SpecError, match="model_type 'gpt2' is not supported: supported are llama, qwen3"):
         spec_from_config({"model_type": "gpt2"})

@@ -42,10 +42,10 @@ def test_table_on_the_27b_fixture(capsys):
 
 
 def test_json_is_the_ledger(capsys):
-    assert main(FIELD + ["--json", "--max-total-tokens", "61000", "--mem-fraction", "0.91"]) == 0
+    assert main(FIELD + ["--json", "--max-total-tokens", "40004", "--mem-fraction", "0.91"]) == 0
     printed = json.loads(capsys.readouterr().out)
-    assert printed == expected_budget(max_total_tokens=61000, mem_fraction=0.91).to_json()
-    assert printed["kv_tokens"] == 61000 // 16 * 16  # whole pages, rounded down
+    assert printed == expected_budget(max_total_tokens=40004, mem_fraction=0.91).to_json()
+    assert printed["kv_tokens"] == 40004 // 16 * 16  # whole pages, rounded down
 
 
 def test_chart_writes_a_png(tmp_path, capsys):

@@ -80,6 +80,9 @@ CASES = {
     # One int8 per value (format int-quantized), asymmetric 8-bit linears.
     "dense_w8_asym_g64_int_quantized": (DENSE, {"body": {"targets": ["Linear"], "weights": w(8, 64, False)}},
                                         ["lm_head"]),
+    # A 4-bit embedding with the head tied to it: the table dequantized for lookups, the head packed from it.
+    "dense_w4_g32_w4embed_tied": (DENSE, {"body": {"targets": ["Linear", "Embedding"], "weights": w(4, 32)}},
+                                  ["lm_head"]),
     "dense_w4_asym_channel_w8_mlp": (DENSE, {
         "mlp": {"targets": [r"re:.*mlp\..*"], "weights": w(8, 128)},
         "attn": {"targets": ["Linear"], "weights": w(4, None, symmetric=False)}}, ["lm_head"]),
@@ -189,9 +192,15 @@ def test_weights_equal_the_library_decompression(case):
 
 def test_int8_embedding_stays_int8_and_lm_head_form(case):
     name, _, ours, ckpt, _ = case
-    if "int8embed" in name or name.endswith("_tied"):
+    if "int8embed" in name or name == "hybrid_w4_asym_g64_tied":
         assert isinstance(ours.model.embed_tokens, Int8Embedding)
         assert ours.model.embed_tokens.codes.dtype == torch.int8
+    if name == "dense_w4_g32_w4embed_tied":
+        from deltaserve.engine.loader import load_model
+        from deltaserve.models.layers import Int4Linear
+
+        packed = load_model(ckpt.path, dequantize=False).model
+        assert isinstance(packed.lm_head, Int4Linear) and type(packed.model.embed_tokens) is torch.nn.Embedding
     if name == "dense_w4_g32_int8embed_int4head":
         assert isinstance(ckpt.tensors["lm_head.weight"], torch.Tensor)  # 4-bit, dequantized by default (exact)
         assert not any(k.endswith("weight_packed") for k in ckpt.tensors)
@@ -268,7 +277,7 @@ def test_load_logs_progress_in_bytes_per_second(case, caplog):
     import logging
 
     _, _, _, ckpt, state = case
-    with caplog.at_level(logging.INFO, logger="deltaserve.weights.hf"):
+    with caplog.at_level(logging.INFO, logger="deltaserve.weights"):
         load_checkpoint(ckpt.path)
     line = caplog.records[-1].getMessage()
     size = sum(t.numel() * t.element_size() for t in state.values())
@@ -283,3 +292,21 @@ def test_multimodal_layout_skips_the_vision_tower_by_name_and_bytes(case):
     nbytes = sum(t.numel() * t.element_size() for t in vision)
     assert ckpt.skipped == [f"model.visual.* ({len(vision)} tensors, {nbytes:,} bytes)"]
     assert not any(k.startswith("model.visual.") for k in ckpt.tensors)
+
+
+@pytest.mark.parametrize("dequantize", [True, False], ids=["dequantized", "packed"])
+def test_plan_from_config_alone_prices_what_a_load_holds(case, dequantize):
+    """`deltaserve plan` on the checkpoint's config.json alone (no tensors) prices each quantized module as the
+    loader holds it (weights/held.py: packed with a float32 scale and offset, an INT8 embedding int8, a tied head
+    its own weight), not at its checkpoint size: its weights line equals the header ledger's, which the test above
+    holds to the resident bytes."""
+    from deltaserve.budget import plan_budget
+    from deltaserve.config import EngineConfig
+    from deltaserve.models.spec import spec_from_checkpoint, spec_from_config
+
+    name, _, _, ckpt, _ = case
+    config = EngineConfig(max_total_tokens=64, dequantize_weights=dequantize)
+    lines = [plan_budget(spec, config, device_total_bytes=4 * 2**30, device_kind="cpu").line("weights").bytes
+             for spec in (spec_from_config(json.loads((ckpt.path / "config.json").read_text())),
+                          spec_from_checkpoint(ckpt.path))]
+    assert lines[0] == lines[1], (name, *lines)

@@ -8,6 +8,8 @@ the tolerance is a relative 2^-11 (float16 has 10 fraction bits)."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -104,18 +106,21 @@ def test_awq_other_versions_refused_by_name(tmp_path, version):
 
 @pytest.fixture(scope="module", params=["auto_round:auto_gptq", "awq"])
 def tiny_qwen3(request, tmp_path_factory):
+    """A tiny Qwen3 checkpoint in each layout (make_tiny_qwen3)."""
+    layout = request.param
+    folder = tmp_path_factory.mktemp(layout.replace(":", "_"))
+    return folder, make_tiny_qwen3(layout, folder), layout
+
+
+def make_tiny_qwen3(layout: str, folder):
     """Every decoder linear of a tiny Qwen3 packed by AutoRound's own packer, group 32: its QuantLinear
     (auto_round:auto_gptq, one module with activation order) or its AWQ export's WQLinear_GEMM (quant_method awq),
-    saved as a checkpoint folder; and transformers holding the package's dequantized weights."""
-    import json
-
+    saved as a checkpoint folder; returns transformers holding the package's dequantized weights."""
     import transformers
     from safetensors.torch import save_file
 
     from tests.test_models_hybrid import VOCAB, save_tiny_tokenizer
 
-    layout = request.param
-    folder = tmp_path_factory.mktemp(layout.replace(":", "_"))
     torch.manual_seed(0)
     config = transformers.Qwen3Config(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=2, head_dim=32,
@@ -140,7 +145,7 @@ def tiny_qwen3(request, tmp_path_factory):
     (folder / "config.json").write_text(json.dumps(data))
     save_file(state, folder / "model.safetensors")
     save_tiny_tokenizer(folder)
-    return folder, ref, layout
+    return ref
 
 
 @pytest.mark.parametrize("dequantize", [True, False], ids=["dequantized", "packed"])
@@ -170,7 +175,7 @@ def test_ledger_weights_line_equals_resident_bytes(tiny_qwen3, dequantize):
     from deltaserve.config import EngineConfig
     from deltaserve.engine.loader import load_model
     from deltaserve.models.layers import Int4Linear
-    from deltaserve.models.spec import spec_from_checkpoint
+    from deltaserve.models.spec import spec_from_checkpoint, spec_from_config
     from tests.test_weights_compressed_tensors import resident_bytes
 
     folder, _, layout = tiny_qwen3
@@ -182,3 +187,8 @@ def test_ledger_weights_line_equals_resident_bytes(tiny_qwen3, dequantize):
                          device_total_bytes=4 * 2**30, device_kind="cpu")
     predicted, measured = budget.line("weights").bytes, resident_bytes(model)
     assert abs(predicted - measured) <= 0.01 * measured, (predicted, measured)
+    # `deltaserve plan` on config.json alone prices the same held bytes (weights/held.py), not the checkpoint's
+    alone = plan_budget(spec_from_config(json.loads((folder / "config.json").read_text())),
+                        EngineConfig(max_total_tokens=64, dequantize_weights=dequantize),
+                        device_total_bytes=4 * 2**30, device_kind="cpu")
+    assert alone.line("weights").bytes == predicted

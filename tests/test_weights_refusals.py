@@ -1,9 +1,11 @@
 """Bad quantized checkpoints are refused by the CLI in one line that names what is wrong, exit code 2: an unknown
-scheme (FP8, 2-bit, another quant_method), an unconsumed tensor, a scale of the wrong shape, a truncated shard."""
+scheme (FP8, 2-bit, another quant_method), an unconsumed tensor, a scale of the wrong shape, a truncated shard;
+in compressed-tensors checkpoints and in the GPTQ / AWQ layouts AutoRound exports."""
 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import pytest
@@ -97,3 +99,51 @@ def test_truncated_shard_refused(good, tmp_path, capsys):
     file = folder / "model.safetensors"
     file.write_bytes(file.read_bytes()[:-1000])
     assert "truncated safetensors file" in refused(folder, capsys)
+
+
+@pytest.fixture(scope="module", params=["auto_round:auto_gptq", "awq"])
+def good_gptq(request, tmp_path_factory):
+    """A tiny Qwen3 packed by AutoRound's own packers (tests/test_weights_gptq.py)."""
+    pytest.importorskip("auto_round_extension")
+    from tests.test_weights_gptq import make_tiny_qwen3
+
+    folder = tmp_path_factory.mktemp(request.param.replace(":", "_"))
+    make_tiny_qwen3(request.param, folder)
+    return folder, "AWQ" if request.param == "awq" else "GPTQ"
+
+
+def test_gptq_layout_bits_other_than_4_refused(good_gptq, tmp_path, capsys):
+    good, kind = good_gptq
+    err = refused(copy_with(good, tmp_path, config=lambda qc: qc.update(bits=2)), capsys)
+    assert re.search(rf"model\.layers\.\d\.\S+ has 2-bit {kind}-layout weights; supported: 4$", err), err
+    # AutoRound's per-module override (extra_config): the module it names
+    down = "model.layers.1.mlp.down_proj"
+    err = refused(copy_with(good, tmp_path, config=lambda qc: qc.update(extra_config={down: {"bits": 8}})), capsys)
+    assert f"{down} has 8-bit {kind}-layout weights" in err
+
+
+def test_gptq_layout_scale_of_wrong_shape_refused(good_gptq, tmp_path, capsys):
+    good, _ = good_gptq
+
+    def narrow(state):
+        state[f"{MODULE}.scales"] = state[f"{MODULE}.scales"][:, :-8].contiguous()
+
+    assert f"tensor {MODULE}.scales has shape" in refused(copy_with(good, tmp_path, tensors=narrow), capsys)
+
+
+def test_gptq_layout_unconsumed_tensor_refused(good_gptq, tmp_path, capsys):
+    good, _ = good_gptq
+
+    def stray(state):  # the zero points of a module that has no codes
+        state["model.layers.0.mlp.extra.qzeros"] = state[f"{MODULE}.qzeros"].clone()
+
+    err = refused(copy_with(good, tmp_path, tensors=stray), capsys)
+    assert "tensor model.layers.0.mlp.extra.qzeros is not consumed" in err
+
+
+def test_awq_other_version_refused_by_the_cli(good_gptq, tmp_path, capsys):
+    good, kind = good_gptq
+    if kind != "AWQ":
+        pytest.skip("AWQ's version field")
+    err = refused(copy_with(good, tmp_path, config=lambda qc: qc.update(version="gemv")), capsys)
+    assert "AWQ version 'gemv' is not supported; supported: gemm" in err

@@ -43,11 +43,27 @@ class QuantScheme:
     symmetric: bool = True
 
     def tensor_bytes(self, out_features: int, in_features: int) -> int:
+        """Bytes in the checkpoint."""
         groups = 1 if self.group_size <= 0 else math.ceil(in_features / self.group_size)
         packed = out_features * math.ceil(in_features * self.bits / 32) * 4
         scales = out_features * groups * 2
         zeros = 0 if self.symmetric else math.ceil(out_features * self.bits / 32) * 4 * groups
         return packed + scales + zeros + 16  # + the int64[2] weight_shape of compressed-tensors
+
+    def held_bytes(self, out_features: int, in_features: int, embedding: bool) -> int | None:
+        """Bytes the loader holds this tensor in when not as floats (weights/held.py's price, the one the
+        checkpoint-header ledger uses); None: dequantized to the compute dtype."""
+        from deltaserve.weights.held import module_held_bytes
+
+        group = in_features if self.group_size <= 0 else self.group_size
+        return module_held_bytes(out_features, in_features, group, self.bits, embedding)
+
+    def tied_head_held_bytes(self, out_features: int, in_features: int) -> int | None:
+        """Bytes an lm_head tied to an embedding of this scheme is held in when not as floats; None: floats."""
+        from deltaserve.weights.held import tied_head_held_bytes
+
+        group = in_features if self.group_size <= 0 else self.group_size
+        return tied_head_held_bytes(out_features, in_features, group, self.bits)
 
     def __str__(self) -> str:
         group = "channel" if self.group_size <= 0 else f"g{self.group_size}"
@@ -82,7 +98,8 @@ def spec_from_config(config: dict, *, quant: str | None = None, embed_quant: str
     dtype = _float_dtype(config, text)
     prefix = "model.language_model." if spec.model_type in NESTED_TYPES else "model."
     groups = {"embedding": [], "lm_head": [], "layers": []}
-    groups["embedding"].append((prefix + "embed_tokens", spec.vocab_size, spec.hidden_size, rules.embedding()))
+    embedding = rules.embedding()
+    groups["embedding"].append((prefix + "embed_tokens", spec.vocab_size, spec.hidden_size, embedding))
     if not spec.tie_word_embeddings:
         groups["lm_head"].append(("lm_head", spec.vocab_size, spec.hidden_size, rules.linear("lm_head")))
     for name, out_f, in_f, count, is_linear in _layer_tensors(spec, text, prefix):
@@ -90,6 +107,8 @@ def spec_from_config(config: dict, *, quant: str | None = None, embed_quant: str
         groups["layers"].extend([(name, out_f, in_f, scheme)] * count)
     groups["layers"].append((prefix + "norm", spec.hidden_size, 1, None))
     spec.weight_groups = [_estimate_group(n, items, dtype) for n, items in groups.items() if items]
+    if spec.tie_word_embeddings and embedding is not None:
+        spec.weight_groups.insert(1, _tied_head_estimate(spec.vocab_size, spec.hidden_size, embedding))
     spec.weight_groups += _excluded_estimates(config, text, dtype)
     spec.quantization = rules.describe()
     return spec
@@ -275,17 +294,34 @@ def _layer_tensors(spec: ModelMemorySpec, text: dict, prefix: str):
 
 
 def _estimate_group(name: str, items, dtype_bytes: int, excluded: bool = False) -> WeightGroup:
+    """A group's bytes on disk (the scheme's checkpoint size) and held (what a load of that checkpoint keeps:
+    weights/held.py, the price the checkpoint-header ledger uses, so a plan from config.json alone equals it)."""
     params = stored = float_params = quantized = 0
+    held_dequantized = None
     for _, out_f, in_f, scheme in items:
         params += out_f * in_f
         if scheme is None:
             float_params += out_f * in_f
             stored += out_f * in_f * dtype_bytes
+            continue
+        stored += scheme.tensor_bytes(out_f, in_f)
+        held = scheme.held_bytes(out_f, in_f, embedding=name == "embedding")
+        if held is None:
+            float_params += out_f * in_f
         else:
-            nbytes = scheme.tensor_bytes(out_f, in_f)
-            quantized += nbytes
-            stored += nbytes
-    return WeightGroup(name, params, stored, float_params, quantized, excluded)
+            quantized += held
+            if name == "embedding":  # an 8-bit table stays int8 with --dequantize-weights too
+                held_dequantized = held
+    return WeightGroup(name, params, stored, float_params, quantized, excluded, held_dequantized)
+
+
+def _tied_head_estimate(vocab: int, hidden: int, embedding: QuantScheme) -> WeightGroup:
+    """The lm_head tied to a quantized embedding: its own weight once loaded (weights/held.py), nothing on disk;
+    packed from a 4-bit table (dequantized, it shares the embedding's floats), floats from any other."""
+    held = embedding.tied_head_held_bytes(vocab, hidden)
+    if held is None:
+        return WeightGroup("lm_head", vocab * hidden, 0, vocab * hidden, 0)
+    return WeightGroup("lm_head", vocab * hidden, 0, 0, held, held_dequantized_bytes=0)
 
 
 def _excluded_estimates(config: dict, text: dict, dtype_bytes: int) -> list[WeightGroup]:
@@ -361,7 +397,13 @@ class _QuantRules:
             return None if router or name == "lm_head" else self.linear_scheme
         if self._matches(self.ignore, name):
             return None
-        return next((s for targets, s in self.groups if "Linear" in targets or self._matches(targets, name)), None)
+        # compressed-tensors' precedence (weights/compressed_tensors.py): an exact name, then `re:`, then a class
+        for kind in (lambda t: not t.startswith("re:") and t not in ("Linear", "Embedding"),
+                     lambda t: t.startswith("re:"), lambda t: t == "Linear"):
+            for targets, scheme in self.groups:
+                if any(kind(t) and (t == "Linear" or self._matches([t], name)) for t in targets):
+                    return scheme
+        return None
 
     def embedding(self) -> QuantScheme | None:
         if self.embed_given:

@@ -19,6 +19,7 @@ from deltaserve.weights import gguf_hybrid
 from deltaserve.weights.gguf_int4 import int4_codes
 from deltaserve.weights.errors import CheckpointError
 from deltaserve.weights.gguf_tokenizer import gguf_tokenizer
+from deltaserve.weights.progress import LoadProgress
 
 SUPPORTED_TYPES = (Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_NL, Q.IQ4_XS)
 SUPPORTED_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM",
@@ -208,12 +209,14 @@ def load_gguf(path: Path, dtype: torch.dtype, skip_prefixes: tuple[str, ...], ke
     config = gguf_config(reader, path)
     tokenizer = gguf_tokenizer(reader, path)
     tensors, skipped, halves = {}, {}, {}
+    progress = LoadProgress(path.name, sum(int(t.n_bytes) for t in reader.tensors))
     for tensor in reader.tensors:
         name = tensor_name(tensor.name)
         prefix = next((p for p in skip_prefixes if name.startswith(p)), None)
         if prefix is not None:
             skipped[prefix] = skipped.get(prefix, 0) + 1
             continue
+        progress.read(int(tensor.n_bytes))
         if tensor.tensor_type not in SUPPORTED_TYPES:
             raise CheckpointError(path, f"tensor {tensor.name} has GGUF type {tensor.tensor_type.name}, which we "
                                         f"cannot dequantize; supported: {', '.join(t.name for t in SUPPORTED_TYPES)}")
@@ -228,6 +231,7 @@ def load_gguf(path: Path, dtype: torch.dtype, skip_prefixes: tuple[str, ...], ke
         experts = gguf_hybrid.expert_names(name, config.get("num_experts") or 0)
         for part_name, part in (zip(experts, _per_expert(value, len(experts))) if experts else [(name, value)]):
             tensors[part_name] = pack(part) if isinstance(part, Int4Codes) else part  # half a byte a weight
+    progress.file_done(1)
     eos = tokenizer.eos_token_ids
     generation_config = {"bos_token_id": tokenizer.bos_token_id,
                          "eos_token_id": eos[0] if len(eos) == 1 else eos}

@@ -78,6 +78,23 @@ def _bits(config: dict, qc: dict, module: str) -> int | None:
     return 4  # the GPTQ-layout and AWQ loaders take 4 bits only
 
 
+def module_held_bytes(n: int, k: int, group: int, bits: int, embedding: bool, act_order: bool = False) -> int | None:
+    """Bytes one quantized [n, k] module (`group` inputs a scale; k: per channel) is held in when not as floats (the
+    module docstring's rules); None: dequantized to the compute dtype. The one price the checkpoint-header ledger
+    (held_rows) and the config-only estimate (models/spec.spec_from_config) both use."""
+    if bits == 4 and not embedding and packable((n, k), group):
+        return held_bytes(n * k, group)
+    if bits == 8 and embedding and not act_order and group and k % group == 0:
+        return n * k + n * (k // group) * 8
+    return None
+
+
+def tied_head_held_bytes(n: int, k: int, group: int, bits: int) -> int | None:
+    """Bytes the lm_head tied to a quantized [n, k] embedding is held in when not as floats: packed from a 4-bit
+    table (models/layers._held_int4), None (floats) from any other."""
+    return held_bytes(n * k, group) if bits == 4 and packable((n, k), group) else None
+
+
 def _held_form(config: dict, qc: dict, module: str, params: int, shapes: dict) -> int | None:
     """Bytes the module is held in when not as floats; None: dequantized to the compute dtype."""
     if module + ".weight_scale" not in shapes and module + ".scales" not in shapes:
@@ -86,21 +103,12 @@ def _held_form(config: dict, qc: dict, module: str, params: int, shapes: dict) -
     if geometry is None:
         return None
     n, k, group = geometry
-    bits = _bits(config, qc, module)
-    embedding = module.endswith("embed_tokens")
-    if bits == 4 and not embedding and packable((n, k), group):
-        return held_bytes(params, group)
-    if bits == 8 and embedding and module + ".weight_g_idx" not in shapes:
-        return params + n * (k // group) * 8
-    return None
+    return module_held_bytes(n, k, group, _bits(config, qc, module), module.endswith("embed_tokens"),
+                             act_order=module + ".weight_g_idx" in shapes)
 
 
 def _tied_head(config: dict, qc: dict, embedding: str, count: int, shapes: dict) -> Row:
     """The lm_head row of a tied quantized embedding: packed when the embedding is 4-bit and packable, else float."""
     geometry = _geometry(embedding, count, shapes)
-    if geometry is None:
-        return "lm_head.weight", count, 0, True
-    n, k, group = geometry
-    if _bits(config, qc, embedding) == 4 and packable((n, k), group):
-        return "lm_head.weight", count, 0, False, held_bytes(count, group)
-    return "lm_head.weight", count, 0, True
+    held = None if geometry is None else tied_head_held_bytes(*geometry, _bits(config, qc, embedding))
+    return ("lm_head.weight", count, 0, True) if held is None else ("lm_head.weight", count, 0, False, held)

@@ -1,9 +1,7 @@
 """Hugging Face model folders: config.json, (sharded) safetensors, generation_config.json."""
 
 import json
-import logging
 import struct
-import time
 from pathlib import Path
 
 import torch
@@ -13,13 +11,11 @@ from deltaserve.kernels.int4 import Int4Codes, pack, packable
 from deltaserve.text.tokenizer import Tokenizer
 from deltaserve.weights import compressed_tensors, gptq
 from deltaserve.weights.errors import CheckpointError
+from deltaserve.weights.progress import LoadProgress
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 HEADER_LIMIT_BYTES = 100 * 1024 * 1024  # safetensors' own cap on the JSON header
-MiB = 1024 * 1024
-
-log = logging.getLogger(__name__)
 
 
 def read_json(path: Path, *, required: bool) -> dict:
@@ -118,7 +114,7 @@ def load_hf(folder: Path, dtype: torch.dtype, skip_prefixes: tuple[str, ...], ke
     owner = {part: module for module, parts in modules.items() for part in parts}
     waiting = {module: set(parts) for module, parts in modules.items()}
     tensors, skipped, skipped_bytes = {}, {}, {}
-    started, read_bytes, total_bytes = time.monotonic(), 0, sum(h[n][2] for h in headers for n in h)
+    progress = LoadProgress(folder.name, sum(h[n][2] for h in headers for n in h), len(files))
     for number, (file, header) in enumerate(zip(files, headers), 1):
         try:
             with safe_open(file, framework="pt") as shard:
@@ -129,7 +125,7 @@ def load_hf(folder: Path, dtype: torch.dtype, skip_prefixes: tuple[str, ...], ke
                         skipped_bytes[prefix] = skipped_bytes.get(prefix, 0) + header[name][2]
                         continue
                     tensor = shard.get_tensor(name)
-                    read_bytes += header[name][2]
+                    progress.read(header[name][2])
                     tensors[name] = tensor.to(dtype) if tensor.is_floating_point() else tensor
                     module = owner.get(name)
                     if module is not None:
@@ -140,10 +136,7 @@ def load_hf(folder: Path, dtype: torch.dtype, skip_prefixes: tuple[str, ...], ke
             raise
         except Exception as e:
             raise CheckpointError(file, f"cannot read safetensors: {e}") from e
-        seconds = max(time.monotonic() - started, 1e-9)
-        log.info("read %d/%d shards of %s: %s of %s MiB in %.1f s (%s MiB/s)", number, len(files), folder.name,
-                 f"{read_bytes / MiB:,.1f}", f"{total_bytes / MiB:,.1f}", seconds,
-                 f"{read_bytes / MiB / seconds:,.0f}")
+        progress.file_done(number)
     if decoder:
         tensors = decoder[1](tensors)  # every module is decoded by now: this names any part left unconsumed
     return config, tensors, tokenizer, generation_config, [f"{p}* ({n} tensors, {skipped_bytes[p]:,} bytes)"
