@@ -1,6 +1,8 @@
 """The CUDA path in one run, on a lent GPU: fla's GDN kernels against our portable chunk, the tiny hybrid's GPU
 forward against the CPU float32 path, the engine on the GPU (greedy output, ledger predicted vs measured), and a
-4-bit GGUF held packed on the GPU (llama-quantize's Q4_K fixture) against the same file packed on the CPU.
+4-bit GGUF held packed on the GPU (llama-quantize's Q4_K fixture) against the same file packed on the CPU, 27B-shaped
+4-bit linears timed three ways (our packed layout, bf16 dense, torch's CUDA int4 kernel), and a prefix-cache hit on
+the GPU (cached tokens, output equal to an engine without the cache).
 
 Nothing here runs in CI (CI has no GPU). The oracles are independent of the fast path: the portable chunked
 gated delta rule in float32 on the same GPU (itself checked against a float64 token loop in the CPU tests), and
@@ -169,6 +171,92 @@ def packed_int4(path: Path, prompt: list[int]) -> dict:
             "ledger_weights_bytes": eng.budget.line("weights").bytes}
 
 
+def int4_speed(rows_list=(1, 16, 512)) -> dict:
+    """27B-shaped 4-bit linears (group 128) on the GPU: our packed layout (kernels/int4.py widens tiles with torch ops
+    off the CPU, multiplies in float32), the same weight dequantized to bf16 (F.linear), and torch's own CUDA int4
+    kernel (_weight_int4pack_mm, bf16, w = (q - 8) * scale + zero) fed from the same codes. Error against the float64
+    product of the dequantized weight; time per call."""
+    import torch.nn.functional as F
+    from deltaserve.kernels.int4 import Int4Codes, int4_linear, pack
+
+    out = []
+    gen = torch.Generator().manual_seed(0)
+    for n, k in ((17408, 5120), (5120, 17408)):
+        group = 128
+        codes = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
+        scales = (torch.rand(n, k // group, generator=gen) * 0.01 + 0.001)
+        offsets = -8 * scales + torch.randn(n, k // group, generator=gen) * 1e-3
+        c = Int4Codes(codes, scales, offsets, group)
+        packed = pack(c)
+        packed = dataclasses.replace(packed, packed=packed.packed.to(DEVICE), scales=packed.scales.to(DEVICE),
+                                     offsets=packed.offsets.to(DEVICE))
+        w64 = c.dequantize(torch.float64).to(DEVICE)
+        wbf = w64.to(torch.bfloat16)
+        tiny = None
+        try:  # torch's int4 tinygemm layout: uint8 [n, k/2] (even column high nibble), scales+zeros [k/g, n, 2] bf16
+            q = codes.to(torch.int32).to(DEVICE)
+            w_u8 = ((q[:, ::2] << 4) | q[:, 1::2]).to(torch.uint8)
+            w_tiny = torch._convert_weight_to_int4pack(w_u8, 8)
+            zeros = offsets + 8 * scales
+            sz = torch.stack([scales, zeros], dim=2).transpose(0, 1).contiguous().to(torch.bfloat16).to(DEVICE)
+            tiny = (w_tiny, sz)
+        except Exception as e:  # noqa: BLE001 - reported, the other columns still run
+            tiny_error = f"{type(e).__name__}: {e}"
+        for rows in rows_list:
+            x = torch.randn(rows, k, generator=gen).to(DEVICE)
+            want = x.double() @ w64.t()
+            r = {"n": n, "k": k, "rows": rows, "bytes_packed": packed.nbytes(), "bytes_bf16": wbf.numel() * 2}
+            ours = int4_linear(x, packed)
+            r["ours_f32_rel"] = rel_err(ours, want)
+            r["ours_f32_ms"] = 1e3 * seconds(lambda: int4_linear(x, packed))
+            xb = x.bfloat16()
+            r["dense_bf16_rel"] = rel_err(F.linear(xb, wbf), want)
+            r["dense_bf16_ms"] = 1e3 * seconds(lambda: F.linear(xb, wbf))
+            if tiny is not None:
+                try:
+                    got = torch._weight_int4pack_mm(xb, tiny[0], group, tiny[1])
+                    r["torch_int4mm_rel"] = rel_err(got, want)
+                    r["torch_int4mm_ms"] = 1e3 * seconds(lambda: torch._weight_int4pack_mm(xb, tiny[0], group, tiny[1]))
+                except Exception as e:  # noqa: BLE001
+                    r["torch_int4mm_error"] = f"{type(e).__name__}: {e}"
+            else:
+                r["torch_int4mm_error"] = tiny_error
+            out.append(r)
+        del w64, wbf, packed, tiny
+        if DEVICE != "cpu":
+            torch.cuda.empty_cache()
+    return {"layers": out}
+
+
+def prefix_hit(folder: Path, prompt: list[int], dtype: str) -> dict:
+    """The prefix cache on the GPU: a prompt, then the same prompt plus a new tail (a second chat turn). The second
+    must take its prefix from the cache (KV pages shared, a GDN checkpoint restored) and produce the tokens an engine
+    with the cache off produces."""
+    from deltaserve.config import EngineConfig
+    from deltaserve.engine.engine import Engine
+    from deltaserve.engine.request import SamplingParams
+
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    second = prompt + [(t * 7 + 3) % 200 for t in prompt[:300]]
+
+    def run(eng, p):
+        s = eng.submit(p, params)
+        while not s.finished:
+            eng.step()
+        outs = s.drain()
+        return [t for o in outs for t in o.token_ids], outs[-1].cached_tokens
+
+    cfg = dict(model=str(folder), device=DEVICE, dtype=dtype, max_total_tokens=65536)
+    eng = Engine(EngineConfig(**cfg), log=lambda _: None)
+    first_tokens, first_cached = run(eng, prompt)
+    second_tokens, second_cached = run(eng, second)
+    off = Engine(EngineConfig(**cfg, prefix_cache=False), log=lambda _: None)
+    want = run(off, second)[0]
+    return {"dtype": dtype, "prompt_tokens": [len(prompt), len(second)], "cached_tokens": [first_cached, second_cached],
+            "second_equal_to_uncached": second_tokens == want,
+            "first_divergence": next((i for i, (a, b) in enumerate(zip(second_tokens, want)) if a != b), None)}
+
+
 def section(fn):
     """fn()'s result, or its error and traceback: one failing part does not hide the others' results."""
     try:
@@ -205,6 +293,7 @@ def main(argv=None) -> int:
     report["gdn"] = section(lambda: [gdn_kernels(n) for n in args.lengths])
     q4k = Path(__file__).resolve().parent.parent / "tests" / "data" / "gguf" / "tiny-qwen35-q4_k.gguf"
     report["packed_int4"] = section(lambda: packed_int4(q4k, list(range(3, 200))))
+    report["int4_speed"] = section(lambda: int4_speed((1, 16, 512) if DEVICE == "cuda" else (1,)))
     torch.manual_seed(0)
     config = tiny_hybrid_config()
     ref = Qwen3_5ForCausalLM(config).eval()
@@ -225,6 +314,7 @@ def main(argv=None) -> int:
                 run["tokens_equal_to_cpu_float32"] = [a == b for a, b in zip(run["tokens"], cpu)]
                 run["first_divergence"] = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
                                            for a, b in zip(run["tokens"], cpu)]
+            report[f"prefix_{dtype}"] = section(lambda: prefix_hit(folder, prompts[3], dtype))
     text = json.dumps(report, indent=1)
     print(text)
     Path(args.out).mkdir(parents=True, exist_ok=True)

@@ -194,8 +194,9 @@ def run_table(sides: dict, cells: list, repeats: int, peer_rates: dict, peer_col
     print(f"{'what':<22}" + "".join(f"{name:>20}" for name in sides) + "".join(f"{'x ' + n.split()[-1]:>11}"
                                                                                 for n in list(sides)[1:])
           + (f"{'llama.cpp':>11}" if peer_column else ""))
+    warm = prompt(min(64, *(len(ids) for *_, ids, _ in cells)), 0)
     for side in sides.values():
-        side.prefill(prompt(64, 0))  # warm-up: first-call costs (kernel loads, allocations) out of the timings
+        side.prefill(warm)  # warm-up: first-call costs (kernel loads, allocations) out of the timings
     decode_rates = {}
     for label, tokens, run, ids, peer_key in cells:
         best = {name: float("inf") for name in sides}

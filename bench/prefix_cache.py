@@ -5,9 +5,9 @@ The trace: a main conversation that resends its whole history each turn, growing
 prompt (`--system` tokens), each with a task of its own that it carries on for `--agent-turns` turns, their turns
 interleaved with the main conversation's. Each prompt comes with its message boundaries, as the server passes them.
 For each request: time to the first token (the request's prefill and its first token, max_tokens=1 so decode does
-not count) and the prompt tokens the cache supplied; then the hit rate over reusable tokens (tokens an earlier
-request of the trace already sent as the same prefix), the speedup at 8K tokens of history and beyond, and the
-checkpoint pool's bytes. With `--eviction lru marconi` the cached run is repeated once per eviction policy, on the
+not count; the least over `--repeat` identical engines per side) and the prompt tokens the cache supplied; then
+the hit rate over reusable tokens (tokens an earlier request of the trace already sent as the same prefix), the
+speedup at 8K tokens of history and beyond, and the checkpoint pool's bytes. With `--eviction lru marconi` the cached run is repeated once per eviction policy, on the
 pools given (small pools make them evict), and each policy's hit rate and prefill tokens are printed.
 
     OMP_NUM_THREADS=2 .venv/bin/python bench/prefix_cache.py --turns 10 --max-tokens 16384
@@ -17,6 +17,7 @@ pools given (small pools make them evict), and each policy's hit rate and prefil
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import tempfile
@@ -100,13 +101,19 @@ def send(eng, prompt: list[int], boundaries: tuple[int, ...]) -> tuple[float, fl
     return time.perf_counter() - wall, time.process_time() - cpu, outs[-1].cached_tokens
 
 
-def run(engines: dict, sent) -> dict[str, list[tuple[float, float, int]]]:
+def run(engines: dict[str, list], sent) -> dict[str, list[tuple[float, float, int]]]:
     """Each prompt sent to every engine in turn, back to back: on a shared machine the load drifts, and the
-    engines compared should meet the same load."""
+    engines compared should meet the same load. Each side has identical copies (same settings, same requests
+    before): a turn's times are the least over them, its cached tokens the same in each."""
     results = {name: [] for name in engines}
     for _, prompt, boundaries in sent:
-        for name, eng in engines.items():
-            results[name].append(send(eng, prompt, boundaries))
+        runs = {name: [] for name in engines}
+        for copy in range(max(len(copies) for copies in engines.values())):
+            for name, copies in engines.items():
+                runs[name].append(send(copies[copy], prompt, boundaries))
+        for name, got in runs.items():
+            assert len({hit for _, _, hit in got}) == 1, f"copies of {name} hit differently: {got}"
+            results[name].append((min(t for t, _, _ in got), min(c for _, c, _ in got), got[0][2]))
     return results
 
 
@@ -121,6 +128,8 @@ def main() -> None:
     ap.add_argument("--pool-tokens", type=int, help="KV pool (default: --max-tokens + 4096)")
     ap.add_argument("--eviction", nargs="+", default=["marconi"], choices=["marconi", "lru"])
     ap.add_argument("--no-plain", action="store_true", help="skip the run without the cache (no TTFT ratios)")
+    ap.add_argument("--repeat", type=int, default=3, help="identical engines per side; each turn's time is the "
+                    "least of theirs (on a shared machine one run of a turn can stall 2x)")
     args = ap.parse_args()
     sent = trace(args)
     reuse = reusable([p for _, p, _ in sent])
@@ -130,14 +139,19 @@ def main() -> None:
                       prefill_chunk_tokens=512)
         engines = {}
         for policy in args.eviction:
-            engines[policy] = engine(folder, prefix_cache=True, checkpoint_slots=args.checkpoint_slots, **common)
-            engines[policy].prefix_cache.eviction = policy
+            engines[policy] = [engine(folder, prefix_cache=True, checkpoint_slots=args.checkpoint_slots, **common)
+                               for _ in range(args.repeat)]
+            for copy in engines[policy]:
+                copy.prefix_cache.eviction = policy
         if not args.no_plain:
-            engines["plain"] = engine(folder, prefix_cache=False, **common)
+            engines["plain"] = [engine(folder, prefix_cache=False, **common) for _ in range(args.repeat)]
+        load = os.getloadavg()[0]
         results = run(engines, sent)
+    print(f"load average (1 min) {load:.2f} at the start, {os.getloadavg()[0]:.2f} at the end, on "
+          f"{os.cpu_count()} CPUs")
     without = results.get("plain")
     for policy in args.eviction:
-        with_cache, cached = results[policy], engines[policy]
+        with_cache, cached = results[policy], engines[policy][0]
         print(f"\n== eviction {policy}: checkpoint slots {args.checkpoint_slots}, KV pool {common['max_total_tokens']}")
         print(f"{'#':>3} {'who':>7} {'tokens':>7} {'reusable':>8} {'cached':>7} {'TTFT cached s':>13} "
               f"{'TTFT plain s':>12} {'speedup':>7} {'CPU s ratio':>11}")

@@ -17,6 +17,7 @@ from deltaserve.engine.loader import default_model_path
 from deltaserve.engine.request import SamplingParams
 from deltaserve.weights.gguf import read_gguf_tokenizer
 from test_engine_support import HYBRID_VOCAB, engine, make_hybrid_checkpoint, random_prompt, tokens_of
+from tolerance import logits_rtol
 
 PAGE = 16
 SMALL = dict(page_size=PAGE, prefill_chunk_tokens=48, max_running_requests=4)
@@ -145,6 +146,54 @@ def test_checkpoints_at_message_boundaries_and_branch_points(hybrid_folder, hybr
     got, hit = greedy(cached, branch, 2)
     assert hit == 50 and got == greedy(plain, branch, 2)[0]
     assert_flush_leaves_nothing(cached)
+
+
+def checkpoint_states(eng, depth: int) -> list:
+    """The conv and recurrent states of every GDN layer in the checkpoint at `depth` tokens."""
+    node = next(n for n in eng.prefix_cache._nodes if n.depth == depth and n.has_checkpoint)
+    states = eng.checkpoint_pool.states
+    slot = states.slot(node)
+    return [t[slot].clone() for t in states.conv + states.recurrent if t is not None]
+
+
+def test_checkpoints_inside_a_chunk_do_not_cut_it(hybrid_folder):
+    """Checkpoint positions inside a prefill chunk cost no step of their own: the forward keeps the GDN state
+    there, and it is the state a chunk ending there leaves (to float32 rounding: the chunks' sums differ)."""
+    prompt = random_prompt(90, 31, HYBRID_VOCAB)
+    boundaries = (5, 37, 61)  # inside the 48-token chunks, and one shorter than the conv's history
+    inside = engine(hybrid_folder, prefix_cache=True, max_total_tokens=640, checkpoint_slots=8,
+                    checkpoint_interval_tokens=64, **SMALL)
+    params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    stream = inside.submit(prompt, params, boundaries=boundaries)
+    steps = 0
+    while not stream.finished:
+        steps += inside.step()
+    assert steps == 2  # 90 tokens in chunks of 48, whatever the 5 positions inside them (64 and 89 too)
+    inside.scheduler.check()
+    for depth in boundaries:
+        ending = engine(hybrid_folder, prefix_cache=True, max_total_tokens=640, checkpoint_slots=8,
+                        checkpoint_interval_tokens=64, **{**SMALL, "prefill_chunk_tokens": depth})
+        greedy(ending, prompt[:depth + 1], 1, boundaries=(depth,))  # a chunk ends at the boundary
+        rtol = logits_rtol(len(inside.loaded.model.model.layers), 48 * 16)
+        for got, want in zip(checkpoint_states(inside, depth), checkpoint_states(ending, depth)):
+            assert (got - want).abs().max() <= rtol * want.abs().max(), depth
+
+
+def test_a_failed_step_keeps_no_reserved_checkpoint(hybrid_folder):
+    """The checkpoint slots reserved for a chunk's snapshots go back to the pool when its step fails."""
+    eng = engine(hybrid_folder, prefix_cache=True, max_total_tokens=640, checkpoint_slots=8,
+                 checkpoint_interval_tokens=64, **SMALL)
+
+    def fail(point):
+        if point == "during_forward":
+            raise RuntimeError("injected")
+
+    eng.step_hook = fail
+    stream = eng.submit(random_prompt(90, 41, HYBRID_VOCAB), SamplingParams(max_tokens=2), boundaries=(20, 37))
+    eng.step()  # the first chunk, 48 tokens, with a snapshot at 20 and one at 37
+    assert stream.finished and stream.drain()[-1].finish_reason == "error"
+    eng.scheduler.check()
+    assert eng.checkpoint_pool.used_slots == 0
 
 
 def test_chat_boundaries_are_where_the_rendered_messages_end():

@@ -80,6 +80,9 @@ CASES = {
     # One int8 per value (format int-quantized), asymmetric 8-bit linears.
     "dense_w8_asym_g64_int_quantized": (DENSE, {"body": {"targets": ["Linear"], "weights": w(8, 64, False)}},
                                         ["lm_head"]),
+    # A 4-bit embedding with the head tied to it: the table dequantized for lookups, the head packed from it.
+    "dense_w4_g32_w4embed_tied": (DENSE, {"body": {"targets": ["Linear", "Embedding"], "weights": w(4, 32)}},
+                                  ["lm_head"]),
     "dense_w4_asym_channel_w8_mlp": (DENSE, {
         "mlp": {"targets": [r"re:.*mlp\..*"], "weights": w(8, 128)},
         "attn": {"targets": ["Linear"], "weights": w(4, None, symmetric=False)}}, ["lm_head"]),
@@ -189,9 +192,15 @@ def test_weights_equal_the_library_decompression(case):
 
 def test_int8_embedding_stays_int8_and_lm_head_form(case):
     name, _, ours, ckpt, _ = case
-    if "int8embed" in name or name.endswith("_tied"):
+    if "int8embed" in name or name == "hybrid_w4_asym_g64_tied":
         assert isinstance(ours.model.embed_tokens, Int8Embedding)
         assert ours.model.embed_tokens.codes.dtype == torch.int8
+    if name == "dense_w4_g32_w4embed_tied":
+        from deltaserve.engine.loader import load_model
+        from deltaserve.models.layers import Int4Linear
+
+        packed = load_model(ckpt.path, dequantize=False).model
+        assert isinstance(packed.lm_head, Int4Linear) and type(packed.model.embed_tokens) is torch.nn.Embedding
     if name == "dense_w4_g32_int8embed_int4head":
         assert isinstance(ckpt.tensors["lm_head.weight"], torch.Tensor)  # 4-bit, dequantized by default (exact)
         assert not any(k.endswith("weight_packed") for k in ckpt.tensors)

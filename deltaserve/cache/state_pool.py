@@ -69,6 +69,14 @@ class StatePool:
         self._slot_of[owner] = slot
         return slot
 
+    def transfer(self, owner: Hashable, new_owner: Hashable) -> int:
+        """Hand the owner's slot, state untouched, to `new_owner` (which holds none); returns the slot."""
+        if new_owner in self._slot_of:
+            raise PoolCorruption(f"state pool: {new_owner!r} already holds slot {self._slot_of[new_owner]}")
+        slot = self.slot(owner)
+        self._slot_of[new_owner] = self._slot_of.pop(owner)
+        return slot
+
     def release(self, owner: Hashable) -> bool:
         """Return the owner's slot to the free list; False when it held none."""
         slot = self._slot_of.pop(owner, None)

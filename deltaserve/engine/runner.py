@@ -18,13 +18,15 @@ class ModelRunner:
     """Holds the model and the pools' views; `forward(plan)` returns the logits rows of `plan.sampling`."""
 
     def __init__(self, model, kv_pool: KVPool, state_pool: StatePool, device: torch.device | str = "cpu", *,
-                 paged_kernel: bool = True):
+                 paged_kernel: bool = True, snapshot_pool: StatePool | None = None):
         self.model = model
         self.paged_kernel = paged_kernel  # False: --attention-backend portable
         self.kv_pool = kv_pool
         self.state_pool = state_pool
         self.device = torch.device(device)
-        self.caches = ModelCaches(k=kv_pool.k, v=kv_pool.v, conv=state_pool.conv, recurrent=state_pool.recurrent)
+        self.caches = ModelCaches(k=kv_pool.k, v=kv_pool.v, conv=state_pool.conv, recurrent=state_pool.recurrent,
+                                  snapshot_conv=snapshot_pool.conv if snapshot_pool is not None else None,
+                                  snapshot_recurrent=snapshot_pool.recurrent if snapshot_pool is not None else None)
 
     def build_batch(self, plan: StepPlan) -> ForwardBatch:
         """The packed batch of one step; positions and slots follow each request's cached length."""
@@ -54,6 +56,8 @@ class ModelRunner:
         state_slots = [self.state_pool.slot(request) for request, _ in sequences]
         to = self.device
         images = self.image_inputs(plan, positions, cu_q) if any(r.images for r, _ in sequences) else {}
+        index = {id(request): b for b, (request, _) in enumerate(sequences)}
+        snapshots = tuple(sorted((index[id(r)], p - r.num_cached, slot) for r, p, slot in plan.snapshots))
         return ForwardBatch(
             input_ids=torch.tensor(ids, dtype=torch.long).to(to),
             positions=positions.to(to),
@@ -66,6 +70,7 @@ class ModelRunner:
             state_slots=torch.tensor(state_slots, dtype=torch.long).to(to),
             logits_indices=torch.tensor(rows, dtype=torch.long).to(to),
             paged_kernel=self.paged_kernel,
+            snapshots=snapshots,
             **{name: t.to(to) for name, t in images.items()},
         )
 

@@ -52,6 +52,10 @@ class ModelCaches:
     v: list[torch.Tensor | None]
     conv: list[torch.Tensor | None]
     recurrent: list[torch.Tensor | None]
+    # Where ForwardBatch.snapshots write (the prefix cache's checkpoint pool): the same shapes as conv and
+    # recurrent, indexed by checkpoint slot; None without a checkpoint pool.
+    snapshot_conv: list[torch.Tensor | None] | None = None
+    snapshot_recurrent: list[torch.Tensor | None] | None = None
 
 
 @dataclass
@@ -77,6 +81,9 @@ class ForwardBatch:
     image_rows: torch.Tensor | None = None  # [K] int64
     image_embeds: torch.Tensor | None = None  # [K, hidden]
     rope_positions: torch.Tensor | None = None  # [3, T] int64
+    # GDN states to keep from the middle of a prefill chunk: (sequence index, tokens of its chunk read, slot in
+    # caches.snapshot_conv / snapshot_recurrent), 0 < tokens < q_len, rising tokens within a sequence
+    snapshots: tuple[tuple[int, int, int], ...] = ()
 
     @property
     def num_seqs(self) -> int:

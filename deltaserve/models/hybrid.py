@@ -222,19 +222,23 @@ class GatedDeltaNet(nn.Module):
         t = x.shape[0]
         mixed, z, b, a = self.project(x)
         i = self.layer_idx
-        mixed = self.conv(mixed, batch, caches.conv[i])
+        snap = batch.snapshots and caches.snapshot_conv is not None  # GDN states kept from inside the chunks
+        snap_conv, snap_recurrent = (caches.snapshot_conv[i], caches.snapshot_recurrent[i]) if snap else (None, None)
+        mixed = self.conv(mixed, batch, caches.conv[i], snap_conv)
         q, k, v = torch.split(mixed, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q = q.view(t, self.num_k_heads, self.head_k_dim)
         k = k.view(t, self.num_k_heads, self.head_k_dim)
         v = v.view(t, self.num_v_heads, self.head_v_dim)
         beta = torch.sigmoid(b)
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
-        o = self.delta_rule(q, k, v, g, beta, batch, caches.recurrent[i])
+        o = self.delta_rule(q, k, v, g, beta, batch, caches.recurrent[i], snap_recurrent)
         o = self.norm(o, z).reshape(t, self.value_dim)
         return self.out_proj(o)
 
-    def conv(self, mixed: torch.Tensor, batch: ForwardBatch, conv_cache: torch.Tensor) -> torch.Tensor:
-        """Causal conv + silu over each sequence, continuing from and updating its conv state."""
+    def conv(self, mixed: torch.Tensor, batch: ForwardBatch, conv_cache: torch.Tensor,
+             snapshot_cache: torch.Tensor | None = None) -> torch.Tensor:
+        """Causal conv + silu over each sequence, continuing from and updating its conv state; with
+        `snapshot_cache`, the conv state in the middle of a chunk goes there for each of `batch.snapshots`."""
         weight = self.conv1d.weight.squeeze(1)  # [C, W]
         # Decode sequences come first, one row each; the prefill chunks follow from row nd.
         nd, slots = batch.num_decode, batch.state_slots
@@ -246,27 +250,61 @@ class GatedDeltaNet(nn.Module):
             parts.append(y)
         if nd < batch.num_seqs:
             cu = batch.cu_q[nd:] - batch.cu_q[nd]
-            y, state = conv_prefill(mixed[nd:], weight, None, cu_seqlens=cu,
-                                    initial_state=conv_cache[slots[nd:]].to(mixed.dtype), activation="silu")
+            initial = conv_cache[slots[nd:]].to(mixed.dtype)
+            y, state = conv_prefill(mixed[nd:], weight, None, cu_seqlens=cu, initial_state=initial,
+                                    activation="silu")
+            if snapshot_cache is not None:
+                starts = batch.cu_q.tolist()
+                for b, read, slot in batch.snapshots:  # the state is the last W - 1 inputs
+                    window = torch.cat([initial[b - nd], mixed[starts[b]:starts[b] + read].T], dim=-1)
+                    snapshot_cache[slot].copy_(window[:, window.shape[1] - initial.shape[-1]:])
             conv_cache.index_copy_(0, slots[nd:], state.to(conv_cache.dtype))
             parts.append(y)
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
-    def delta_rule(self, q, k, v, g, beta, batch: ForwardBatch, state_cache: torch.Tensor) -> torch.Tensor:
-        """The gated delta rule per sequence from its recurrent state; the final state is written back."""
+    def delta_rule(self, q, k, v, g, beta, batch: ForwardBatch, state_cache: torch.Tensor,
+                   snapshot_cache: torch.Tensor | None = None) -> torch.Tensor:
+        """The gated delta rule per sequence from its recurrent state; the final state is written back (and with
+        `snapshot_cache`, the states in the middle of chunks that `batch.snapshots` ask for go there)."""
         nd, slots = batch.num_decode, batch.state_slots
         parts = []
         if nd:
             parts.append(gated_delta_decode_in_place(q[:nd], k[:nd], v[:nd], g[:nd], beta[:nd], state_cache,
                                                      slots[:nd], use_qk_l2norm=True))
         if nd < batch.num_seqs:
-            cu = batch.cu_q[nd:] - batch.cu_q[nd]
-            o, state = gated_delta_prefill(q[nd:], k[nd:], v[nd:], g[nd:], beta[nd:], cu_seqlens=cu,
-                                           initial_state=state_cache[slots[nd:]], use_qk_l2norm=True,
-                                           output_final_state=True)
+            if snapshot_cache is not None:
+                o, state = self.delta_rule_in_pieces(q, k, v, g, beta, batch, state_cache, snapshot_cache)
+            else:
+                cu = batch.cu_q[nd:] - batch.cu_q[nd]
+                o, state = gated_delta_prefill(q[nd:], k[nd:], v[nd:], g[nd:], beta[nd:], cu_seqlens=cu,
+                                               initial_state=state_cache[slots[nd:]], use_qk_l2norm=True,
+                                               output_final_state=True)
             state_cache.index_copy_(0, slots[nd:], state.to(state_cache.dtype))
             parts.append(o.to(v.dtype))
         return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    @staticmethod
+    def delta_rule_in_pieces(q, k, v, g, beta, batch: ForwardBatch, state_cache: torch.Tensor,
+                             snapshot_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The prefill sequences' (outputs, final states), each sequence cut where a snapshot is asked for: its
+        pieces run one after another, each from the state the previous one left, which is kept at each cut."""
+        nd, starts = batch.num_decode, batch.cu_q.tolist()
+        cuts: dict[int, list[tuple[int, int]]] = {}
+        for b, read, slot in batch.snapshots:
+            cuts.setdefault(b, []).append((read, slot))
+        outs, finals = [], []
+        for b in range(nd, batch.num_seqs):
+            lo, state, done = starts[b], state_cache[batch.state_slots[b:b + 1]], 0
+            for end, slot in cuts.get(b, []) + [(starts[b + 1] - lo, None)]:
+                piece = slice(lo + done, lo + end)
+                o, state = gated_delta_prefill(q[piece], k[piece], v[piece], g[piece], beta[piece],
+                                               initial_state=state, use_qk_l2norm=True, output_final_state=True)
+                outs.append(o)
+                if slot is not None:
+                    snapshot_cache[slot].copy_(state[0])
+                done = end
+            finals.append(state)
+        return torch.cat(outs), torch.cat(finals)
 
 
 class SwiGLU(nn.Module):
@@ -405,7 +443,9 @@ class HybridModel(nn.Module):
         rows = batch.logits_indices
         # Past its token mixer's cache writes, the last layer matters only for the logits rows: when those are
         # at most one per sequence (a prefill's last token), its queries, attention and MLP run for them alone.
-        prune = len(rows) < x.shape[0] and len(rows) <= batch.num_seqs
+        # A prefill chunk of one token is pruned too: as a decode row its attention reads the pages in place
+        # instead of gathering its whole context (at 9.6K tokens: 3 ms).
+        prune = len(rows) <= batch.num_seqs and (len(rows) < x.shape[0] or batch.num_decode < batch.num_seqs)
         k_cache = next((k for k in caches.k if k is not None), None)
         if decode_cpu.serves(x, batch, k_cache):
             x = x.contiguous()  # a decode-only step: the residual stream updated in place, layer by layer
