@@ -155,8 +155,8 @@ def test_logits_equal_llama_cpp(fixture, dequantize):
 @pytest.mark.parametrize("dequantize", [True, False], ids=["dequantized", "packed"])
 def test_ledger_weights_line_equals_resident_bytes(fixture, dequantize):
     """The CPU ledger's weights line = the bytes the loaded model holds (Engine.measured_bytes' count), within 1%:
-    packed, every 4-bit matrix but the embedding at half a byte a weight with a float32 scale and offset per 32 (and
-    IQ4_XS's 16 levels), out_proj's value-head column order included."""
+    packed, every 4-bit matrix but the embedding at half a byte a weight with a float32 scale and offset per 32
+    (Q4_K; IQ4_XS a float32 scale and its 16 levels), out_proj's value-head column order included."""
     from deltaserve.budget import plan_budget
     from deltaserve.config import EngineConfig
     from deltaserve.models.spec import spec_from_checkpoint
