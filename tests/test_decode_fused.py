@@ -179,3 +179,23 @@ def test_hybrid_fused_decode_equals_the_per_op_path(name, cache, tmp_path):
     for i in model.geometry.gdn_layers:  # the GDN states each path left behind
         scale = other.recurrent[i].abs().max().item()
         assert (caches.recurrent[i] - other.recurrent[i]).abs().max().item() <= tol / plain.abs().max().item() * scale
+
+
+@pytest.mark.parametrize("rows", [1, 3, 64, 65])
+@torch.inference_mode()
+def test_int8_head_equals_a_float64_product(rows, isa):
+    """The tied int8 vocabulary projection (decode rows: the C++ kernel; more: widened tiles) against float64."""
+    from deltaserve.kernels.int8 import Int8Rows
+    from deltaserve.models.layers import Int8Embedding, Int8Linear
+
+    gen = torch.Generator().manual_seed(rows)
+    n, k = 300, 160
+    table = Int8Rows(torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8),
+                     torch.rand(n, k // 32, generator=gen) * 0.01, torch.randn(n, k // 32, generator=gen) * 0.01, 32)
+    head = Int8Linear(Int8Embedding(table))
+    x = torch.randn(rows, k, generator=gen)
+    got = head(x)
+    want = x.double() @ table.dequantize().double().t()
+    bound = 2 * k * 2.0 ** -24 * (x.double().abs() @ table.dequantize().double().abs().t())  # n*u per dot product
+    assert ((got.double() - want).abs() <= bound).all()
+    assert decode_cpu.serves_int8(x.contiguous(), 32) == (rows <= 64)

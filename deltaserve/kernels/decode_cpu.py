@@ -283,6 +283,100 @@ torch::Tensor mlp_block(torch::Tensor x, std::vector<torch::Tensor> t, std::vect
   return x;
 }
 
+namespace {
+
+// ---- int8 weights (kernels/int8.py's Int8Rows: w = scale * q + offset per group), a tied vocabulary projection ----
+#if defined(__AVX2__) && !defined(__AVX512F__)
+inline f16v widen16_i8(const int8_t* p) {  // intrinsics: GCC's generic conversion is scalar code on AVX2
+  const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m256 lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(a));
+  const __m256 hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(a, 8)));
+  f16v r;
+  std::memcpy(&r, &lo, 32);
+  std::memcpy(reinterpret_cast<char*>(&r) + 32, &hi, 32);
+  return r;
+}
+#else
+typedef int8_t i8x16_u __attribute__((vector_size(16), aligned(1)));
+inline f16v widen16_i8(const int8_t* p) {
+  return __builtin_convertvector(__builtin_convertvector(*reinterpret_cast<const i8x16_u*>(p), i16v), f16v);
+}
+#endif
+
+struct Int8W {
+  const int8_t* codes;
+  const float *scales, *offsets;
+  int64_t K, group;
+};
+
+// y[m, n0 + n] for MR input rows and NR weight rows, widened 16 columns at a time (int4_cpu's tile, 8-bit codes).
+template <int MR, int NR>
+inline void i8_tile(const float* __restrict x, const Int8W& w, int64_t n0, float* __restrict y, int64_t ldy) {
+  const int64_t K = w.K, groups = K / w.group;
+  f16v acc[MR * NR];
+  for (int i = 0; i < MR * NR; ++i) acc[i] = f16v{};
+  for (int64_t g = 0; g < groups; ++g) {
+    f16v s[NR], o[NR];
+    for (int n = 0; n < NR; ++n) {
+      s[n] = f16v{} + w.scales[(n0 + n) * groups + g];
+      o[n] = f16v{} + w.offsets[(n0 + n) * groups + g];
+    }
+    for (int64_t k = g * w.group; k < (g + 1) * w.group; k += 16) {
+      f16v wv[NR];
+      for (int n = 0; n < NR; ++n) wv[n] = widen16_i8(w.codes + (n0 + n) * K + k) * s[n] + o[n];
+      for (int m = 0; m < MR; ++m) {
+        const f16v xv = load16(x + m * K + k);
+        for (int n = 0; n < NR; ++n) acc[m * NR + n] += xv * wv[n];
+      }
+    }
+  }
+  for (int i0 = 0; i0 < MR * NR; i0 += 16) {
+    f16v part[16];
+    for (int i = 0; i < 16; ++i) part[i] = i0 + i < MR * NR ? acc[i0 + i] : f16v{};
+    const f16v sums = sum16(part);
+    for (int i = 0; i < 16 && i0 + i < MR * NR; ++i) y[(i0 + i) / NR * ldy + n0 + (i0 + i) % NR] = sums[i];
+  }
+}
+
+template <int NR>
+inline void i8_rows(const float* x, int64_t M, const Int8W& w, int64_t n0, float* y, int64_t N) {
+  constexpr int MR = int4k::MR_MAX;
+  int64_t m = 0;
+  for (; m + MR <= M; m += MR) i8_tile<MR, NR>(x + m * w.K, w, n0, y + m * N, N);
+  for (; m < M; ++m) i8_tile<1, NR>(x + m * w.K, w, n0, y + m * N, N);
+}
+
+}  // namespace
+
+// x [M, K] float32 @ W.T -> [M, N] float32, W int8 codes [N, K] with float32 scales and offsets [N, K / group]
+torch::Tensor int8_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, torch::Tensor offsets,
+                          int64_t group) {
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.is_contiguous() && x.dim() == 2, "int8_linear: float32 x [M, K]");
+  TORCH_CHECK(codes.scalar_type() == torch::kInt8 && codes.is_contiguous() && codes.dim() == 2 &&
+              codes.size(1) == x.size(1), "int8_linear: contiguous int8 codes [N, K]");
+  const int64_t M = x.size(0), K = x.size(1), N = codes.size(0);
+  TORCH_CHECK(group % 16 == 0 && K % group == 0, "int8_linear: the group must be a multiple of 16 dividing K");
+  for (const auto* t : {&scales, &offsets})
+    TORCH_CHECK(t->scalar_type() == torch::kFloat32 && t->is_contiguous() && t->size(0) == N && t->size(1) == K / group,
+                "int8_linear: scales and offsets must be contiguous float32 [N, K / group]");
+  auto y = torch::empty({M, N}, x.options());
+  const Int8W w{codes.data_ptr<int8_t>(), scales.data_ptr<float>(), offsets.data_ptr<float>(), K, group};
+  const float* xp = x.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  constexpr int NR = int4k::NR_MAX;
+  const int64_t blocks = N / NR;
+  #pragma omp parallel for schedule(static)
+  for (int64_t b = 0; b < blocks; ++b) {
+    if (b + 2 < blocks) {  // the rows two blocks on: in flight while these are used
+      const char* ahead = reinterpret_cast<const char*>(w.codes + NR * (b + 2) * K);
+      for (int64_t c = 0; c < NR * K; c += 64) __builtin_prefetch(ahead + c, 0, 1);
+    }
+    i8_rows<NR>(xp, M, w, NR * b, yp, N);
+  }
+  for (int64_t n = NR * blocks; n < N; ++n) i8_rows<1>(xp, M, w, n, yp, N);
+  return y;
+}
+
 // x [B, hidden] float32, updated in place: x += out_proj(gated_norm(delta_rule(conv(in_proj_qkv(norm(x)))), z)),
 // Qwen3.5's Gated DeltaNet mixer for one token per sequence, its conv and recurrent states (float32, [S, C, W - 1]
 // and [S, Hv, Dk, Dv]) updated in place at state_slots. t: input norm [hidden], conv weight [C, W], A_log [Hv],
@@ -387,7 +481,8 @@ _SOURCE = (VECTOR_PRELUDE + _HEADERS
            + "namespace fusedk {\n" + _body(fused_cpu._SOURCE) + "\n}  // namespace fusedk\n"
            + _BLOCKS)
 
-KERNELS = CompiledKernels("deltaserve_decode_cpu", _SOURCE, ["attention_block", "mlp_block", "gdn_block"],
+KERNELS = CompiledKernels("deltaserve_decode_cpu", _SOURCE,
+                           ["attention_block", "mlp_block", "gdn_block", "int8_linear"],
                            "fused CPU decode blocks", "the per-op decode path")
 
 EMPTY = torch.empty(0)  # where a block has no such tensor (no bias, no level table, no q/k norm)
@@ -435,3 +530,15 @@ def gdn_block(x, tensors: list, meta: list[int], conv_states, states, state_slot
     """x [B, hidden] += a Gated DeltaNet mixer's output over norm(x) for one token per sequence, its conv and
     recurrent states updated in place (the C++ comment above gdn_block says which tensors)."""
     return KERNELS.module.gdn_block(x, tensors, meta, conv_states, states, state_slots, eps, offset, norm_eps)
+
+
+def serves_int8(rows: torch.Tensor, group_size: int) -> bool:
+    """Whether int8_linear takes these float32 input rows [M, K]: built, on CPU, 1 to MAX_ROWS rows."""
+    return (rows.device.type == "cpu" and 0 < rows.shape[0] <= MAX_ROWS and group_size % 16 == 0
+            and KERNELS.module is not None)
+
+
+def int8_linear(rows: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor,
+                group_size: int) -> torch.Tensor:
+    """rows [M, K] float32 @ W.T, W = scale * codes + offset per group of the int8 codes [N, K]."""
+    return KERNELS.module.int8_linear(rows, codes, scales, offsets, group_size)

@@ -8,8 +8,8 @@ On CPU with 4-bit matrices packed (the default), loading keeps
 - an 8-bit embedding as int8 codes with a float32 scale and offset per group (models/layers.Int8Embedding);
 - every other quantized module (a 4-bit embedding, an 8-bit linear, a group the kernel does not take) dequantized to
   the compute dtype;
-and a tied lm_head over a quantized embedding is its own weight: dequantized from an 8-bit table, packed from a
-4-bit one. The parts (scales, zero points, g_idx, weight_shape) cost nothing beyond their module.
+and a tied lm_head over a quantized embedding: over an 8-bit table held int8, it multiplies the same codes
+(models/layers.Int8Linear: nothing more to hold); over a 4-bit one, packed on its own; otherwise dequantized. The parts (scales, zero points, g_idx, weight_shape) cost nothing beyond their module.
 """
 
 from __future__ import annotations
@@ -96,11 +96,15 @@ def _held_form(config: dict, qc: dict, module: str, params: int, shapes: dict) -
 
 
 def _tied_head(config: dict, qc: dict, embedding: str, count: int, shapes: dict) -> Row:
-    """The lm_head row of a tied quantized embedding: packed when the embedding is 4-bit and packable, else float."""
+    """The lm_head row of a tied quantized embedding: nothing over an embedding held int8 (it shares the codes),
+    packed when the embedding is 4-bit and packable, else float."""
     geometry = _geometry(embedding, count, shapes)
     if geometry is None:
         return "lm_head.weight", count, 0, True
     n, k, group = geometry
-    if _bits(config, qc, embedding) == 4 and packable((n, k), group):
+    bits = _bits(config, qc, embedding)
+    if bits == 8 and _held_form(config, qc, embedding, count, shapes) is not None:
+        return "lm_head.weight", count, 0, False, 0
+    if bits == 4 and packable((n, k), group):
         return "lm_head.weight", count, 0, False, held_bytes(count, group)
     return "lm_head.weight", count, 0, True
