@@ -181,21 +181,30 @@ def test_hybrid_fused_decode_equals_the_per_op_path(name, cache, tmp_path):
         assert (caches.recurrent[i] - other.recurrent[i]).abs().max().item() <= tol / plain.abs().max().item() * scale
 
 
-@pytest.mark.parametrize("rows", [1, 3, 64, 65])
+@pytest.mark.parametrize("symmetric", [True, False], ids=["symmetric", "offsets"])
+@pytest.mark.parametrize("rows", [1, 2, 3, 64, 65])
 @torch.inference_mode()
-def test_int8_head_equals_a_float64_product(rows, isa):
-    """The tied int8 vocabulary projection (decode rows: the C++ kernel; more: widened tiles) against float64."""
+def test_int8_head_equals_a_float64_product(rows, symmetric, isa):
+    """The tied int8 vocabulary projection against float64: 1-2 rows widen each code in registers, 3-64 widen a block
+    of weight rows once for the float32 few-row kernel, more take widened tiles through torch.mm; a symmetric table
+    (a GGUF's Q8_0) never reads its offsets. 301 weight rows: a tail past the last full block."""
     from deltaserve.kernels.int8 import Int8Rows
     from deltaserve.models.layers import Int8Embedding, Int8Linear
 
     gen = torch.Generator().manual_seed(rows)
-    n, k = 300, 160
-    table = Int8Rows(torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8),
-                     torch.rand(n, k // 32, generator=gen) * 0.01, torch.randn(n, k // 32, generator=gen) * 0.01, 32)
+    n, k = 301, 160
+    codes = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
+    scales = torch.rand(n, k // 32, generator=gen) * 0.01
+    offsets = torch.zeros_like(scales) if symmetric else torch.randn(n, k // 32, generator=gen) * 0.01
+    table = Int8Rows(codes, scales, offsets, 32)
     head = Int8Linear(Int8Embedding(table))
+    assert head.symmetric == symmetric
     x = torch.randn(rows, k, generator=gen)
     got = head(x)
-    want = x.double() @ table.dequantize().double().t()
-    bound = 2 * k * 2.0 ** -24 * (x.double().abs() @ table.dequantize().double().abs().t())  # n*u per dot product
+    exact = (codes.double().view(n, -1, 32) * scales.double()[..., None] + offsets.double()[..., None]).view(n, k)
+    want = x.double() @ exact.t()
+    # n*u per dot product, on the weight's parts: forming scale * q + offset rounds at that size, not at |w|'s
+    parts = (codes.double().abs().view(n, -1, 32) * scales.double()[..., None] + offsets.double().abs()[..., None])
+    bound = 2 * k * 2.0 ** -24 * (x.double().abs() @ parts.view(n, k).t())
     assert ((got.double() - want).abs() <= bound).all()
     assert decode_cpu.serves_int8(x.contiguous(), 32) == (rows <= 64)

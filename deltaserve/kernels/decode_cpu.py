@@ -286,31 +286,64 @@ torch::Tensor mlp_block(torch::Tensor x, std::vector<torch::Tensor> t, std::vect
 namespace {
 
 // ---- int8 weights (kernels/int8.py's Int8Rows: w = scale * q + offset per group), a tied vocabulary projection ----
-#if defined(__AVX2__) && !defined(__AVX512F__)
-inline f16v widen16_i8(const int8_t* p) {  // intrinsics: GCC's generic conversion is scalar code on AVX2
-  const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  const __m256 lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(a));
-  const __m256 hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(a, 8)));
-  f16v r;
-  std::memcpy(&r, &lo, 32);
-  std::memcpy(reinterpret_cast<char*>(&r) + 32, &hi, 32);
-  return r;
-}
-#else
-typedef int8_t i8x16_u __attribute__((vector_size(16), aligned(1)));
-inline f16v widen16_i8(const int8_t* p) {
-  return __builtin_convertvector(__builtin_convertvector(*reinterpret_cast<const i8x16_u*>(p), i16v), f16v);
-}
-#endif
-
+// OFF: the weight has offsets (asymmetric); without (a GGUF's Q8_0, symmetric INT8) w = scale * q, and the offsets
+// array, a fifth of the bytes of a table in groups of 32, is never read.
 struct Int8W {
   const int8_t* codes;
   const float *scales, *offsets;
   int64_t K, group;
 };
 
+#if defined(__AVX2__) && !defined(__AVX512F__)
+// AVX2: 8-float __m256 accumulators, as in int4_cpu's and linear_cpu's tiles (GCC keeps an array of 16-float values in
+// memory and moves each through general registers at every step: SmolLM2's vocabulary at one row took 30 ms, not 5),
+// and 8 codes widened a load at a time (vpmovsxbd + vcvtdq2ps; GCC's generic int8 -> float conversion is scalar).
+constexpr int I8_MR = 2, I8_NR = 4;  // 8 accumulators, 4 scales, 2 input vectors and a weight vector of 16 registers
+
+inline __m256 widen8_i8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+
+// y[m, n0 + n] for MR input rows and NR weight rows.
+template <int MR, int NR, bool OFF>
+inline void i8_tile(const float* __restrict x, const Int8W& w, int64_t n0, float* __restrict y, int64_t ldy) {
+  const int64_t K = w.K, groups = K / w.group;
+  __m256 acc[MR * NR];
+  for (int i = 0; i < MR * NR; ++i) acc[i] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m256 s[NR], o[NR];
+    for (int n = 0; n < NR; ++n) {
+      s[n] = _mm256_set1_ps(w.scales[(n0 + n) * groups + g]);
+      if constexpr (OFF) o[n] = _mm256_set1_ps(w.offsets[(n0 + n) * groups + g]);
+    }
+    for (int64_t k = g * w.group; k < (g + 1) * w.group; k += 8) {
+      __m256 xv[MR];
+      for (int m = 0; m < MR; ++m) xv[m] = _mm256_loadu_ps(x + m * K + k);
+      for (int n = 0; n < NR; ++n) {
+        const __m256 q = widen8_i8(w.codes + (n0 + n) * K + k);
+        __m256 wv;
+        if constexpr (OFF) wv = _mm256_fmadd_ps(q, s[n], o[n]);
+        else wv = _mm256_mul_ps(q, s[n]);
+        for (int m = 0; m < MR; ++m) acc[m * NR + n] = _mm256_fmadd_ps(xv[m], wv, acc[m * NR + n]);
+      }
+    }
+  }
+  for (int i = 0; i < MR * NR; ++i) {
+    const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(acc[i]), _mm256_extractf128_ps(acc[i], 1));
+    const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+    y[i / NR * ldy + n0 + i % NR] = _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
+  }
+}
+#else
+constexpr int I8_MR = int4k::MR_MAX, I8_NR = int4k::NR_MAX;
+
+typedef int8_t i8x16_u __attribute__((vector_size(16), aligned(1)));
+inline f16v widen16_i8(const int8_t* p) {
+  return __builtin_convertvector(__builtin_convertvector(*reinterpret_cast<const i8x16_u*>(p), i16v), f16v);
+}
+
 // y[m, n0 + n] for MR input rows and NR weight rows, widened 16 columns at a time (int4_cpu's tile, 8-bit codes).
-template <int MR, int NR>
+template <int MR, int NR, bool OFF>
 inline void i8_tile(const float* __restrict x, const Int8W& w, int64_t n0, float* __restrict y, int64_t ldy) {
   const int64_t K = w.K, groups = K / w.group;
   f16v acc[MR * NR];
@@ -319,7 +352,7 @@ inline void i8_tile(const float* __restrict x, const Int8W& w, int64_t n0, float
     f16v s[NR], o[NR];
     for (int n = 0; n < NR; ++n) {
       s[n] = f16v{} + w.scales[(n0 + n) * groups + g];
-      o[n] = f16v{} + w.offsets[(n0 + n) * groups + g];
+      o[n] = f16v{} + (OFF ? w.offsets[(n0 + n) * groups + g] : 0.0f);
     }
     for (int64_t k = g * w.group; k < (g + 1) * w.group; k += 16) {
       f16v wv[NR];
@@ -337,18 +370,78 @@ inline void i8_tile(const float* __restrict x, const Int8W& w, int64_t n0, float
     for (int i = 0; i < 16 && i0 + i < MR * NR; ++i) y[(i0 + i) / NR * ldy + n0 + (i0 + i) % NR] = sums[i];
   }
 }
+#endif
 
-template <int NR>
+template <int NR, bool OFF>
 inline void i8_rows(const float* x, int64_t M, const Int8W& w, int64_t n0, float* y, int64_t N) {
-  constexpr int MR = int4k::MR_MAX;
   int64_t m = 0;
-  for (; m + MR <= M; m += MR) i8_tile<MR, NR>(x + m * w.K, w, n0, y + m * N, N);
-  for (; m < M; ++m) i8_tile<1, NR>(x + m * w.K, w, n0, y + m * N, N);
+  for (; m + I8_MR <= M; m += I8_MR) i8_tile<I8_MR, NR, OFF>(x + m * w.K, w, n0, y + m * N, N);
+  for (; m < M; ++m) i8_tile<1, NR, OFF>(x + m * w.K, w, n0, y + m * N, N);
+}
+
+// Weight rows [n0, n0 + rows) widened to float32 [rows, K] (the dequantized weight's own values).
+template <bool OFF>
+inline void i8_widen(const Int8W& w, int64_t n0, int64_t rows, float* out) {
+  const int64_t K = w.K, groups = K / w.group;
+  for (int64_t n = 0; n < rows; ++n)
+    for (int64_t g = 0; g < groups; ++g) {
+      const float s = w.scales[(n0 + n) * groups + g], o = OFF ? w.offsets[(n0 + n) * groups + g] : 0.0f;
+      const int8_t* q = w.codes + (n0 + n) * K + g * w.group;
+      float* dst = out + n * K + g * w.group;
+#if defined(__AVX2__) && !defined(__AVX512F__)
+      const __m256 sv = _mm256_set1_ps(s), ov = _mm256_set1_ps(o);
+      for (int64_t k = 0; k < w.group; k += 8)
+        _mm256_storeu_ps(dst + k, OFF ? _mm256_add_ps(_mm256_mul_ps(widen8_i8(q + k), sv), ov)
+                                      : _mm256_mul_ps(widen8_i8(q + k), sv));
+#else
+      for (int64_t k = 0; k < w.group; k += 16) {
+        const f16v v = widen16_i8(q + k) * s + o;
+        std::memcpy(dst + k, &v, sizeof v);
+      }
+#endif
+    }
+}
+
+// Up to I8_MR rows: each code widened in registers where it is used. More: each block of weight rows widened once
+// into a buffer the float32 few-row kernel (linear_cpu's tile) reads for every input row, not once per I8_MR rows.
+template <bool OFF>
+void i8_all(const float* xp, int64_t M, const Int8W& w, int64_t N, float* yp) {
+  const int64_t K = w.K;
+  if (M <= I8_MR) {
+    const int64_t blocks = N / I8_NR;
+    #pragma omp parallel for schedule(static)
+    for (int64_t b = 0; b < blocks; ++b) {
+      if (b + 2 < blocks) {  // the rows two blocks on: in flight while these are used
+        const char* ahead = reinterpret_cast<const char*>(w.codes + I8_NR * (b + 2) * K);
+        for (int64_t c = 0; c < I8_NR * K; c += 64) __builtin_prefetch(ahead + c, 0, 1);
+      }
+      i8_rows<I8_NR, OFF>(xp, M, w, I8_NR * b, yp, N);
+    }
+    for (int64_t n = I8_NR * blocks; n < N; ++n) i8_rows<1, OFF>(xp, M, w, n, yp, N);
+    return;
+  }
+  constexpr int NR = lineark::NR_MAX;
+  const int64_t blocks = N / NR;
+  #pragma omp parallel
+  {
+    std::vector<float> buf(NR * K);
+    #pragma omp for schedule(static)
+    for (int64_t b = 0; b < blocks; ++b) {
+      i8_widen<OFF>(w, NR * b, NR, buf.data());
+      lineark::rows_past<NR>(xp, M, buf.data(), K, yp + NR * b, N);
+    }
+  }
+  std::vector<float> row(K);
+  for (int64_t n = NR * blocks; n < N; ++n) {
+    i8_widen<OFF>(w, n, 1, row.data());
+    lineark::rows_past<1>(xp, M, row.data(), K, yp + n, N);
+  }
 }
 
 }  // namespace
 
 // x [M, K] float32 @ W.T -> [M, N] float32, W int8 codes [N, K] with float32 scales and offsets [N, K / group]
+// (offsets empty: all zero)
 torch::Tensor int8_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, torch::Tensor offsets,
                           int64_t group) {
   TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.is_contiguous() && x.dim() == 2, "int8_linear: float32 x [M, K]");
@@ -356,24 +449,16 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor sc
               codes.size(1) == x.size(1), "int8_linear: contiguous int8 codes [N, K]");
   const int64_t M = x.size(0), K = x.size(1), N = codes.size(0);
   TORCH_CHECK(group % 16 == 0 && K % group == 0, "int8_linear: the group must be a multiple of 16 dividing K");
-  for (const auto* t : {&scales, &offsets})
-    TORCH_CHECK(t->scalar_type() == torch::kFloat32 && t->is_contiguous() && t->size(0) == N && t->size(1) == K / group,
-                "int8_linear: scales and offsets must be contiguous float32 [N, K / group]");
+  const bool off = offsets.numel() != 0;
+  for (const auto* t : off ? std::vector<const torch::Tensor*>{&scales, &offsets}
+                           : std::vector<const torch::Tensor*>{&scales})
+    TORCH_CHECK(t->scalar_type() == torch::kFloat32 && t->is_contiguous() && t->dim() == 2 && t->size(0) == N &&
+                t->size(1) == K / group, "int8_linear: scales and offsets must be contiguous float32 [N, K / group]");
   auto y = torch::empty({M, N}, x.options());
-  const Int8W w{codes.data_ptr<int8_t>(), scales.data_ptr<float>(), offsets.data_ptr<float>(), K, group};
-  const float* xp = x.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  constexpr int NR = int4k::NR_MAX;
-  const int64_t blocks = N / NR;
-  #pragma omp parallel for schedule(static)
-  for (int64_t b = 0; b < blocks; ++b) {
-    if (b + 2 < blocks) {  // the rows two blocks on: in flight while these are used
-      const char* ahead = reinterpret_cast<const char*>(w.codes + NR * (b + 2) * K);
-      for (int64_t c = 0; c < NR * K; c += 64) __builtin_prefetch(ahead + c, 0, 1);
-    }
-    i8_rows<NR>(xp, M, w, NR * b, yp, N);
-  }
-  for (int64_t n = NR * blocks; n < N; ++n) i8_rows<1>(xp, M, w, n, yp, N);
+  const Int8W w{codes.data_ptr<int8_t>(), scales.data_ptr<float>(), off ? offsets.data_ptr<float>() : nullptr, K,
+                group};
+  if (off) i8_all<true>(x.data_ptr<float>(), M, w, N, y.data_ptr<float>());
+  else i8_all<false>(x.data_ptr<float>(), M, w, N, y.data_ptr<float>());
   return y;
 }
 
@@ -540,5 +625,6 @@ def serves_int8(rows: torch.Tensor, group_size: int) -> bool:
 
 def int8_linear(rows: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor,
                 group_size: int) -> torch.Tensor:
-    """rows [M, K] float32 @ W.T, W = scale * codes + offset per group of the int8 codes [N, K]."""
+    """rows [M, K] float32 @ W.T, W = scale * codes + offset per group of the int8 codes [N, K] (`offsets` empty:
+    all zero, never read)."""
     return KERNELS.module.int8_linear(rows, codes, scales, offsets, group_size)

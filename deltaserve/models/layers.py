@@ -325,6 +325,7 @@ class Int8Linear(nn.Module):
         self.register_buffer("codes", embedding.codes)  # the same tensors: counted once by the ledger's measure
         self.register_buffer("scales", embedding.scales)
         self.register_buffer("offsets", embedding.offsets)
+        self.symmetric = not bool(embedding.offsets.any())  # w = scale * q: the decode kernel skips the offsets
         self.bias = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -332,7 +333,8 @@ class Int8Linear(nn.Module):
 
         rows = x.reshape(-1, self.in_features).to(torch.float32).contiguous()
         if decode_cpu.serves_int8(rows, self.group_size):
-            y = decode_cpu.int8_linear(rows, self.codes, self.scales, self.offsets, self.group_size)
+            offsets = decode_cpu.EMPTY if self.symmetric else self.offsets
+            y = decode_cpu.int8_linear(rows, self.codes, self.scales, offsets, self.group_size)
         else:
             step = max(16, (1 << 20) // self.in_features)  # ~4 MiB of widened rows at a time
             y = torch.cat([rows @ Int8Rows(self.codes[a:a + step], self.scales[a:a + step],
