@@ -33,6 +33,7 @@ _HEADERS = r"""
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <initializer_list>
 #include <limits>
 #include <vector>
 #if defined(__x86_64__) || defined(__i386__)
@@ -89,30 +90,71 @@ Lin lin_of(const std::vector<torch::Tensor>& t, size_t i, int64_t group, int64_t
   return l;
 }
 
-// y [M, N] = x [M, K] @ W.T (+ bias)
-void matmul(const Lin& l, const float* x, int64_t M, float* y) {
+// One projection's output: y [M, N] = x [M, K] @ W.T (+ bias).
+struct Out {
+  const Lin* l;
+  float* y;
+};
+
+inline int64_t block_rows(const Lin& l) { return l.group ? int4k::NR_MAX : lineark::NR_MAX; }
+
+// Rows [n0, n0 + rows) of one projection's output: `rows` is its block, or 1 past its last full block.
+inline void rows_of(const Lin& l, const float* x, int64_t M, int64_t n0, int64_t rows, float* y) {
   const int64_t N = l.N, K = l.K;
   if (l.group) {
-    if (l.lut) int4k::decode_all<true>(x, M, l.q4, N, y);
-    else int4k::decode_all<false>(x, M, l.q4, N, y);
+    constexpr int NR = int4k::NR_MAX;
+    if (l.lut) rows == NR ? int4k::rows_past<NR, true>(x, M, l.q4, n0, y + n0, N)
+                          : int4k::rows_past<1, true>(x, M, l.q4, n0, y + n0, N);
+    else rows == NR ? int4k::rows_past<NR, false>(x, M, l.q4, n0, y + n0, N)
+                    : int4k::rows_past<1, false>(x, M, l.q4, n0, y + n0, N);
   } else {
     constexpr int NR = lineark::NR_MAX;
-    const int64_t blocks = N / NR;
-    const float* wp = l.w;
-    #pragma omp parallel for schedule(static)
-    for (int64_t b = 0; b < blocks; ++b) {
-      if (b + 2 < blocks) {  // the weight rows two blocks on: in flight while these are used
-        const char* ahead = reinterpret_cast<const char*>(wp + NR * (b + 2) * K);
-        for (int64_t c = 0; c < NR * K * 4; c += 64) __builtin_prefetch(ahead + c, 0, 1);
-      }
-      lineark::rows_past<NR>(x, M, wp + NR * b * K, K, y + NR * b, N);
-    }
-    for (int64_t n = NR * blocks; n < N; ++n) lineark::rows_past<1>(x, M, wp + n * K, K, y + n, N);
+    if (rows == NR) lineark::rows_past<NR>(x, M, l.w + n0 * K, K, y + n0, N);
+    else lineark::rows_past<1>(x, M, l.w + n0 * K, K, y + n0, N);
   }
-  if (l.bias)
-    for (int64_t m = 0; m < M; ++m)
-      for (int64_t n = 0; n < N; ++n) y[m * N + n] += l.bias[n];
 }
+
+// The weight bytes of rows [n0, n0 + rows), fetched ahead while earlier rows are multiplied.
+inline void prefetch_rows(const Lin& l, int64_t n0, int64_t rows) {
+  const int64_t row_bytes = l.group ? l.K / 2 : l.K * 4;
+  const char* p = l.group ? reinterpret_cast<const char*>(l.q4.packed) : reinterpret_cast<const char*>(l.w);
+  for (int64_t c = 0; c < rows * row_bytes; c += 64) __builtin_prefetch(p + n0 * row_bytes + c, 0, 1);
+}
+
+// Projections of the same input x [M, K] (q / k / v, gate / up, a GDN mixer's four) in one parallel loop over all
+// their row blocks: one OpenMP region and one barrier for them all, where one each made a step of SmolLM2 ~240
+// regions, each a sync point of the threads.
+void matmuls(const float* x, int64_t M, std::initializer_list<Out> outs) {
+  constexpr int MAX_OUTS = 4;
+  TORCH_CHECK(outs.size() <= MAX_OUTS, "decode block: at most 4 projections share a loop");
+  const Out* o = outs.begin();
+  const int n_outs = static_cast<int>(outs.size());
+  int64_t start[MAX_OUTS + 1] = {0}, full[MAX_OUTS], block[MAX_OUTS];
+  for (int j = 0; j < n_outs; ++j) {  // projection j's units: its full blocks, then one per row past them
+    block[j] = block_rows(*o[j].l);
+    full[j] = o[j].l->N / block[j];
+    start[j + 1] = start[j] + full[j] + o[j].l->N % block[j];
+  }
+  #pragma omp parallel for schedule(static)
+  for (int64_t u = 0; u < start[n_outs]; ++u) {
+    int j = 0;
+    while (u >= start[j + 1]) ++j;
+    const Lin& l = *o[j].l;
+    const int64_t i = u - start[j];
+    if (i < full[j]) {
+      if (i + 2 < full[j]) prefetch_rows(l, (i + 2) * block[j], block[j]);  // two blocks on: in flight meanwhile
+      rows_of(l, x, M, i * block[j], block[j], o[j].y);
+    } else {
+      rows_of(l, x, M, full[j] * block[j] + (i - full[j]), 1, o[j].y);
+    }
+  }
+  for (const Out& out : outs)
+    if (out.l->bias)
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t n = 0; n < out.l->N; ++n) out.y[m * out.l->N + n] += out.l->bias[n];
+}
+
+inline void matmul(const Lin& l, const float* x, int64_t M, float* y) { matmuls(x, M, {{&l, y}}); }
 
 // y = x / rms(x) * (offset + weight) over D channels (fused_cpu's rms_norm, the same arithmetic)
 inline void rms_row(const float* __restrict x, const float* __restrict w, float off, float eps, int64_t D,
@@ -214,9 +256,7 @@ torch::Tensor attention_block(torch::Tensor x, std::vector<torch::Tensor> t, std
   float* o = att + B * Hq * D; // [B, H]
   float* xp = x.data_ptr<float>();
   for (int64_t b = 0; b < B; ++b) rms_row(xp + b * H, wn, off, e, H, xn + b * H);
-  matmul(lq, xn, B, qr);
-  matmul(lk, xn, B, kr);
-  matmul(lv, xn, B, vr);
+  matmuls(xn, B, {{&lq, qr}, {&lk, kr}, {&lv, vr}});
   const float* cp = cos.data_ptr<float>();
   const float* sp = sin.data_ptr<float>();
   for (int64_t b = 0; b < B; ++b) {
@@ -275,8 +315,7 @@ torch::Tensor mlp_block(torch::Tensor x, std::vector<torch::Tensor> t, std::vect
   float* xp = x.data_ptr<float>();
   const float off = static_cast<float>(offset), e = static_cast<float>(eps);
   for (int64_t b = 0; b < B; ++b) rms_row(xp + b * H, wn, off, e, H, xn + b * H);
-  matmul(lg, xn, B, g);
-  matmul(lu, xn, B, u);
+  matmuls(xn, B, {{&lg, g}, {&lu, u}});
   for (int64_t i = 0; i < B * I; ++i) g[i] = silu(g[i]) * u[i];
   matmul(ld, g, B, d);
   for (int64_t i = 0; i < B * H; ++i) xp[i] += d[i];
@@ -508,10 +547,7 @@ torch::Tensor gdn_block(torch::Tensor x, std::vector<torch::Tensor> t, std::vect
   float* xp = x.data_ptr<float>();
   const float off = static_cast<float>(offset), e = static_cast<float>(eps);
   for (int64_t b = 0; b < B; ++b) rms_row(xp + b * H, wn, off, e, H, xn + b * H);
-  matmul(lqkv, xn, B, mixed);
-  matmul(lz, xn, B, z);
-  matmul(lb, xn, B, bb);
-  matmul(la, xn, B, aa);
+  matmuls(xn, B, {{&lqkv, mixed}, {&lz, z}, {&lb, bb}, {&la, aa}});
   const float* wp = cw.data_ptr<float>();
   float* cs = conv_states.data_ptr<float>();
   for (int64_t b = 0; b < B; ++b) {  // the causal conv's one new row from each state, then the state moves on
