@@ -9,7 +9,8 @@ On CPU with 4-bit matrices packed (the default), loading keeps
 - every other quantized module (a 4-bit embedding, an 8-bit linear, a group the kernel does not take) dequantized to
   the compute dtype;
 and a tied lm_head over a quantized embedding: over an 8-bit table held int8, it multiplies the same codes
-(models/layers.Int8Linear: nothing more to hold); over a 4-bit one, packed on its own; otherwise dequantized. The parts (scales, zero points, g_idx, weight_shape) cost nothing beyond their module.
+(models/layers.Int8Linear: nothing more to hold); over a 4-bit one, packed on its own; otherwise dequantized. The
+parts (scales, zero points, g_idx, weight_shape) cost nothing beyond their module.
 """
 
 from __future__ import annotations
