@@ -54,7 +54,8 @@ def test_cpu_weights_line_matches_transformers_fp32_load(smollm2):
 
 def test_cpu_weights_line_with_packed_int4_matches_what_the_model_holds(smollm2):
     """The CPU default: Q4_1 matrices held packed (4-bit codes + the block's float16 scale and offset per 32), the
-    rest (the Q8_0 vocabulary included) as float32."""
+    Q8_0 vocabulary 8-bit (a byte per weight + a float32 scale and offset per 32, shared by the tied lm_head), the
+    rest as float32."""
     from deltaserve.engine.loader import load_model
 
     path, spec, _ = smollm2

@@ -150,12 +150,13 @@ def test_weights_it_does_not_take_leave_the_per_op_path():
     assert projection_parts(proj) is None
 
 
-@pytest.mark.parametrize("name", ["qwen3_5_text", "qwen3_next"])
+@pytest.mark.parametrize("name", ["qwen3_5_text", "qwen3_5_text_tied", "qwen3_next"])
 @pytest.mark.parametrize("cache", ["float32", "float16"])
 @torch.inference_mode()
 def test_hybrid_fused_decode_equals_the_per_op_path(name, cache, tmp_path):
     """Gated attention, Qwen3.5's GDN and SwiGLU blocks fused, Qwen3-Next's GDN and experts op by op, in one
-    residual stream; the GDN states each path leaves behind agree too."""
+    residual stream; the GDN states each path leaves behind agree too. The tied config's 3 value heads give its
+    in_proj_b / in_proj_a 3 rows: fewer than a block of the kernels' row tiles, all of them rows past it."""
     import json
 
     from deltaserve.models import skip_prefixes
@@ -171,7 +172,7 @@ def test_hybrid_fused_decode_equals_the_per_op_path(name, cache, tmp_path):
     fused, plain, caches, other = steps_both_ways(model, prompts, getattr(torch, cache), steps=5)
     # the attention layers' blocks served, and Qwen3.5's GDN mixers (Qwen3-Next's packed in-projections: op by op)
     for layer in model.model.layers:
-        fused_mixer = layer.kind != "linear_attention" or name == "qwen3_5_text"
+        fused_mixer = layer.kind != "linear_attention" or name.startswith("qwen3_5")
         assert (layer.fused.parts[0] is not None) == fused_mixer
     tol = logits_rtol(ref.config.num_hidden_layers, 64 * 16) * plain.abs().max().item()
     assert (fused - plain).abs().max().item() <= tol
@@ -179,3 +180,32 @@ def test_hybrid_fused_decode_equals_the_per_op_path(name, cache, tmp_path):
     for i in model.geometry.gdn_layers:  # the GDN states each path left behind
         scale = other.recurrent[i].abs().max().item()
         assert (caches.recurrent[i] - other.recurrent[i]).abs().max().item() <= tol / plain.abs().max().item() * scale
+
+
+@pytest.mark.parametrize("symmetric", [True, False], ids=["symmetric", "offsets"])
+@pytest.mark.parametrize("rows", [1, 2, 3, 64, 65])
+@torch.inference_mode()
+def test_int8_head_equals_a_float64_product(rows, symmetric, isa):
+    """The tied int8 vocabulary projection against float64: 1-2 rows widen each code in registers, 3-64 widen a block
+    of weight rows once for the float32 few-row kernel, more take widened tiles through torch.mm; a symmetric table
+    (a GGUF's Q8_0) never reads its offsets. 301 weight rows: a tail past the last full block."""
+    from deltaserve.kernels.int8 import Int8Rows
+    from deltaserve.models.layers import Int8Embedding, Int8Linear
+
+    gen = torch.Generator().manual_seed(rows)
+    n, k = 301, 160
+    codes = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
+    scales = torch.rand(n, k // 32, generator=gen) * 0.01
+    offsets = torch.zeros_like(scales) if symmetric else torch.randn(n, k // 32, generator=gen) * 0.01
+    table = Int8Rows(codes, scales, offsets, 32)
+    head = Int8Linear(Int8Embedding(table))
+    assert head.symmetric == symmetric
+    x = torch.randn(rows, k, generator=gen)
+    got = head(x)
+    exact = (codes.double().view(n, -1, 32) * scales.double()[..., None] + offsets.double()[..., None]).view(n, k)
+    want = x.double() @ exact.t()
+    # n*u per dot product, on the weight's parts: forming scale * q + offset rounds at that size, not at |w|'s
+    parts = (codes.double().abs().view(n, -1, 32) * scales.double()[..., None] + offsets.double().abs()[..., None])
+    bound = 2 * k * 2.0 ** -24 * (x.double().abs() @ parts.view(n, k).t())
+    assert ((got.double() - want).abs() <= bound).all()
+    assert decode_cpu.serves_int8(x.contiguous(), 32) == (rows <= 64)

@@ -85,18 +85,18 @@ def test_smollm2_gguf_greedy_generation_matches_transformers(smollm2):
 
 @torch.inference_mode()
 def test_smollm2_with_packed_int4_weights_equals_the_dequantized_model(smollm2):
-    """The CPU default: the Q4_1 blocks stay packed and are multiplied in float32 (kernels/int4.py), so the logits
-    are the dequantized float32 model's to float32 rounding (the bound the float32 path holds against transformers)
+    """The CPU default: the Q4_1 blocks stay packed and are multiplied in float32 (kernels/int4.py), the Q8_0
+    vocabulary stays 8-bit (the tied head multiplies its codes), so the logits are the dequantized float32 model's
+    to float32 rounding (the bound the float32 path holds against transformers)
     on the decode kernel (<= 64 rows) and the widened-tile prefill (more), and greedy tokens are transformers'."""
     from deltaserve.engine.loader import load_model
-    from deltaserve.models.layers import Int4Linear
+    from deltaserve.models.layers import Int4Linear, Int8Linear
 
     ours, hf, tok = smollm2
     packed = load_model(smollm2_path(), dequantize=False).model
     assert isinstance(packed.model.layers[0].mlp.down_proj, Int4Linear)
-    # tied to the Q8_0 embedding, which is not 4-bit: one float32 matrix for both, as in the dequantized model
-    assert packed.lm_head.weight is packed.model.embed_tokens.weight
-    assert packed.lm_head.weight.dtype == torch.float32
+    # the Q8_0 embedding stays 8-bit, and the tied lm_head multiplies the same codes (no second copy)
+    assert isinstance(packed.lm_head, Int8Linear) and packed.lm_head.codes is packed.model.embed_tokens.codes
     text = ("A context length is only real if it can be filled fast, so the prompt is read in chunks; "
             "the pool is a decision, not a measurement, and a request that does not fit waits. ")
     ids = tok.encode(text * 3)[:100]

@@ -21,7 +21,7 @@ from safetensors.torch import save_file
 from deltaserve.kernels.int4 import Int4Codes
 from deltaserve.kernels.int8 import Int8Rows
 from deltaserve.models import build_model, skip_prefixes
-from deltaserve.models.layers import Int8Embedding
+from deltaserve.models.layers import Int8Embedding, Int8Linear
 from deltaserve.weights import load_checkpoint
 from tests.tolerance import config_rtol
 from tests.test_models_hybrid import VOCAB, greedy, prefill_logits, prompt, rel_error, save_tiny_tokenizer
@@ -195,6 +195,8 @@ def test_int8_embedding_stays_int8_and_lm_head_form(case):
     if "int8embed" in name or name == "hybrid_w4_asym_g64_tied":
         assert isinstance(ours.model.embed_tokens, Int8Embedding)
         assert ours.model.embed_tokens.codes.dtype == torch.int8
+    if name == "hybrid_w4_asym_g64_tied":  # the tied head multiplies the embedding's own codes: no second table
+        assert isinstance(ours.lm_head, Int8Linear) and ours.lm_head.codes is ours.model.embed_tokens.codes
     if name == "dense_w4_g32_w4embed_tied":
         from deltaserve.engine.loader import load_model
         from deltaserve.models.layers import Int4Linear
@@ -253,7 +255,7 @@ def test_ledger_weights_line_equals_resident_bytes(case, dequantize):
     """The CPU ledger's weights line = the bytes the loaded model holds, within 1%: dequantized (the INT8 embedding
     kept int8) and packed (the CPU default: 4-bit codes with a float32 scale and offset per group, where the
     checkpoint stores a 16-bit scale: 6 bytes a group more than on disk), a tied lm_head over the INT8 embedding
-    its own float matrix."""
+    multiplying its codes (no bytes of its own)."""
     from deltaserve.budget import plan_budget
     from deltaserve.config import EngineConfig
     from deltaserve.engine.loader import load_model

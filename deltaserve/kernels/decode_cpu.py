@@ -33,6 +33,7 @@ _HEADERS = r"""
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <initializer_list>
 #include <limits>
 #include <vector>
 #if defined(__x86_64__) || defined(__i386__)
@@ -89,30 +90,71 @@ Lin lin_of(const std::vector<torch::Tensor>& t, size_t i, int64_t group, int64_t
   return l;
 }
 
-// y [M, N] = x [M, K] @ W.T (+ bias)
-void matmul(const Lin& l, const float* x, int64_t M, float* y) {
+// One projection's output: y [M, N] = x [M, K] @ W.T (+ bias).
+struct Out {
+  const Lin* l;
+  float* y;
+};
+
+inline int64_t block_rows(const Lin& l) { return l.group ? int4k::NR_MAX : lineark::NR_MAX; }
+
+// Rows [n0, n0 + rows) of one projection's output: `rows` is its block, or 1 past its last full block.
+inline void rows_of(const Lin& l, const float* x, int64_t M, int64_t n0, int64_t rows, float* y) {
   const int64_t N = l.N, K = l.K;
   if (l.group) {
-    if (l.lut) int4k::decode_all<true>(x, M, l.q4, N, y);
-    else int4k::decode_all<false>(x, M, l.q4, N, y);
+    constexpr int NR = int4k::NR_MAX;
+    if (l.lut) rows == NR ? int4k::rows_past<NR, true>(x, M, l.q4, n0, y + n0, N)
+                          : int4k::rows_past<1, true>(x, M, l.q4, n0, y + n0, N);
+    else rows == NR ? int4k::rows_past<NR, false>(x, M, l.q4, n0, y + n0, N)
+                    : int4k::rows_past<1, false>(x, M, l.q4, n0, y + n0, N);
   } else {
     constexpr int NR = lineark::NR_MAX;
-    const int64_t blocks = N / NR;
-    const float* wp = l.w;
-    #pragma omp parallel for schedule(static)
-    for (int64_t b = 0; b < blocks; ++b) {
-      if (b + 2 < blocks) {  // the weight rows two blocks on: in flight while these are used
-        const char* ahead = reinterpret_cast<const char*>(wp + NR * (b + 2) * K);
-        for (int64_t c = 0; c < NR * K * 4; c += 64) __builtin_prefetch(ahead + c, 0, 1);
-      }
-      lineark::rows_past<NR>(x, M, wp + NR * b * K, K, y + NR * b, N);
-    }
-    for (int64_t n = NR * blocks; n < N; ++n) lineark::rows_past<1>(x, M, wp + n * K, K, y + n, N);
+    if (rows == NR) lineark::rows_past<NR>(x, M, l.w + n0 * K, K, y + n0, N);
+    else lineark::rows_past<1>(x, M, l.w + n0 * K, K, y + n0, N);
   }
-  if (l.bias)
-    for (int64_t m = 0; m < M; ++m)
-      for (int64_t n = 0; n < N; ++n) y[m * N + n] += l.bias[n];
 }
+
+// The weight bytes of rows [n0, n0 + rows), fetched ahead while earlier rows are multiplied.
+inline void prefetch_rows(const Lin& l, int64_t n0, int64_t rows) {
+  const int64_t row_bytes = l.group ? l.K / 2 : l.K * 4;
+  const char* p = l.group ? reinterpret_cast<const char*>(l.q4.packed) : reinterpret_cast<const char*>(l.w);
+  for (int64_t c = 0; c < rows * row_bytes; c += 64) __builtin_prefetch(p + n0 * row_bytes + c, 0, 1);
+}
+
+// Projections of the same input x [M, K] (q / k / v, gate / up, a GDN mixer's four) in one parallel loop over all
+// their row blocks: one OpenMP region and one barrier for them all, where one each made a step of SmolLM2 ~240
+// regions, each a sync point of the threads.
+void matmuls(const float* x, int64_t M, std::initializer_list<Out> outs) {
+  constexpr int MAX_OUTS = 4;
+  TORCH_CHECK(outs.size() <= MAX_OUTS, "decode block: at most 4 projections share a loop");
+  const Out* o = outs.begin();
+  const int n_outs = static_cast<int>(outs.size());
+  int64_t start[MAX_OUTS + 1] = {0}, full[MAX_OUTS], block[MAX_OUTS];
+  for (int j = 0; j < n_outs; ++j) {  // projection j's units: its full blocks, then one per row past them
+    block[j] = block_rows(*o[j].l);
+    full[j] = o[j].l->N / block[j];
+    start[j + 1] = start[j] + full[j] + o[j].l->N % block[j];
+  }
+  #pragma omp parallel for schedule(static)
+  for (int64_t u = 0; u < start[n_outs]; ++u) {
+    int j = 0;
+    while (u >= start[j + 1]) ++j;
+    const Lin& l = *o[j].l;
+    const int64_t i = u - start[j];
+    if (i < full[j]) {
+      if (i + 2 < full[j]) prefetch_rows(l, (i + 2) * block[j], block[j]);  // two blocks on: in flight meanwhile
+      rows_of(l, x, M, i * block[j], block[j], o[j].y);
+    } else {
+      rows_of(l, x, M, full[j] * block[j] + (i - full[j]), 1, o[j].y);
+    }
+  }
+  for (const Out& out : outs)
+    if (out.l->bias)
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t n = 0; n < out.l->N; ++n) out.y[m * out.l->N + n] += out.l->bias[n];
+}
+
+inline void matmul(const Lin& l, const float* x, int64_t M, float* y) { matmuls(x, M, {{&l, y}}); }
 
 // y = x / rms(x) * (offset + weight) over D channels (fused_cpu's rms_norm, the same arithmetic)
 inline void rms_row(const float* __restrict x, const float* __restrict w, float off, float eps, int64_t D,
@@ -214,9 +256,7 @@ torch::Tensor attention_block(torch::Tensor x, std::vector<torch::Tensor> t, std
   float* o = att + B * Hq * D; // [B, H]
   float* xp = x.data_ptr<float>();
   for (int64_t b = 0; b < B; ++b) rms_row(xp + b * H, wn, off, e, H, xn + b * H);
-  matmul(lq, xn, B, qr);
-  matmul(lk, xn, B, kr);
-  matmul(lv, xn, B, vr);
+  matmuls(xn, B, {{&lq, qr}, {&lk, kr}, {&lv, vr}});
   const float* cp = cos.data_ptr<float>();
   const float* sp = sin.data_ptr<float>();
   for (int64_t b = 0; b < B; ++b) {
@@ -275,12 +315,190 @@ torch::Tensor mlp_block(torch::Tensor x, std::vector<torch::Tensor> t, std::vect
   float* xp = x.data_ptr<float>();
   const float off = static_cast<float>(offset), e = static_cast<float>(eps);
   for (int64_t b = 0; b < B; ++b) rms_row(xp + b * H, wn, off, e, H, xn + b * H);
-  matmul(lg, xn, B, g);
-  matmul(lu, xn, B, u);
+  matmuls(xn, B, {{&lg, g}, {&lu, u}});
   for (int64_t i = 0; i < B * I; ++i) g[i] = silu(g[i]) * u[i];
   matmul(ld, g, B, d);
   for (int64_t i = 0; i < B * H; ++i) xp[i] += d[i];
   return x;
+}
+
+namespace {
+
+// ---- int8 weights (kernels/int8.py's Int8Rows: w = scale * q + offset per group), a tied vocabulary projection ----
+// OFF: the weight has offsets (asymmetric); without (a GGUF's Q8_0, symmetric INT8) w = scale * q, and the offsets
+// array, a fifth of the bytes of a table in groups of 32, is never read.
+struct Int8W {
+  const int8_t* codes;
+  const float *scales, *offsets;
+  int64_t K, group;
+};
+
+#if defined(__AVX2__) && !defined(__AVX512F__)
+// AVX2: 8-float __m256 accumulators, as in int4_cpu's and linear_cpu's tiles (GCC keeps an array of 16-float values in
+// memory and moves each through general registers at every step: SmolLM2's vocabulary at one row took 30 ms, not 5),
+// and 8 codes widened a load at a time (vpmovsxbd + vcvtdq2ps; GCC's generic int8 -> float conversion is scalar).
+constexpr int I8_MR = 2, I8_NR = 4;  // 8 accumulators, 4 scales, 2 input vectors and a weight vector of 16 registers
+
+inline __m256 widen8_i8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+
+// y[m, n0 + n] for MR input rows and NR weight rows.
+template <int MR, int NR, bool OFF>
+inline void i8_tile(const float* __restrict x, const Int8W& w, int64_t n0, float* __restrict y, int64_t ldy) {
+  const int64_t K = w.K, groups = K / w.group;
+  __m256 acc[MR * NR];
+  for (int i = 0; i < MR * NR; ++i) acc[i] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m256 s[NR], o[NR];
+    for (int n = 0; n < NR; ++n) {
+      s[n] = _mm256_set1_ps(w.scales[(n0 + n) * groups + g]);
+      if constexpr (OFF) o[n] = _mm256_set1_ps(w.offsets[(n0 + n) * groups + g]);
+    }
+    for (int64_t k = g * w.group; k < (g + 1) * w.group; k += 8) {
+      __m256 xv[MR];
+      for (int m = 0; m < MR; ++m) xv[m] = _mm256_loadu_ps(x + m * K + k);
+      for (int n = 0; n < NR; ++n) {
+        const __m256 q = widen8_i8(w.codes + (n0 + n) * K + k);
+        __m256 wv;
+        if constexpr (OFF) wv = _mm256_fmadd_ps(q, s[n], o[n]);
+        else wv = _mm256_mul_ps(q, s[n]);
+        for (int m = 0; m < MR; ++m) acc[m * NR + n] = _mm256_fmadd_ps(xv[m], wv, acc[m * NR + n]);
+      }
+    }
+  }
+  for (int i = 0; i < MR * NR; ++i) {
+    const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(acc[i]), _mm256_extractf128_ps(acc[i], 1));
+    const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+    y[i / NR * ldy + n0 + i % NR] = _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
+  }
+}
+#else
+constexpr int I8_MR = int4k::MR_MAX, I8_NR = int4k::NR_MAX;
+
+typedef int8_t i8x16_u __attribute__((vector_size(16), aligned(1)));
+inline f16v widen16_i8(const int8_t* p) {
+  return __builtin_convertvector(__builtin_convertvector(*reinterpret_cast<const i8x16_u*>(p), i16v), f16v);
+}
+
+// y[m, n0 + n] for MR input rows and NR weight rows, widened 16 columns at a time (int4_cpu's tile, 8-bit codes).
+template <int MR, int NR, bool OFF>
+inline void i8_tile(const float* __restrict x, const Int8W& w, int64_t n0, float* __restrict y, int64_t ldy) {
+  const int64_t K = w.K, groups = K / w.group;
+  f16v acc[MR * NR];
+  for (int i = 0; i < MR * NR; ++i) acc[i] = f16v{};
+  for (int64_t g = 0; g < groups; ++g) {
+    f16v s[NR], o[NR];
+    for (int n = 0; n < NR; ++n) {
+      s[n] = f16v{} + w.scales[(n0 + n) * groups + g];
+      o[n] = f16v{} + (OFF ? w.offsets[(n0 + n) * groups + g] : 0.0f);
+    }
+    for (int64_t k = g * w.group; k < (g + 1) * w.group; k += 16) {
+      f16v wv[NR];
+      for (int n = 0; n < NR; ++n) wv[n] = widen16_i8(w.codes + (n0 + n) * K + k) * s[n] + o[n];
+      for (int m = 0; m < MR; ++m) {
+        const f16v xv = load16(x + m * K + k);
+        for (int n = 0; n < NR; ++n) acc[m * NR + n] += xv * wv[n];
+      }
+    }
+  }
+  for (int i0 = 0; i0 < MR * NR; i0 += 16) {
+    f16v part[16];
+    for (int i = 0; i < 16; ++i) part[i] = i0 + i < MR * NR ? acc[i0 + i] : f16v{};
+    const f16v sums = sum16(part);
+    for (int i = 0; i < 16 && i0 + i < MR * NR; ++i) y[(i0 + i) / NR * ldy + n0 + (i0 + i) % NR] = sums[i];
+  }
+}
+#endif
+
+template <int NR, bool OFF>
+inline void i8_rows(const float* x, int64_t M, const Int8W& w, int64_t n0, float* y, int64_t N) {
+  int64_t m = 0;
+  for (; m + I8_MR <= M; m += I8_MR) i8_tile<I8_MR, NR, OFF>(x + m * w.K, w, n0, y + m * N, N);
+  for (; m < M; ++m) i8_tile<1, NR, OFF>(x + m * w.K, w, n0, y + m * N, N);
+}
+
+// Weight rows [n0, n0 + rows) widened to float32 [rows, K] (the dequantized weight's own values).
+template <bool OFF>
+inline void i8_widen(const Int8W& w, int64_t n0, int64_t rows, float* out) {
+  const int64_t K = w.K, groups = K / w.group;
+  for (int64_t n = 0; n < rows; ++n)
+    for (int64_t g = 0; g < groups; ++g) {
+      const float s = w.scales[(n0 + n) * groups + g], o = OFF ? w.offsets[(n0 + n) * groups + g] : 0.0f;
+      const int8_t* q = w.codes + (n0 + n) * K + g * w.group;
+      float* dst = out + n * K + g * w.group;
+#if defined(__AVX2__) && !defined(__AVX512F__)
+      const __m256 sv = _mm256_set1_ps(s), ov = _mm256_set1_ps(o);
+      for (int64_t k = 0; k < w.group; k += 8)
+        _mm256_storeu_ps(dst + k, OFF ? _mm256_add_ps(_mm256_mul_ps(widen8_i8(q + k), sv), ov)
+                                      : _mm256_mul_ps(widen8_i8(q + k), sv));
+#else
+      for (int64_t k = 0; k < w.group; k += 16) {
+        const f16v v = widen16_i8(q + k) * s + o;
+        std::memcpy(dst + k, &v, sizeof v);
+      }
+#endif
+    }
+}
+
+// Up to I8_MR rows: each code widened in registers where it is used. More: each block of weight rows widened once
+// into a buffer the float32 few-row kernel (linear_cpu's tile) reads for every input row, not once per I8_MR rows.
+template <bool OFF>
+void i8_all(const float* xp, int64_t M, const Int8W& w, int64_t N, float* yp) {
+  const int64_t K = w.K;
+  if (M <= I8_MR) {
+    const int64_t blocks = N / I8_NR;
+    #pragma omp parallel for schedule(static)
+    for (int64_t b = 0; b < blocks; ++b) {
+      if (b + 2 < blocks) {  // the rows two blocks on: in flight while these are used
+        const char* ahead = reinterpret_cast<const char*>(w.codes + I8_NR * (b + 2) * K);
+        for (int64_t c = 0; c < I8_NR * K; c += 64) __builtin_prefetch(ahead + c, 0, 1);
+      }
+      i8_rows<I8_NR, OFF>(xp, M, w, I8_NR * b, yp, N);
+    }
+    for (int64_t n = I8_NR * blocks; n < N; ++n) i8_rows<1, OFF>(xp, M, w, n, yp, N);
+    return;
+  }
+  constexpr int NR = lineark::NR_MAX;
+  const int64_t blocks = N / NR;
+  #pragma omp parallel
+  {
+    std::vector<float> buf(NR * K);
+    #pragma omp for schedule(static)
+    for (int64_t b = 0; b < blocks; ++b) {
+      i8_widen<OFF>(w, NR * b, NR, buf.data());
+      lineark::rows_past<NR>(xp, M, buf.data(), K, yp + NR * b, N);
+    }
+  }
+  std::vector<float> row(K);
+  for (int64_t n = NR * blocks; n < N; ++n) {
+    i8_widen<OFF>(w, n, 1, row.data());
+    lineark::rows_past<1>(xp, M, row.data(), K, yp + n, N);
+  }
+}
+
+}  // namespace
+
+// x [M, K] float32 @ W.T -> [M, N] float32, W int8 codes [N, K] with float32 scales and offsets [N, K / group]
+// (offsets empty: all zero)
+torch::Tensor int8_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, torch::Tensor offsets,
+                          int64_t group) {
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.is_contiguous() && x.dim() == 2, "int8_linear: float32 x [M, K]");
+  TORCH_CHECK(codes.scalar_type() == torch::kInt8 && codes.is_contiguous() && codes.dim() == 2 &&
+              codes.size(1) == x.size(1), "int8_linear: contiguous int8 codes [N, K]");
+  const int64_t M = x.size(0), K = x.size(1), N = codes.size(0);
+  TORCH_CHECK(group % 16 == 0 && K % group == 0, "int8_linear: the group must be a multiple of 16 dividing K");
+  const bool off = offsets.numel() != 0;
+  for (const auto* t : off ? std::vector<const torch::Tensor*>{&scales, &offsets}
+                           : std::vector<const torch::Tensor*>{&scales})
+    TORCH_CHECK(t->scalar_type() == torch::kFloat32 && t->is_contiguous() && t->dim() == 2 && t->size(0) == N &&
+                t->size(1) == K / group, "int8_linear: scales and offsets must be contiguous float32 [N, K / group]");
+  auto y = torch::empty({M, N}, x.options());
+  const Int8W w{codes.data_ptr<int8_t>(), scales.data_ptr<float>(), off ? offsets.data_ptr<float>() : nullptr, K,
+                group};
+  if (off) i8_all<true>(x.data_ptr<float>(), M, w, N, y.data_ptr<float>());
+  else i8_all<false>(x.data_ptr<float>(), M, w, N, y.data_ptr<float>());
+  return y;
 }
 
 // x [B, hidden] float32, updated in place: x += out_proj(gated_norm(delta_rule(conv(in_proj_qkv(norm(x)))), z)),
@@ -329,10 +547,7 @@ torch::Tensor gdn_block(torch::Tensor x, std::vector<torch::Tensor> t, std::vect
   float* xp = x.data_ptr<float>();
   const float off = static_cast<float>(offset), e = static_cast<float>(eps);
   for (int64_t b = 0; b < B; ++b) rms_row(xp + b * H, wn, off, e, H, xn + b * H);
-  matmul(lqkv, xn, B, mixed);
-  matmul(lz, xn, B, z);
-  matmul(lb, xn, B, bb);
-  matmul(la, xn, B, aa);
+  matmuls(xn, B, {{&lqkv, mixed}, {&lz, z}, {&lb, bb}, {&la, aa}});
   const float* wp = cw.data_ptr<float>();
   float* cs = conv_states.data_ptr<float>();
   for (int64_t b = 0; b < B; ++b) {  // the causal conv's one new row from each state, then the state moves on
@@ -387,7 +602,8 @@ _SOURCE = (VECTOR_PRELUDE + _HEADERS
            + "namespace fusedk {\n" + _body(fused_cpu._SOURCE) + "\n}  // namespace fusedk\n"
            + _BLOCKS)
 
-KERNELS = CompiledKernels("deltaserve_decode_cpu", _SOURCE, ["attention_block", "mlp_block", "gdn_block"],
+KERNELS = CompiledKernels("deltaserve_decode_cpu", _SOURCE,
+                           ["attention_block", "mlp_block", "gdn_block", "int8_linear"],
                            "fused CPU decode blocks", "the per-op decode path")
 
 EMPTY = torch.empty(0)  # where a block has no such tensor (no bias, no level table, no q/k norm)
@@ -435,3 +651,16 @@ def gdn_block(x, tensors: list, meta: list[int], conv_states, states, state_slot
     """x [B, hidden] += a Gated DeltaNet mixer's output over norm(x) for one token per sequence, its conv and
     recurrent states updated in place (the C++ comment above gdn_block says which tensors)."""
     return KERNELS.module.gdn_block(x, tensors, meta, conv_states, states, state_slots, eps, offset, norm_eps)
+
+
+def serves_int8(rows: torch.Tensor, group_size: int) -> bool:
+    """Whether int8_linear takes these float32 input rows [M, K]: built, on CPU, 1 to MAX_ROWS rows."""
+    return (rows.device.type == "cpu" and 0 < rows.shape[0] <= MAX_ROWS and group_size % 16 == 0
+            and KERNELS.module is not None)
+
+
+def int8_linear(rows: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor,
+                group_size: int) -> torch.Tensor:
+    """rows [M, K] float32 @ W.T, W = scale * codes + offset per group of the int8 codes [N, K] (`offsets` empty:
+    all zero, never read)."""
+    return KERNELS.module.int8_linear(rows, codes, scales, offsets, group_size)

@@ -263,6 +263,8 @@ def load_weights(module: nn.Module, tensors: dict[str, torch.Tensor], *, dtype: 
         if isinstance(tensor, Int8Rows):
             if pname not in tied and _held_int8(module, pname, tensor, device, dtype):
                 continue
+            if pname in tied and _tied_int8_head(module, pname, tied[pname]):
+                continue
             tensor = tensor.dequantize()
         if tuple(tensor.shape) != tuple(param.shape):
             raise ValueError(f"{name}: tensor {source} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
@@ -310,6 +312,52 @@ class Int8Embedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return Int8Rows(self.codes, self.scales, self.offsets, self.group_size).gather(ids, self.dtype)
+
+
+class Int8Linear(nn.Module):
+    """A linear layer whose weight stays int8: a vocabulary projection tied to an Int8Embedding, multiplying the
+    embedding's own codes (no second copy). Its result equals the dequantized float32 weight's to float32 rounding:
+    decode rows (kernels/decode_cpu.py) widen each code in registers; more rows widen a tile at a time for torch.mm."""
+
+    def __init__(self, embedding: Int8Embedding):
+        super().__init__()
+        self.out_features, self.in_features = embedding.num_embeddings, embedding.embedding_dim
+        self.group_size = embedding.group_size
+        self.register_buffer("codes", embedding.codes)  # the same tensors: counted once by the ledger's measure
+        self.register_buffer("scales", embedding.scales)
+        self.register_buffer("offsets", embedding.offsets)
+        self.symmetric = not bool(embedding.offsets.any())  # w = scale * q: the decode kernel skips the offsets
+        self.bias = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from deltaserve.kernels import decode_cpu
+
+        rows = x.reshape(-1, self.in_features).to(torch.float32).contiguous()
+        if decode_cpu.serves_int8(rows, self.group_size):
+            offsets = decode_cpu.EMPTY if self.symmetric else self.offsets
+            y = decode_cpu.int8_linear(rows, self.codes, self.scales, offsets, self.group_size)
+        else:
+            step = max(16, (1 << 20) // self.in_features)  # ~4 MiB of widened rows at a time
+            y = torch.cat([rows @ Int8Rows(self.codes[a:a + step], self.scales[a:a + step],
+                                           self.offsets[a:a + step], self.group_size).dequantize().t()
+                           for a in range(0, self.out_features, step)], dim=1)
+        return y.view(*x.shape[:-1], self.out_features)
+
+
+def _tied_int8_head(module: nn.Module, pname: str, source: str) -> bool:
+    """A tied lm_head whose embedding is held int8 becomes an Int8Linear over the same codes (on every device, so the
+    ledger prices it once: weights/held.py); False to dequantize it."""
+    owner_name, _, leaf = pname.rpartition(".")
+    owner = module.get_submodule(owner_name) if owner_name else module
+    embedding_name = source.rpartition(".")[0]
+    embedding = module.get_submodule(embedding_name) if embedding_name else None
+    if (leaf != "weight" or type(owner) is not Linear or not isinstance(embedding, Int8Embedding)
+            or tuple(owner.weight.shape) != (embedding.num_embeddings, embedding.embedding_dim)):
+        return False
+    parent_name, _, child = owner_name.rpartition(".")
+    parent = module.get_submodule(parent_name) if parent_name else module
+    setattr(parent, child, Int8Linear(embedding))
+    return True
 
 
 def _held_int8(module: nn.Module, pname: str, rows: Int8Rows, device, dtype: torch.dtype) -> bool:

@@ -13,8 +13,8 @@ import torch.nn.functional as F
 from deltaserve.kernels import decode_cpu
 from deltaserve.kernels.attention import paged_attention
 from deltaserve.models.batch import ATTENTION, CacheGeometry, ForwardBatch, ModelCaches
-from deltaserve.models.layers import (FusedParts, Int4Linear, RMSNorm, Rotary, apply_rotary, attention_parts,
-                                     by_row_blocks, linear, mlp_parts, rope_parameters)
+from deltaserve.models.layers import (FusedParts, Int4Linear, Int8Linear, RMSNorm, Rotary, apply_rotary,
+                                     attention_parts, by_row_blocks, linear, mlp_parts, rope_parameters)
 
 
 class LlamaAttention(nn.Module):
@@ -149,4 +149,4 @@ class LlamaForCausalLM(nn.Module):
         # Only the rows the sampler needs pass the final norm and the vocab projection.
         hidden = self.model.norm(hidden.index_select(0, batch.logits_indices))
         head = self.lm_head
-        return head(hidden if isinstance(head, Int4Linear) else hidden.to(head.weight.dtype)).float()
+        return head(hidden if isinstance(head, (Int4Linear, Int8Linear)) else hidden.to(head.weight.dtype)).float()

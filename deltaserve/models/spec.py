@@ -159,12 +159,13 @@ def _held_safetensors(config: dict, files: list[Path], bits: int, tied: bool) ->
 def _int8_embedding_held(spec: ModelMemorySpec, files: list[Path]) -> None:
     """With dequantize_weights, an 8-bit compressed-tensors embedding stays int8 (models/layers.Int8Embedding): one
     byte a weight plus a float32 scale and offset per group, not params x dtype; a tied lm_head over a 4-bit embedding
-    shares its dequantized table."""
+    shares its dequantized table, and one over an int8-held embedding multiplies its codes (weights/held.py: 0
+    bytes)."""
     from deltaserve.weights.hf import read_safetensors_header
 
     head = next((g for g in spec.weight_groups if g.name == "lm_head"), None)
     if head is not None and head.stored_bytes == 0 and not head.float_params:
-        head.held_dequantized_bytes = 0  # tied to a 4-bit embedding: dequantized, it shares the embedding's table
+        head.held_dequantized_bytes = 0  # tied: it shares the embedding's dequantized table or its int8 codes
     index = {name: entry for f in files for name, entry in read_safetensors_header(f).items()}
     embedding = next((g for g in spec.weight_groups if g.name == "embedding"), None)
     scale = next((n for n in index if n.endswith("embed_tokens.weight_scale")), None)
@@ -555,14 +556,17 @@ def _gguf_held(t) -> tuple[str, int, int, bool, int]:
     """(name, params, stored bytes, held as floats?, bytes held packed) of one GGUF tensor.
 
     What weights/gguf.py keeps packed (kernels/int4.py: half a byte per weight, per 32 the block's float16 scale (and
-    Q4_1's float16 offset) or float32 products of two scales (Q4_K, IQ4_XS), the level table of IQ4_NL / IQ4_XS) is
-    counted at that size; the rest (the embedding included) in the compute dtype."""
-    from deltaserve.weights.gguf import int4_held_bytes, kept_int4
+    Q4_1's float16 offset) or float32 products of two scales (Q4_K, IQ4_XS), the level table of IQ4_NL / IQ4_XS; a
+    Q8_0 embedding a byte per weight plus a float32 scale and offset per 32, shared by a tied lm_head) is counted at
+    that size; the rest in the compute dtype."""
+    from deltaserve.weights.gguf import int4_held_bytes, int8_held_bytes, kept_int4, kept_int8
 
     params, shape = int(t.n_elements), tuple(int(d) for d in reversed(t.shape))
     if kept_int4(t.tensor_type, t.name, shape):
         matrices = shape[0] if len(shape) == 3 else 1  # stacked experts: one packed matrix each
         return t.name, params, int(t.n_bytes), False, int4_held_bytes(params, t.tensor_type, matrices)
+    if kept_int8(t.tensor_type, t.name, shape):
+        return t.name, params, int(t.n_bytes), False, int8_held_bytes(params)
     return t.name, params, int(t.n_bytes), True
 
 

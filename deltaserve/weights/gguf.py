@@ -15,12 +15,15 @@ from gguf import GGUFReader, GGUFValueType
 from gguf.quants import dequantize
 
 from deltaserve.kernels.int4 import Int4Codes, held_bytes, pack, packable
+from deltaserve.kernels.int8 import Int8Rows
 from deltaserve.weights import gguf_hybrid
 from deltaserve.weights.gguf_int4 import held_scales, int4_codes
 from deltaserve.weights.errors import CheckpointError
 from deltaserve.weights.gguf_tokenizer import gguf_tokenizer
 from deltaserve.weights.progress import LoadProgress
 
+Q8_BLOCK = 32  # weights per Q8_0 block
+Q8_BLOCK = 32  # weights per Q8_0 block
 SUPPORTED_TYPES = (Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_NL, Q.IQ4_XS)
 SUPPORTED_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM",
                            **{arch: names[0] for arch, names in gguf_hybrid.ARCHITECTURES.items()}}
@@ -204,7 +207,8 @@ def load_gguf(path: Path, dtype: torch.dtype, skip_prefixes: tuple[str, ...], ke
     """(config, tensors, tokenizer, generation_config, skipped) of a GGUF file, tensors dequantized.
 
     With `keep_int4`, INT4_TYPES matrices come packed (kernels/int4.PackedInt4, read from their blocks, never
-    dequantized). Stacked experts come as one matrix per expert; Qwen3-Next's two halves of in_proj_qkvz as one."""
+    dequantized), and a Q8_0 embedding as Int8Rows (held 8-bit; a tied lm_head multiplies the same codes). Stacked
+    experts come as one matrix per expert; Qwen3-Next's two halves of in_proj_qkvz as one."""
     reader = open_gguf(path)
     config = gguf_config(reader, path)
     tokenizer = gguf_tokenizer(reader, path)
@@ -239,7 +243,8 @@ def load_gguf(path: Path, dtype: torch.dtype, skip_prefixes: tuple[str, ...], ke
 
 
 def _read(tensor, name: str, config: dict, dtype: torch.dtype, keep_int4: bool):
-    """One GGUF tensor in HF layout: Int4Codes (kept 4-bit) or a `dtype` tensor, the converter's changes undone."""
+    """One GGUF tensor in HF layout: Int4Codes (kept 4-bit), Int8Rows (kept 8-bit) or a `dtype` tensor, the
+    converter's changes undone."""
     shape = tuple(int(d) for d in reversed(tensor.shape))
     kind = tensor.name.split(".")[-2] if "." in tensor.name else ""
     heads = None
@@ -257,6 +262,10 @@ def _read(tensor, name: str, config: dict, dtype: torch.dtype, keep_int4: bool):
         if columns is not None:  # stored column j is the checkpoint's column columns[j]: Int4Codes.perm
             codes.perm = torch.from_numpy(columns.astype(np.int64))
         return codes
+    if (keep_int4 and kept_int8(tensor.tensor_type, tensor.name, shape)
+            and not (hybrid and (gguf_hybrid.row_order(config, name) is not None
+                                 or gguf_hybrid.column_order(config, name) is not None))):
+        return q8_0_rows(tensor.data, shape)
     values = dequantize(tensor.data, tensor.tensor_type).reshape(shape)
     if heads is not None:
         values = unpermute_rotary(values, heads)
@@ -299,6 +308,26 @@ def kept_int4(kind: Q, gguf_name: str, shape: tuple[int, ...]) -> bool:
     packed: an INT4_TYPES matrix the CPU kernel takes, other than the embedding (looked up by row: held as floats)."""
     return (kind in INT4_TYPES and not gguf_name.startswith("token_embd") and len(shape) in (2, 3)
             and packable(shape[-2:], Q4_BLOCK))
+
+
+def kept_int8(kind: Q, gguf_name: str, shape: tuple[int, ...]) -> bool:
+    """Whether loading with `keep_int4` holds this tensor 8-bit: a Q8_0 embedding (kernels/int8.py's Int8Rows)."""
+    return kind == Q.Q8_0 and gguf_name.startswith("token_embd") and len(shape) == 2 and shape[1] % Q8_BLOCK == 0
+
+
+def int8_held_bytes(params: int) -> int:
+    """Bytes a kept Q8_0 tensor of `params` weights holds: a byte each, a float32 scale and offset per 32."""
+    return params + params // Q8_BLOCK * 8
+
+
+def q8_0_rows(data, shape: tuple[int, int]) -> Int8Rows:
+    """A Q8_0 matrix [N, K] from its blocks (a float16 scale, then 32 signed codes): w = scale * q, offset 0."""
+    n, k = shape
+    blocks = np.ascontiguousarray(data).view(np.uint8).reshape(n * k // Q8_BLOCK, 2 + Q8_BLOCK)
+    scales = blocks[:, :2].copy().view(np.float16).astype(np.float32).reshape(n, k // Q8_BLOCK)
+    codes = blocks[:, 2:].copy().view(np.int8).reshape(n, k)
+    scales = torch.from_numpy(scales)
+    return Int8Rows(torch.from_numpy(codes), scales, torch.zeros_like(scales), Q8_BLOCK)
 
 
 def int4_held_bytes(params: int, kind: Q, matrices: int = 1) -> int:

@@ -9,8 +9,9 @@ On CPU with 4-bit matrices packed (the default), loading keeps
 - an 8-bit embedding as int8 codes with a float32 scale and offset per group (models/layers.Int8Embedding);
 - every other quantized module (a 4-bit embedding, an 8-bit linear, a group the kernel does not take) dequantized to
   the compute dtype;
-and a tied lm_head over a quantized embedding is its own weight: dequantized from an 8-bit table, packed from a
-4-bit one. The parts (scales, zero points, g_idx, weight_shape) cost nothing beyond their module.
+and a tied lm_head over a quantized embedding: over an 8-bit table held int8, it multiplies the same codes
+(models/layers.Int8Linear: nothing more to hold); over a 4-bit one, packed on its own; otherwise dequantized. The
+parts (scales, zero points, g_idx, weight_shape) cost nothing beyond their module.
 """
 
 from __future__ import annotations
@@ -108,10 +109,13 @@ def module_held_bytes(n: int, k: int, group: int, bits: int, embedding: bool, ac
     return None
 
 
-def tied_head_held_bytes(n: int, k: int, group: int, bits: int,
-                         symmetric_scale_bytes: int | None = None) -> int | None:
-    """Bytes the lm_head tied to a quantized [n, k] embedding is held in when not as floats: packed from a 4-bit
-    table (models/layers._held_int4), None (floats) from any other."""
+def tied_head_held_bytes(n: int, k: int, group: int, bits: int, symmetric_scale_bytes: int | None = None,
+                         act_order: bool = False) -> int | None:
+    """Bytes the lm_head tied to a quantized [n, k] embedding is held in when not as floats: nothing over a table
+    held int8 (the head multiplies its codes, models/layers.Int8Linear), packed from a 4-bit table
+    (models/layers._held_int4), None (floats) from any other."""
+    if bits == 8 and module_held_bytes(n, k, group, bits, True, act_order) is not None:
+        return 0
     return _packed_bytes(n * k, group, symmetric_scale_bytes) if bits == 4 and packable((n, k), group) else None
 
 
@@ -135,8 +139,10 @@ def _held_form(config: dict, qc: dict, module: str, params: int, shapes: dict, s
 
 
 def _tied_head(config: dict, qc: dict, embedding: str, count: int, shapes: dict, stored: dict) -> Row:
-    """The lm_head row of a tied quantized embedding: packed when the embedding is 4-bit and packable, else float."""
+    """The lm_head row of a tied quantized embedding: nothing over an embedding held int8 (it shares the codes),
+    packed when the embedding is 4-bit and packable, else float."""
     geometry = _geometry(embedding, count, shapes)
-    held = None if geometry is None else tied_head_held_bytes(*geometry, _bits(config, qc, embedding),
-                                                              _symmetric_scale_bytes(config, qc, embedding, shapes, stored))
+    held = None if geometry is None else tied_head_held_bytes(
+        *geometry, _bits(config, qc, embedding), _symmetric_scale_bytes(config, qc, embedding, shapes, stored),
+        act_order=embedding + ".weight_g_idx" in shapes)
     return ("lm_head.weight", count, 0, True) if held is None else ("lm_head.weight", count, 0, False, held)
