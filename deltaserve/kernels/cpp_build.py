@@ -79,6 +79,14 @@ inline f16v sum16(const f16v* x) {
 """
 
 
+def _bindings(functions: list[str]) -> str:
+    """The module's Python bindings, each call made without the GIL: a kernel touches no Python object, and holding
+    the GIL through it stalled the server's event loop (it waits for the GIL while the engine thread computes, then
+    the engine thread waits for it back: a served stream ran at a fraction of the engine's own speed)."""
+    defs = "".join(f'  m.def("{f}", torch::wrap_pybind_function_no_gil({f}), "{f}");\n' for f in functions)
+    return "\nPYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {\n" + defs + "}\n"
+
+
 class CompiledKernels:
     """One C++ extension: its source, the functions it exports, and what it is (for the log line)."""
 
@@ -145,7 +153,7 @@ def build_key(kernels: CompiledKernels) -> str:
         version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
     except OSError:
         version = "none"
-    parts = [kernels.source, " ".join(kernels.flags), compiler, version, torch.__version__,
+    parts = [kernels.source + _bindings(kernels.functions), " ".join(kernels.flags), compiler, version, torch.__version__,
              str(Path(torch.__file__).parent), sys.version, ",".join(kernels.functions)]
     if "-march=native" in kernels.flags:
         parts.append(cpu_features())  # a native build from an AVX-512 CPU dies of SIGILL on an AVX2 one (shared home)
@@ -233,7 +241,7 @@ def _build(kernels: CompiledKernels, folder: Path, log):
         log(f"compiling CPU kernels: {kernels.what} (one time, about {BUILD_SECONDS} s) in {scratch.parent}")
     started = time.monotonic()
     try:
-        module = cpp_extension.load_inline(kernels.name, cpp_sources=[kernels.source], functions=kernels.functions,
+        module = cpp_extension.load_inline(kernels.name, cpp_sources=[kernels.source + _bindings(kernels.functions)],
                              extra_cflags=kernels.flags, extra_ldflags=["-fopenmp"], build_directory=str(scratch),
                              verbose=False, is_python_module=True)
     except Exception as e:  # the compiler's output is in the message: keep it where the error points
