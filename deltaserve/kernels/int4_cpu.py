@@ -1,6 +1,6 @@
 """The packed 4-bit matmul on CPU (kernels/int4.py's layout), float32 arithmetic, a small C++ kernel.
 
-Decode (1 to MAX_ROWS input rows): each task takes NR weight rows; for every 32 columns it widens 16 packed bytes
+Decode (1 to MAX_ROWS input rows, 16): each task takes NR weight rows; for every 32 columns it widens 16 packed bytes
 per row into two 16-float vectors (mask and shift, the level table through one in-register permute), forms
 w = scale * level + offset in float32 and runs every group of MR input rows past them, so each packed byte is read
 from memory once per step and no float32 copy of the weight is ever written. Prefill (more rows) calls `widen` for
@@ -14,7 +14,10 @@ import torch
 
 from deltaserve.kernels.cpp_build import VECTOR_PRELUDE, CompiledKernels
 
-MAX_ROWS = 64  # a decode step of up to 64 requests; above it the widened tile's GEMM is the faster one
+# Rows the decode kernel takes; above it the widened tile's GEMM is the faster one (it re-widens the weight for every
+# 2-row tile on AVX2: a 1536 x 576 matrix at 32 rows 1.10 ms vs 0.62 ms widened once, at 8 rows 0.36 vs 0.50 ms;
+# 2 threads, AVX2 EPYC). Decode-only steps of up to 64 rows take kernels/decode_cpu.py's blocks instead.
+MAX_ROWS = 16
 
 _SOURCE = VECTOR_PRELUDE + r"""
 #include <algorithm>
@@ -239,6 +242,45 @@ Weight weight_of(const torch::Tensor& packed, const torch::Tensor& scales, const
   return w;
 }
 
+// Row n of W widened to float32 into dst [K]: the tile a prefill GEMM multiplies.
+#if defined(__AVX2__) && !defined(__AVX512F__)
+// AVX2: straight to __m256 stores (the generic 16-float version went through memory: a 1536 x 576 matrix took
+// ~0.7 ms to widen on two threads, doubling the cost of a mixed prefill + decode step over float32 weights).
+inline void widen_row(const Weight& w, int64_t n, float* dst) {
+  const int64_t K = w.K, groups = K / w.group;
+  __m256 table[2];
+  if (w.lut) std::memcpy(table, &w.table, 64);
+  const __m128i mask = _mm_set1_epi8(15);
+  const uint8_t* row = w.packed + n * (K / 2);
+  for (int64_t g = 0; g < groups; ++g) {
+    const float sc = w.scale(n * groups + g);
+    const __m256 s = _mm256_set1_ps(sc), o = _mm256_set1_ps(w.offset(n * groups + g, sc));
+    for (int64_t k = g * w.group; k < (g + 1) * w.group; k += 32) {
+      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + k / 2));
+      const __m128i ql = _mm_and_si128(bytes, mask), qh = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);
+      _mm256_storeu_ps(dst + k, _mm256_fmadd_ps(level8(ql, table, w.lut), s, o));
+      _mm256_storeu_ps(dst + k + 8, _mm256_fmadd_ps(level8(_mm_srli_si128(ql, 8), table, w.lut), s, o));
+      _mm256_storeu_ps(dst + k + 16, _mm256_fmadd_ps(level8(qh, table, w.lut), s, o));
+      _mm256_storeu_ps(dst + k + 24, _mm256_fmadd_ps(level8(_mm_srli_si128(qh, 8), table, w.lut), s, o));
+    }
+  }
+}
+#else
+inline void widen_row(const Weight& w, int64_t n, float* dst) {
+  const int64_t K = w.K, groups = K / w.group;
+  for (int64_t g = 0; g < groups; ++g) {
+    const float s = w.scale(n * groups + g), o = w.offset(n * groups + g, s);
+    for (int64_t k = g * w.group; k < (g + 1) * w.group; k += 32) {
+      f16v lo, hi;
+      if (w.lut) widen32<true>(w.packed + n * (K / 2) + k / 2, w.table, lo, hi);
+      else widen32<false>(w.packed + n * (K / 2) + k / 2, w.table, lo, hi);
+      store16(dst + k, lo * s + o);
+      store16(dst + k + 16, hi * s + o);
+    }
+  }
+}
+#endif
+
 }  // namespace
 
 // x [M, K] float32 contiguous -> x @ W.T [M, N] float32, W packed (kernels/int4.py's layout)
@@ -262,18 +304,8 @@ torch::Tensor int4_widen(torch::Tensor packed, torch::Tensor scales, torch::Tens
   const int64_t K = w.K, groups = K / group;
   auto out = torch::empty({stop - start, K}, packed.options().dtype(torch::kFloat32));
   float* op = out.data_ptr<float>();
-  const bool has_lut = lut.has_value();
   #pragma omp parallel for schedule(static)
-  for (int64_t n = start; n < stop; ++n) {
-    for (int64_t k = 0; k < K; k += 32) {
-      f16v lo, hi;
-      if (has_lut) widen32<true>(w.packed + n * (K / 2) + k / 2, w.table, lo, hi);
-      else widen32<false>(w.packed + n * (K / 2) + k / 2, w.table, lo, hi);
-      const float s = w.scale(n * groups + k / group), o = w.offset(n * groups + k / group, s);
-      store16(op + (n - start) * K + k, lo * s + o);
-      store16(op + (n - start) * K + k + 16, hi * s + o);
-    }
-  }
+  for (int64_t n = start; n < stop; ++n) widen_row(w, n, op + (n - start) * K);
   return out;
 }
 """
