@@ -356,17 +356,16 @@ def _excluded_estimates(config: dict, text: dict, dtype_bytes: int) -> list[Weig
     return groups
 
 
-def _float_dtype(config: dict, text: dict) -> int:
+def _float_dtype(config: dict, text: dict, default: str = "bfloat16") -> int:
+    """Bytes of the dtype the config names (its own or its text_config's), `default` where it names none."""
     name = config.get("torch_dtype") or config.get("dtype") or text.get("torch_dtype") or text.get("dtype")
-    return DTYPE_BYTES.get(str(name or "bfloat16"), 2)
+    return DTYPE_BYTES.get(str(name or default), DTYPE_BYTES[default])
 
 
 def _scale_bytes(config: dict) -> int:
     """Bytes of a compressed-tensors scale: stored in the model's dtype (float32 where the config names none, as
     transformers then builds the model)."""
-    text = config.get("text_config") or {}
-    name = config.get("torch_dtype") or config.get("dtype") or text.get("torch_dtype") or text.get("dtype")
-    return DTYPE_BYTES.get(str(name or "float32"), 4)
+    return _float_dtype(config, config.get("text_config") or {}, default="float32")
 
 
 class _QuantRules:
