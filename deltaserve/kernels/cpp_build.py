@@ -153,8 +153,8 @@ def build_key(kernels: CompiledKernels) -> str:
         version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
     except OSError:
         version = "none"
-    parts = [kernels.source + _bindings(kernels.functions), " ".join(kernels.flags), compiler, version, torch.__version__,
-             str(Path(torch.__file__).parent), sys.version, ",".join(kernels.functions)]
+    parts = [kernels.source + _bindings(kernels.functions), " ".join(kernels.flags), compiler, version,
+             torch.__version__, str(Path(torch.__file__).parent), sys.version, ",".join(kernels.functions)]
     if "-march=native" in kernels.flags:
         parts.append(cpu_features())  # a native build from an AVX-512 CPU dies of SIGILL on an AVX2 one (shared home)
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]

@@ -23,7 +23,6 @@ from deltaserve.weights.gguf_tokenizer import gguf_tokenizer
 from deltaserve.weights.progress import LoadProgress
 
 Q8_BLOCK = 32  # weights per Q8_0 block
-Q8_BLOCK = 32  # weights per Q8_0 block
 SUPPORTED_TYPES = (Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_NL, Q.IQ4_XS)
 SUPPORTED_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM",
                            **{arch: names[0] for arch, names in gguf_hybrid.ARCHITECTURES.items()}}
