@@ -89,12 +89,15 @@ def stop(process: subprocess.Popen) -> None:
         process.wait()
 
 
-async def stream(client: httpx.AsyncClient, url: str, model: str, text: str, max_tokens: int) -> list[float]:
-    """Arrival times (from the send) of each streamed chunk that carries text."""
+async def stream(client: httpx.AsyncClient, url: str, model: str, text: str, max_tokens: int) -> tuple[list[float], int]:
+    """Arrival times (from the send) of each streamed chunk that carries text, and the tokens made (the usage).
+
+    Count tokens from the usage, never chunks: a server may put several tokens in one chunk when its client reads
+    slower than a batch decodes (deltaserve does; counting chunks once read its 119 tok/s load as 13)."""
     body = {"model": model, "prompt": text, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "stream": True}
+            "stream": True, "stream_options": {"include_usage": True}}
     sent = time.perf_counter()
-    times = []
+    times, tokens = [], None
     async with client.stream("POST", url + "/v1/completions", json=body) as response:
         if response.status_code != 200:
             raise SystemExit(f"error: {url} answered {response.status_code}: {(await response.aread())[:300]!r}")
@@ -104,7 +107,11 @@ async def stream(client: httpx.AsyncClient, url: str, model: str, text: str, max
             chunk = json.loads(line[6:])
             if chunk.get("choices") and chunk["choices"][0].get("text"):
                 times.append(time.perf_counter() - sent)
-    return times
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+    if tokens is None:
+        raise SystemExit(f"error: {url} sent no usage at the end of a stream with stream_options.include_usage")
+    return times, tokens
 
 
 async def measure(url: str, model: str, args) -> dict[str, float]:
@@ -113,9 +120,11 @@ async def measure(url: str, model: str, args) -> dict[str, float]:
         await stream(client, url, model, prompt(10_000, 64), 8)  # warm-up
         rates = []
         for i in range(3):
-            times = await stream(client, url, model, prompt(20_000 + i, 16), args.decode_tokens)
-            rates.append((len(times) - 1) / (times[-1] - times[0]))
-        ttfts = [(await stream(client, url, model, prompt(30_000 + i, args.ttft_prompt), 1))[0] for i in range(3)]
+            times, tokens = await stream(client, url, model, prompt(20_000 + i, 16), args.decode_tokens)
+            if len(times) != tokens:
+                raise SystemExit(f"error: one request alone streamed {tokens} tokens in {len(times)} chunks")
+            rates.append((tokens - 1) / (times[-1] - times[0]))
+        ttfts = [(await stream(client, url, model, prompt(30_000 + i, args.ttft_prompt), 1))[0][0] for i in range(3)]
         queue = list(range(args.requests))
         produced = 0
 
@@ -123,7 +132,7 @@ async def measure(url: str, model: str, args) -> dict[str, float]:
             nonlocal produced
             while queue:
                 i = queue.pop()
-                produced += len(await stream(client, url, model, prompt(40_000 + i, 48), args.load_tokens))
+                produced += (await stream(client, url, model, prompt(40_000 + i, 48), args.load_tokens))[1]
 
         started = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(args.concurrency)))
