@@ -111,6 +111,7 @@ def test_fused_decode_equals_the_per_op_path(kind, weights, cache, isa):
     prompts = [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in (5, 17, 1, 40, 9)]
     fused, plain, caches, other = steps_both_ways(model, prompts, getattr(torch, cache), steps=6)
     assert model.model.layers[0].fused.parts is not None  # the blocks served (they take these weights)
+    assert model.model.stack._args is not None  # all layers in one call (decode_stack)
     hidden = model.config["hidden_size"]
     tol = logits_rtol(3, max(hidden, model.config["intermediate_size"], 48)) * plain.abs().max().item()
     assert (fused - plain).abs().max().item() <= tol
@@ -174,6 +175,8 @@ def test_hybrid_fused_decode_equals_the_per_op_path(name, cache, tmp_path):
     for layer in model.model.layers:
         fused_mixer = layer.kind != "linear_attention" or name.startswith("qwen3_5")
         assert (layer.fused.parts[0] is not None) == fused_mixer
+    # every layer in one call (decode_stack) where all blocks are fused; Qwen3-Next's steps go layer by layer
+    assert (model.model.stack._args is not None) == name.startswith("qwen3_5")
     tol = logits_rtol(ref.config.num_hidden_layers, 64 * 16) * plain.abs().max().item()
     assert (fused - plain).abs().max().item() <= tol
     assert torch.equal(fused.argmax(-1), plain.argmax(-1))

@@ -1,4 +1,4 @@
-"""A decode step's layer in two native calls on CPU: the token mixer (attention or GDN) and the MLP, one C++ call each.
+"""A decode step's layers in one native call on CPU: per layer the token mixer (attention or GDN) and the MLP blocks.
 
 A batch-1 decode step of a small model is a few thousand PyTorch ops (SmolLM2: ~100 per layer: norms, three
 projections, views, RoPE's cat / neg / addcmul, cache writes, the attention call, the residual adds, SiLU), each
@@ -12,6 +12,10 @@ call, with every intermediate in one scratch buffer:
 - mlp_block: x += down(silu(gate(norm(x))) * up(norm(x)));
 - gdn_block: x += out_proj(gated_norm(delta_rule(conv(in_proj(norm(x)))))), Qwen3.5's Gated DeltaNet mixer for one
   token per sequence, its conv and recurrent states updated where they lie in the pool (fused_cpu.py's step).
+
+decode_stack runs every layer's blocks in one call (`Stack` keeps its flat arguments between steps): two calls per
+layer from Python cost SmolLM2 ~0.6 ms of a ~9 ms step. A model with a layer the blocks do not take (Qwen3-Next's
+packed in-projections, experts) calls the blocks layer by layer.
 
 Projections are either float32 weights (linear_cpu.py's few-row kernel) or packed 4-bit ones (int4_cpu.py's
 kernel); the attention is paged_cpu.py's kernel. Their sources are compiled into this module, each in its own
@@ -593,6 +597,68 @@ torch::Tensor gdn_block(torch::Tensor x, std::vector<torch::Tensor> t, std::vect
   for (int64_t i = 0; i < B * H; ++i) xp[i] += y[i];
   return x;
 }
+
+// Every layer of a decode step in one call: x [B, hidden] updated in place, layer by layer, by the blocks above.
+// Per layer, from the three flat lists in order: a token mixer, then an MLP (each optional).
+//   ints: the mixer's kind (0 none, 1 attention, 2 GDN) and its sizes (8 or 9: the meta above), then the MLP's
+//         kind (0 none, 1 SwiGLU) and its 3 group sizes;
+//   tensors: attention's 23 and k / v caches, or GDN's 30 and conv / recurrent states; the MLP's 16;
+//   floats: attention's eps, offset, scale, or GDN's eps, offset, norm_eps; the MLP's eps, offset.
+// A step of SmolLM2 made 60 calls from Python (~1 ms of a 10 ms step in the interpreter, argument conversion and
+// the other thread waiting meanwhile); now one.
+torch::Tensor decode_stack(torch::Tensor x, std::vector<torch::Tensor> tensors, std::vector<int64_t> ints,
+                           std::vector<double> floats, torch::Tensor cos, torch::Tensor sin,
+                           torch::Tensor slot_mapping, torch::Tensor context_slots, torch::Tensor context_lens,
+                           torch::Tensor state_slots) {
+  size_t ti = 0, ii = 0, fi = 0;
+  auto take = [&](size_t n) {
+    TORCH_CHECK(ti + n <= tensors.size(), "decode_stack: fewer tensors than the layers' kinds need");
+    std::vector<torch::Tensor> part(tensors.begin() + ti, tensors.begin() + ti + n);
+    ti += n;
+    return part;
+  };
+  auto sizes = [&](size_t n) {
+    TORCH_CHECK(ii + n <= ints.size(), "decode_stack: fewer sizes than the layers' kinds need");
+    std::vector<int64_t> part(ints.begin() + ii, ints.begin() + ii + n);
+    ii += n;
+    return part;
+  };
+  auto reals = [&](size_t n) {
+    TORCH_CHECK(fi + n <= floats.size(), "decode_stack: fewer floats than the layers' kinds need");
+    fi += n;
+    return floats.data() + fi - n;
+  };
+  while (ii < ints.size()) {
+    const int64_t mixer = ints[ii++];
+    if (mixer == 1) {
+      auto t = take(25);
+      const auto meta = sizes(8);
+      const double* f = reals(3);
+      attention_block(x, std::vector<torch::Tensor>(t.begin(), t.begin() + 23), meta, cos, sin, t[23], t[24],
+                      slot_mapping, context_slots, context_lens, f[0], f[1], f[2]);
+    } else if (mixer == 2) {
+      auto t = take(32);
+      const auto meta = sizes(9);
+      const double* f = reals(3);
+      gdn_block(x, std::vector<torch::Tensor>(t.begin(), t.begin() + 30), meta, t[30], t[31], state_slots, f[0], f[1],
+                f[2]);
+    } else {
+      TORCH_CHECK(mixer == 0, "decode_stack: a mixer kind must be 0, 1 or 2");
+    }
+    TORCH_CHECK(ii < ints.size(), "decode_stack: a layer without its MLP kind");
+    const int64_t mlp = ints[ii++];
+    if (mlp == 1) {
+      auto t = take(16);
+      const auto groups = sizes(3);
+      const double* f = reals(2);
+      mlp_block(x, t, groups, f[0], f[1]);
+    } else {
+      TORCH_CHECK(mlp == 0, "decode_stack: an MLP kind must be 0 or 1");
+    }
+  }
+  TORCH_CHECK(ti == tensors.size() && fi == floats.size(), "decode_stack: more tensors or floats than the layers use");
+  return x;
+}
 """
 
 _SOURCE = (VECTOR_PRELUDE + _HEADERS
@@ -603,7 +669,7 @@ _SOURCE = (VECTOR_PRELUDE + _HEADERS
            + _BLOCKS)
 
 KERNELS = CompiledKernels("deltaserve_decode_cpu", _SOURCE,
-                           ["attention_block", "mlp_block", "gdn_block", "int8_linear"],
+                           ["attention_block", "mlp_block", "gdn_block", "int8_linear", "decode_stack"],
                            "fused CPU decode blocks", "the per-op decode path")
 
 EMPTY = torch.empty(0)  # where a block has no such tensor (no bias, no level table, no q/k norm)
@@ -638,6 +704,60 @@ def attention_block(x, tensors: list, meta: list[int], cos, sin, k_cache, v_cach
 def mlp_block(x, tensors: list, groups: list[int], eps: float, offset: float) -> torch.Tensor:
     """x [B, hidden] += the SwiGLU MLP of norm(x), in place."""
     return KERNELS.module.mlp_block(x, tensors, groups, eps, offset)
+
+
+def attention_args(parts, k_cache, v_cache, eps: float, offset: float, scale: float) -> tuple[list, list, list]:
+    """An attention mixer's share of decode_stack's flat arguments: its block parts (tensors, meta) and caches."""
+    tensors, meta = parts
+    return [*tensors, k_cache, v_cache], [1, *meta], [eps, offset, scale]
+
+
+def gdn_args(parts, conv_states, states, eps: float, offset: float, norm_eps: float) -> tuple[list, list, list]:
+    """A Gated DeltaNet mixer's share of decode_stack's flat arguments: its block parts and state pools."""
+    tensors, meta = parts
+    return [*tensors, conv_states, states], [2, *meta], [eps, offset, norm_eps]
+
+
+def mlp_args(parts, eps: float, offset: float) -> tuple[list, list, list]:
+    """A SwiGLU MLP's share of decode_stack's flat arguments: its block parts (tensors, group sizes)."""
+    tensors, groups = parts
+    return list(tensors), [1, *groups], [eps, offset]
+
+
+class Stack:
+    """Every layer of a decode-only step in one native call (decode_stack) instead of two per layer: the flat
+    argument lists are built once and rebuilt only when a layer's block parts or the caches are other objects."""
+
+    def __init__(self):
+        self._key: tuple | None = None
+        self._args: tuple[list, list, list] | None = None
+
+    def args_for(self, key: tuple, build) -> tuple[list, list, list] | None:
+        """decode_stack's flat arguments. `key`: the objects they are made of (the layers' parts, the caches);
+        `build()` -> per layer (mixer args, MLP args) from the *_args helpers above, or None for a layer the blocks
+        do not take (then the whole result is None, and cached as such)."""
+        if self._key is None or len(key) != len(self._key) or any(a is not b for a, b in zip(key, self._key)):
+            layers = build()
+            args = None
+            if all(layer is not None for layer in layers):
+                args = ([], [], [])
+                for layer in layers:
+                    for part in layer:
+                        for whole, share in zip(args, part):
+                            whole += share
+            self._args, self._key = args, key
+        return self._args
+
+    @staticmethod
+    def run_with(args: tuple[list, list, list], x, cos, sin, batch) -> torch.Tensor:
+        """x [B, hidden] updated in place by every layer (cos / sin [B, rd] float32)."""
+        tensors, ints, floats = args
+        return KERNELS.module.decode_stack(x, tensors, ints, floats, cos, sin, batch.slot_mapping, batch.context_slots,
+                                           batch.decode_context_lens, batch.state_slots)
+
+    def run(self, x, key: tuple, build, cos, sin, batch) -> torch.Tensor:
+        """args_for then run_with, for a model whose layers the blocks always take."""
+        return self.run_with(self.args_for(key, build), x, cos, sin, batch)
 
 
 def serves_gdn(conv_states: torch.Tensor, states: torch.Tensor) -> bool:

@@ -389,6 +389,23 @@ class HybridDecoderLayer(nn.Module):
             mixer = attention_parts(self.input_layernorm, self.self_attn, gated=True)
         return mixer, mlp_parts(self.post_attention_layernorm, self.mlp) if isinstance(self.mlp, SwiGLU) else None
 
+    def stack_args(self, caches: ModelCaches) -> tuple | None:
+        """This layer's share of decode_cpu.decode_stack's arguments, or None where a block does not take it (the
+        step then goes layer by layer through `decode`)."""
+        mixer, mlp = self.fused.get(self.input_layernorm.weight)
+        if mixer is None or mlp is None:
+            return None
+        norm, mlp_eps = self.input_layernorm, self.post_attention_layernorm.eps
+        if self.kind == LINEAR_ATTENTION:
+            i = self.linear_attn.layer_idx
+            if not decode_cpu.serves_gdn(caches.conv[i], caches.recurrent[i]):
+                return None
+            return (decode_cpu.gdn_args(mixer, caches.conv[i], caches.recurrent[i], norm.eps, 1.0,
+                                        self.linear_attn.norm.eps), decode_cpu.mlp_args(mlp, mlp_eps, 1.0))
+        i = self.self_attn.layer_idx
+        return (decode_cpu.attention_args(mixer, caches.k[i], caches.v[i], norm.eps, 1.0, self.self_attn.scale),
+                decode_cpu.mlp_args(mlp, mlp_eps, 1.0))
+
     def decode(self, x, cos_sin, batch: ForwardBatch, caches: ModelCaches) -> None:
         """This layer for decode rows, x updated in place: the token mixer and the SwiGLU MLP one native call each
         (kernels/decode_cpu.py) where they take it, else op by op."""
@@ -433,6 +450,7 @@ class HybridModel(nn.Module):
             for i, kind in enumerate(self.layer_types)
         )
         self.norm = ZeroCentredRMSNorm(hidden, config["rms_norm_eps"])
+        self.stack = decode_cpu.Stack()
 
     def forward(self, batch: ForwardBatch, caches: ModelCaches) -> torch.Tensor:
         """Hidden states [R, hidden] of the batch's logits rows (before the final norm)."""
@@ -448,10 +466,15 @@ class HybridModel(nn.Module):
         prune = len(rows) <= batch.num_seqs and (len(rows) < x.shape[0] or batch.num_decode < batch.num_seqs)
         k_cache = next((k for k in caches.k if k is not None), None)
         if decode_cpu.serves(x, batch, k_cache):
-            x = x.contiguous()  # a decode-only step: the residual stream updated in place, layer by layer
+            x = x.contiguous()  # a decode-only step: the residual stream updated in place
             cos_sin = tuple(c[:, 0].contiguous() for c in cos_sin)
-            for layer in self.layers:
-                layer.decode(x, cos_sin, batch, caches)
+            parts = [layer.fused.get(layer.input_layernorm.weight) for layer in self.layers]
+            args = self.stack.args_for((caches, *parts), lambda: [layer.stack_args(caches) for layer in self.layers])
+            if args is not None:  # every layer in one native call
+                self.stack.run_with(args, x, *cos_sin, batch)
+            else:  # a block some layer's weights do not take: layer by layer
+                for layer in self.layers:
+                    layer.decode(x, cos_sin, batch, caches)
             return x.index_select(0, rows)
         for layer in self.layers[:-1]:
             x = layer(x, cos_sin, batch, caches)

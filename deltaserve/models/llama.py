@@ -89,13 +89,12 @@ class LlamaDecoderLayer(nn.Module):
         """Whether `decode` takes this layer: its weights are in a form kernels/decode_cpu.py's blocks take."""
         return self.fused.get(self.input_layernorm.weight) is not None
 
-    def decode(self, x, cos, sin, batch, caches) -> None:
-        """This layer for decode rows in two native calls (kernels/decode_cpu.py), x updated in place."""
+    def stack_args(self, caches) -> tuple:
+        """This layer's share of decode_cpu.decode_stack's arguments (its two blocks and its caches)."""
         attn, mlp = self.fused.get(self.input_layernorm.weight)
         i = self.self_attn.layer_idx
-        decode_cpu.attention_block(x, *attn, cos, sin, caches.k[i], caches.v[i], batch, self.eps, 0.0,
-                                   self.self_attn.scale)
-        decode_cpu.mlp_block(x, *mlp, self.eps, 0.0)
+        return (decode_cpu.attention_args(attn, caches.k[i], caches.v[i], self.eps, 0.0, self.self_attn.scale),
+                decode_cpu.mlp_args(mlp, self.eps, 0.0))
 
 
 class LlamaModel(nn.Module):
@@ -110,15 +109,17 @@ class LlamaModel(nn.Module):
             LlamaDecoderLayer(config, i, self.rotary) for i in range(config["num_hidden_layers"])
         )
         self.norm = RMSNorm(hidden, config["rms_norm_eps"])
+        self.stack = decode_cpu.Stack()
 
     def forward(self, batch: ForwardBatch, caches: ModelCaches) -> torch.Tensor:
         x = self.embed_tokens(batch.input_ids).to(self.norm.weight.dtype)  # a bf16-held vocab: back to compute
         cos_sin = self.rotary.cos_sin(batch.positions)
         if decode_cpu.serves(x, batch, caches.k[0]) and all(layer.fusable() for layer in self.layers):
-            x = x.contiguous()  # a decode-only step: two native calls per layer, the residual stream in place
+            x = x.contiguous()  # a decode-only step: every layer in one native call, the residual stream in place
             cos, sin = (c[:, 0].contiguous() for c in cos_sin)
-            for layer in self.layers:
-                layer.decode(x, cos, sin, batch, caches)
+            parts = [layer.fused.get(layer.input_layernorm.weight) for layer in self.layers]
+            self.stack.run(x, (caches, *parts), lambda: [layer.stack_args(caches) for layer in self.layers], cos, sin,
+                           batch)
             return x
         for layer in self.layers:
             x = layer(x, cos_sin, batch, caches)
