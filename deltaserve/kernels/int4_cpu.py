@@ -133,41 +133,48 @@ struct Weight {
 // through general registers at every step (linear_cpu.py measured 2.3-4.5x from the same change).
 template <int MR, int NR, bool LUT>
 inline void tile(const float* __restrict x, const Weight& w, int64_t n0, float* __restrict y, int64_t ldy) {
-  const int64_t K = w.K, groups = K / w.group;
+  const int64_t K = w.K, group = w.group, groups = K / group;
   __m256 table[2];
   if constexpr (LUT) std::memcpy(table, &w.table, 64);
   constexpr int A = MR == 1 ? 2 : 1;  // accumulators per output: one row's FMAs would otherwise wait on each other
   constexpr int64_t CHUNK = 128;  // groups whose scales and offsets are converted at a time
+  // Row pointers in locals: through `w` GCC reloaded them at every group (the scale arrays' stores may alias it).
+  const uint8_t* rows[NR];
+  for (int n = 0; n < NR; ++n) rows[n] = w.packed + (n0 + n) * (K / 2);
   __m256 acc[MR * NR][A];
   for (int i = 0; i < MR * NR; ++i)
     for (int a = 0; a < A; ++a) acc[i][a] = _mm256_setzero_ps();
   float gs[NR][CHUNK], go[NR][CHUNK];
-  for (int64_t g = 0; g < groups; ++g) {
-    if (g % CHUNK == 0)
-      for (int n = 0; n < NR; ++n) w.group_params(n0 + n, g, std::min(CHUNK, groups - g), gs[n], go[n]);
-    __m256 s[NR], o[NR];
-    for (int n = 0; n < NR; ++n) {
-      s[n] = _mm256_set1_ps(gs[n][g % CHUNK]);
-      o[n] = _mm256_set1_ps(go[n][g % CHUNK]);
-    }
-    for (int64_t k = g * w.group; k < (g + 1) * w.group; k += 32) {
-      __m256 wv[NR][4];  // columns k..k+7, +8..15 (low nibbles), +16..23, +24..31 (high nibbles)
+  for (int64_t c0 = 0; c0 < groups; c0 += CHUNK) {
+    const int64_t count = std::min(CHUNK, groups - c0);
+    for (int n = 0; n < NR; ++n) w.group_params(n0 + n, c0, count, gs[n], go[n]);
+    for (int64_t gi = 0; gi < count; ++gi) {
+      __m256 s[NR], o[NR];
       for (int n = 0; n < NR; ++n) {
-        const uint8_t* p = w.packed + (n0 + n) * (K / 2) + k / 2;
-        __m256i q0, q2, q1, q3;
-        codes16(p, q0, q2);
-        codes16(p + 8, q1, q3);
-        wv[n][0] = _mm256_fmadd_ps(levels(q0, table, LUT), s[n], o[n]);
-        wv[n][1] = _mm256_fmadd_ps(levels(q1, table, LUT), s[n], o[n]);
-        wv[n][2] = _mm256_fmadd_ps(levels(q2, table, LUT), s[n], o[n]);
-        wv[n][3] = _mm256_fmadd_ps(levels(q3, table, LUT), s[n], o[n]);
+        s[n] = _mm256_set1_ps(gs[n][gi]);
+        o[n] = _mm256_set1_ps(go[n][gi]);
       }
-      for (int m = 0; m < MR; ++m) {
-        const float* xr = x + m * K + k;
-        __m256 xv[4];
-        for (int j = 0; j < 4; ++j) xv[j] = _mm256_loadu_ps(xr + 8 * j);
-        for (int n = 0; n < NR; ++n)
-          for (int j = 0; j < 4; ++j) acc[m * NR + n][j % A] = _mm256_fmadd_ps(xv[j], wv[n][j], acc[m * NR + n][j % A]);
+      const int64_t k0 = (c0 + gi) * group;
+      for (int64_t k = k0; k < k0 + group; k += 32) {
+        __m256 wv[NR][4];  // columns k..k+7, +8..15 (low nibbles), +16..23, +24..31 (high nibbles)
+        for (int n = 0; n < NR; ++n) {
+          const uint8_t* p = rows[n] + (k >> 1);
+          __m256i q0, q2, q1, q3;
+          codes16(p, q0, q2);
+          codes16(p + 8, q1, q3);
+          wv[n][0] = _mm256_fmadd_ps(levels(q0, table, LUT), s[n], o[n]);
+          wv[n][1] = _mm256_fmadd_ps(levels(q1, table, LUT), s[n], o[n]);
+          wv[n][2] = _mm256_fmadd_ps(levels(q2, table, LUT), s[n], o[n]);
+          wv[n][3] = _mm256_fmadd_ps(levels(q3, table, LUT), s[n], o[n]);
+        }
+        for (int m = 0; m < MR; ++m) {
+          const float* xr = x + m * K + k;
+          __m256 xv[4];
+          for (int j = 0; j < 4; ++j) xv[j] = _mm256_loadu_ps(xr + 8 * j);
+          for (int n = 0; n < NR; ++n)
+            for (int j = 0; j < 4; ++j)
+              acc[m * NR + n][j % A] = _mm256_fmadd_ps(xv[j], wv[n][j], acc[m * NR + n][j % A]);
+        }
       }
     }
   }
