@@ -353,6 +353,27 @@ inline void i8_tile(const float* __restrict x, const Int8W& w, int64_t n0, float
   const int64_t K = w.K, groups = K / w.group;
   __m256 acc[MR * NR];
   for (int i = 0; i < MR * NR; ++i) acc[i] = _mm256_setzero_ps();
+  if constexpr (MR == 1 && !OFF) {
+    // One row of a symmetric table: each group's codes meet x unscaled and its scale multiplies their sum once
+    // (s * sum(q x) = sum((s q) x); one multiply fewer per 8 codes). SmolLM2's 49152 x 576 on two threads: 1.16 ->
+    // 0.90 ms with the two sums per row below.
+    const int8_t* rows[NR];
+    for (int n = 0; n < NR; ++n) rows[n] = w.codes + (n0 + n) * K;
+    for (int64_t g = 0; g < groups; ++g) {
+      __m256 part[NR][2];  // two sums per row (even / odd 8 columns): one chain of FMAs would wait on itself
+      for (int n = 0; n < NR; ++n) part[n][0] = part[n][1] = _mm256_setzero_ps();
+      for (int64_t k = g * w.group; k < (g + 1) * w.group; k += 16) {
+        const __m256 x0 = _mm256_loadu_ps(x + k), x1 = _mm256_loadu_ps(x + k + 8);
+        for (int n = 0; n < NR; ++n) {
+          part[n][0] = _mm256_fmadd_ps(x0, widen8_i8(rows[n] + k), part[n][0]);
+          part[n][1] = _mm256_fmadd_ps(x1, widen8_i8(rows[n] + k + 8), part[n][1]);
+        }
+      }
+      for (int n = 0; n < NR; ++n)
+        acc[n] = _mm256_fmadd_ps(_mm256_set1_ps(w.scales[(n0 + n) * groups + g]),
+                                 _mm256_add_ps(part[n][0], part[n][1]), acc[n]);
+    }
+  } else
   for (int64_t g = 0; g < groups; ++g) {
     __m256 s[NR], o[NR];
     for (int n = 0; n < NR; ++n) {
