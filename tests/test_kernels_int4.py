@@ -92,7 +92,7 @@ CASES = [  # (N, K, group, level table, permutation): every group size, per chan
     (36, 512, 256, True, True), (20, 160, 160, False, False)]
 
 
-@pytest.mark.parametrize("rows", [1, 2, 5, 17, 64, 300])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 6, 7, 14, 17, 64, 300])  # 4-16: weight rows widened once
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}x{c[1]}-g{c[2]}{'-lut' if c[3] else ''}"
                          f"{'-perm' if c[4] else ''}")
 def test_packed_linear_equals_the_dequantized_float32_product(case, rows):
