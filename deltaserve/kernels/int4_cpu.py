@@ -4,8 +4,9 @@ Decode (1 to MAX_ROWS input rows, 16): each task takes NR weight rows; for every
 per row into two 16-float vectors (mask and shift, the level table through one in-register permute), forms
 w = scale * level + offset in float32 and runs every group of MR input rows past them, so each packed byte is read
 from memory once per step and no float32 copy of the weight is ever written (on AVX2, from 4 input rows on, a task
-widens its NR weight rows once into an L1 buffer that all the rows then read: the widening is most of a tile's work). Prefill (more rows) calls `widen` for
-a tile of rows and multiplies it with torch.mm: the float32 GEMM rate, the widening a small fraction of it.
+widens its NR weight rows once into an L1 buffer that all the rows then read: the widening is most of a tile's
+work). Prefill (more rows) calls `widen` for a tile of rows and multiplies it with torch.mm: the float32 GEMM rate,
+the widening a small fraction of it.
 AVX-512 and AVX2 through the same GCC/Clang vector extensions as linear_cpu.py.
 """
 
