@@ -85,10 +85,6 @@ class LlamaDecoderLayer(nn.Module):
         mlp = mlp_parts(self.post_attention_layernorm, self.mlp)
         return None if attn is None or mlp is None else (attn, mlp)
 
-    def fusable(self) -> bool:
-        """Whether `decode` takes this layer: its weights are in a form kernels/decode_cpu.py's blocks take."""
-        return self.fused.get(self.input_layernorm.weight) is not None
-
     def stack_args(self, caches) -> tuple:
         """This layer's share of decode_cpu.decode_stack's arguments (its two blocks and its caches)."""
         attn, mlp = self.fused.get(self.input_layernorm.weight)
@@ -114,10 +110,11 @@ class LlamaModel(nn.Module):
     def forward(self, batch: ForwardBatch, caches: ModelCaches) -> torch.Tensor:
         x = self.embed_tokens(batch.input_ids).to(self.norm.weight.dtype)  # a bf16-held vocab: back to compute
         cos_sin = self.rotary.cos_sin(batch.positions)
-        if decode_cpu.serves(x, batch, caches.k[0]) and all(layer.fusable() for layer in self.layers):
+        parts = [layer.fused.get(layer.input_layernorm.weight) for layer in self.layers] \
+            if decode_cpu.serves(x, batch, caches.k[0]) else None
+        if parts is not None and all(p is not None for p in parts):
             x = x.contiguous()  # a decode-only step: every layer in one native call, the residual stream in place
             cos, sin = (c[:, 0].contiguous() for c in cos_sin)
-            parts = [layer.fused.get(layer.input_layernorm.weight) for layer in self.layers]
             self.stack.run(x, (caches, *parts), lambda: [layer.stack_args(caches) for layer in self.layers], cos, sin,
                            batch)
             return x
