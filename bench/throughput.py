@@ -7,8 +7,10 @@ lengths uniform in [--output-min, --output-max], greedy, EOS ignored so both sid
 - transformers: `generate` on left-padded batches of --hf-batch-size in arrival order; a batch runs until its
   longest output, and only each request's own tokens count. TTFT of a request = when its batch's first token
   came (batches run one after another, all requests waiting from t=0).
-Models: SmolLM2-135M (the built-in GGUF, dequantized to fp32 on both sides) and the tiny hybrid of
-bench/hybrid_prefill.py (Qwen3.5-style, hidden 512, 8 layers 3:1, vocab 49152, random weights).
+Models: SmolLM2-135M (the built-in GGUF: deltaserve keeps its 4-bit blocks packed, the CPU default, and with
+`--weights packed,fp32` also runs it dequantized to float32, `--dequantize-weights`; transformers reads it dequantized
+to float32) and the tiny hybrid of bench/hybrid_prefill.py (Qwen3.5-style, hidden 512, 8 layers 3:1, vocab 49152,
+random float32 weights: --weights changes nothing there).
 
 The roofline: useful FLOPs / wall time / --peak-gflops (default: a decoder-shaped fp32 sgemm measured at start,
 as bench/hybrid_prefill.py does). Useful FLOPs
@@ -48,7 +50,10 @@ def workload(args) -> list[tuple[list[int], int]]:
 def useful_flops(config: dict, model, work) -> float:
     """The FLOPs the workload needs at least (see the module docstring)."""
     text = config.get("text_config") or config
-    decoder = sum(p.numel() for n, p in model.named_parameters() if not n.startswith(("model.embed_tokens", "lm_head")))
+    skip = ("model.embed_tokens", "lm_head")
+    decoder = sum(p.numel() for n, p in model.named_parameters() if not n.startswith(skip))
+    # packed 4-bit weights are buffers, two weights a byte (counting parameters alone left them out)
+    decoder += sum(2 * b.numel() for n, b in model.named_buffers() if n.endswith(".packed") and not n.startswith(skip))
     heads = text["num_attention_heads"]
     head_dim = text.get("head_dim") or text["hidden_size"] // heads
     attention_layers = len(model.geometry.attention_layers)
@@ -65,7 +70,7 @@ def percentile(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(round(q * (len(values) - 1))))]
 
 
-def run_deltaserve(model_path: str, work, args, kv_dtype: str = "auto") -> dict:
+def run_deltaserve(model_path: str, work, args, kv_dtype: str = "auto", dequantize: bool = False) -> dict:
     from deltaserve.config import EngineConfig
     from deltaserve.engine.engine import Engine
     from deltaserve.engine.request import SamplingParams
@@ -73,7 +78,8 @@ def run_deltaserve(model_path: str, work, args, kv_dtype: str = "auto") -> dict:
     pages = sum(-(-(len(ids) + o) // 16) for ids, o in work)
     config = EngineConfig(model=model_path, device="cpu", max_running_requests=args.max_running_requests,
                           max_total_tokens=pages * 16, max_queue=len(work), seed=args.seed,
-                          prefill_chunk_tokens=args.prefill_chunk_tokens, kv_dtype=kv_dtype)
+                          prefill_chunk_tokens=args.prefill_chunk_tokens, kv_dtype=kv_dtype,
+                          dequantize_weights=dequantize)
     engine = Engine(config, log=None)
     start = time.perf_counter()
     streams = [engine.submit(ids, SamplingParams(max_tokens=o, temperature=0, ignore_eos=True)) for ids, o in work]
@@ -162,13 +168,13 @@ def report(name: str, ours: dict[str, dict], theirs: dict | None, flops: float, 
             continue
         tps = r["output_tokens"] / r["wall_s"]
         gflops = flops / r["wall_s"] / 1e9
-        rows.append(f"{name:<8} {side:<19} {tps:>10.1f} {percentile(r['ttft'], 0.5):>9.1f} "
+        rows.append(f"{name:<8} {side:<26} {tps:>10.1f} {percentile(r['ttft'], 0.5):>9.1f} "
                     f"{percentile(r['ttft'], 0.95):>9.1f} {r['wall_s']:>8.1f} {gflops:>7.1f} "
                     f"{gflops / peak_gflops:>8.1%}")
     if theirs is not None:
         for kv, r in ours.items():
             ratio = (r["output_tokens"] / r["wall_s"]) / (theirs["output_tokens"] / theirs["wall_s"])
-            rows.append(f"{name:<8} {'ratio ' + kv:<19} {ratio:>9.2f}x")
+            rows.append(f"{name:<8} {'ratio ' + kv:<26} {ratio:>9.2f}x")
     return rows
 
 
@@ -188,6 +194,8 @@ def main(argv=None) -> int:
                         help="comma-separated KV cache dtypes, one deltaserve run each (float16 is the CPU "
                              "default, as llama.cpp's f16 cache is; float32 is exact against transformers)")
     parser.add_argument("--skip-transformers", action="store_true")
+    parser.add_argument("--weights", default="packed",
+                        help="comma-separated, SmolLM2 only: packed (the default path), fp32 (--dequantize-weights)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--peak-gflops", type=float, default=0.0,
                         help="fp32 FLOP rate of the roofline (default: measured here at start)")
@@ -204,18 +212,22 @@ def main(argv=None) -> int:
           f"{args.output_max} (seed {args.seed}): {sum(len(i) for i, _ in work):,} prompt + "
           f"{sum(o for _, o in work):,} output tokens; {args.threads} threads, transformers batches of "
           f"{args.hf_batch_size}; roofline {args.peak_gflops:.0f} GFLOP/s")
-    lines = [f"{'model':<8} {'engine (KV dtype)':<19} {'out tok/s':>10} {'TTFT p50':>9} {'TTFT p95':>9} {'wall s':>8} "
+    lines = [f"{'model':<8} {'engine (KV dtype, weights)':<26} {'out tok/s':>10} {'TTFT p50':>9} {'TTFT p95':>9} {'wall s':>8} "
              f"{'GFLOP/s':>7} {'roofline':>8}"]
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.models.split(","):
             path, ref = smollm2() if name == "smollm2" else tiny_hybrid(Path(tmp) / "hybrid")
             ours, flops = {}, 0.0
-            for kv in args.kv_dtypes.split(","):
-                ours[kv] = run_deltaserve(path, work, args, kv_dtype=kv)
-                flops = useful_flops(ours[kv].pop("config"), ours[kv].pop("model"), work)
-                print(f"{name} deltaserve (KV {kv}): {ours[kv]['output_tokens'] / ours[kv]['wall_s']:.1f} "
-                      f"output tok/s, {ours[kv]['wall_s']:.1f} s", flush=True)
+            weights = args.weights.split(",") if name == "smollm2" else ["packed"]
+            for w in weights:
+                for kv in args.kv_dtypes.split(","):
+                    key = kv if w == "packed" else f"{kv} fp32-w"
+                    ours[key] = run_deltaserve(path, work, args, kv_dtype=kv, dequantize=w == "fp32")
+                    flops = useful_flops(ours[key].pop("config"), ours[key].pop("model"), work)
+                    print(f"{name} deltaserve (KV {kv}, {w} weights): "
+                          f"{ours[key]['output_tokens'] / ours[key]['wall_s']:.1f} output tok/s, "
+                          f"{ours[key]['wall_s']:.1f} s", flush=True)
             theirs = None if args.skip_transformers else run_transformers(ref, work, args)
             del ref
             rows = report(name, ours, theirs, flops, args.peak_gflops)
