@@ -212,7 +212,8 @@ def main(argv=None) -> int:
           f"{args.output_max} (seed {args.seed}): {sum(len(i) for i, _ in work):,} prompt + "
           f"{sum(o for _, o in work):,} output tokens; {args.threads} threads, transformers batches of "
           f"{args.hf_batch_size}; roofline {args.peak_gflops:.0f} GFLOP/s")
-    lines = [f"{'model':<8} {'engine (KV dtype, weights)':<26} {'out tok/s':>10} {'TTFT p50':>9} {'TTFT p95':>9} {'wall s':>8} "
+    lines = [f"{'model':<8} {'engine (KV dtype, weights)':<26} {'out tok/s':>10} {'TTFT p50':>9} {'TTFT p95':>9} "
+             f"{'wall s':>8} "
              f"{'GFLOP/s':>7} {'roofline':>8}"]
     results = {}
     with tempfile.TemporaryDirectory() as tmp:

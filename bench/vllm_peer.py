@@ -89,7 +89,8 @@ def stop(process: subprocess.Popen) -> None:
         process.wait()
 
 
-async def stream(client: httpx.AsyncClient, url: str, model: str, text: str, max_tokens: int) -> tuple[list[float], int]:
+async def stream(client: httpx.AsyncClient, url: str, model: str, text: str,
+                 max_tokens: int) -> tuple[list[float], int]:
     """Arrival times (from the send) of each streamed chunk that carries text, and the tokens made (the usage:
     a server may put several tokens in one chunk, vLLM under load for one)."""
     body = {"model": model, "prompt": text, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,

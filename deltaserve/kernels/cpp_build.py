@@ -76,6 +76,36 @@ inline f16v sum16(const f16v* x) {
   return SHUFFLE(d[0], d[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
          SHUFFLE(d[0], d[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
 }
+
+#if defined(__AVX2__) && !defined(__AVX512F__)
+#include <immintrin.h>
+// AVX2 builds: the tiles use 8-float __m256 values (GCC keeps arrays of 16-float values in memory there and moves
+// each through general registers at every step).
+// The sum of v's 8 lanes.
+inline float sum8(__m256 v) {
+  const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+  return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
+}
+
+// y[m, n] = x[m] . w[n] for MR input rows x [MR, K] and NR float32 weight rows w [NR, K], K a multiple of 8
+// (linear_cpu's few-row tile, and int4_cpu's weight rows once widened).
+template <int MR, int NR>
+inline void f32_tile(const float* __restrict x, const float* __restrict w, int64_t K, float* __restrict y,
+                     int64_t ldy) {
+  __m256 acc[MR * NR];
+  for (int i = 0; i < MR * NR; ++i) acc[i] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; k += 8) {
+    __m256 wv[NR];
+    for (int n = 0; n < NR; ++n) wv[n] = _mm256_loadu_ps(w + n * K + k);
+    for (int m = 0; m < MR; ++m) {
+      const __m256 xv = _mm256_loadu_ps(x + m * K + k);
+      for (int n = 0; n < NR; ++n) acc[m * NR + n] = _mm256_fmadd_ps(xv, wv[n], acc[m * NR + n]);
+    }
+  }
+  for (int i = 0; i < MR * NR; ++i) y[i / NR * ldy + i % NR] = sum8(acc[i]);
+}
+#endif
 """
 
 

@@ -114,8 +114,11 @@ struct Weight {
     const uint16_t* bits = static_cast<const uint16_t*>(p) + first;
     switch (kind) {
       case F32: std::memcpy(out, static_cast<const float*>(p) + first, count * sizeof(float)); break;
-      case BF16:
-        for (int64_t i = 0; i < count; ++i) out[i] = static_cast<float>(c10::BFloat16(bits[i], c10::BFloat16::from_bits()));
+      case BF16:  // the top half of a float32
+        for (int64_t i = 0; i < count; ++i) {
+          const uint32_t wide = static_cast<uint32_t>(bits[i]) << 16;
+          std::memcpy(out + i, &wide, sizeof(float));
+        }
         break;
       case F16: {
         int64_t i = 0;
@@ -184,9 +187,7 @@ inline void tile(const float* __restrict x, const Weight& w, int64_t n0, float* 
   for (int i = 0; i < MR * NR; ++i) {
     __m256 t = acc[i][0];
     for (int a = 1; a < A; ++a) t = _mm256_add_ps(t, acc[i][a]);
-    const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
-    const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-    y[i / NR * ldy + i % NR] = _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
+    y[i / NR * ldy + i % NR] = sum8(t);
   }
 }
 #else
@@ -226,29 +227,6 @@ inline void tile(const float* __restrict x, const Weight& w, int64_t n0, float* 
 
 inline void widen_row(const Weight& w, int64_t n, float* dst);
 
-#if defined(__AVX2__) && !defined(__AVX512F__)
-// y[m, n] for MR input rows and NR weight rows already widened to float32 (wb [NR, K], the dequantized values).
-template <int MR, int NR>
-inline void widened_tile(const float* __restrict x, int64_t K, const float* __restrict wb, float* __restrict y,
-                         int64_t ldy) {
-  __m256 acc[MR * NR];
-  for (int i = 0; i < MR * NR; ++i) acc[i] = _mm256_setzero_ps();
-  for (int64_t k = 0; k < K; k += 8) {
-    __m256 wv[NR];
-    for (int n = 0; n < NR; ++n) wv[n] = _mm256_loadu_ps(wb + n * K + k);
-    for (int m = 0; m < MR; ++m) {
-      const __m256 xv = _mm256_loadu_ps(x + m * K + k);
-      for (int n = 0; n < NR; ++n) acc[m * NR + n] = _mm256_fmadd_ps(xv, wv[n], acc[m * NR + n]);
-    }
-  }
-  for (int i = 0; i < MR * NR; ++i) {
-    const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(acc[i]), _mm256_extractf128_ps(acc[i], 1));
-    const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-    y[i / NR * ldy + i % NR] = _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
-  }
-}
-#endif
-
 template <int NR, bool LUT>
 inline void rows_past(const float* x, int64_t M, const Weight& w, int64_t n0, float* y, int64_t ldy) {
   const int64_t K = w.K;
@@ -262,11 +240,11 @@ inline void rows_past(const float* x, int64_t M, const Weight& w, int64_t n0, fl
     float* wb = buffer.data();
     for (int n = 0; n < NR; ++n) widen_row(w, n0 + n, wb + n * K);
     int64_t m = 0;
-    for (; m + 4 <= M; m += 4) widened_tile<4, NR>(x + m * K, K, wb, y + m * ldy, ldy);
+    for (; m + 4 <= M; m += 4) f32_tile<4, NR>(x + m * K, wb, K, y + m * ldy, ldy);
     switch (M - m) {
-      case 3: widened_tile<3, NR>(x + m * K, K, wb, y + m * ldy, ldy); break;
-      case 2: widened_tile<2, NR>(x + m * K, K, wb, y + m * ldy, ldy); break;
-      case 1: widened_tile<1, NR>(x + m * K, K, wb, y + m * ldy, ldy); break;
+      case 3: f32_tile<3, NR>(x + m * K, wb, K, y + m * ldy, ldy); break;
+      case 2: f32_tile<2, NR>(x + m * K, wb, K, y + m * ldy, ldy); break;
+      case 1: f32_tile<1, NR>(x + m * K, wb, K, y + m * ldy, ldy); break;
       default: break;
     }
     return;

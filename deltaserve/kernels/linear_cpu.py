@@ -50,21 +50,7 @@ constexpr int MR_MAX = 2, NR_MAX = 4;  // 8-float accumulators (below): 8 of the
 template <int MR, int NR>
 inline void tile(const float* __restrict x, const float* __restrict w, int64_t K, float* __restrict y,
                  int64_t ldy) {
-  __m256 acc[MR * NR];
-  for (int i = 0; i < MR * NR; ++i) acc[i] = _mm256_setzero_ps();
-  for (int64_t k = 0; k < K; k += 8) {
-    __m256 wv[NR];
-    for (int n = 0; n < NR; ++n) wv[n] = _mm256_loadu_ps(w + n * K + k);
-    for (int m = 0; m < MR; ++m) {
-      const __m256 xv = _mm256_loadu_ps(x + m * K + k);
-      for (int n = 0; n < NR; ++n) acc[m * NR + n] = _mm256_fmadd_ps(xv, wv[n], acc[m * NR + n]);
-    }
-  }
-  for (int i = 0; i < MR * NR; ++i) {
-    const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(acc[i]), _mm256_extractf128_ps(acc[i], 1));
-    const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-    y[i / NR * ldy + i % NR] = _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
-  }
+  f32_tile<MR, NR>(x, w, K, y, ldy);  // the prelude's
 }
 #else
 template <int MR, int NR>

@@ -63,6 +63,34 @@ inline f16v load16(const at::Half* p) {
   return x;
 #endif
 }
+// The K and V rows of the tile that starts at t (of L): they lie on other pages, where the hardware prefetcher
+// cannot guess, so ask for them two tiles ahead (into L2; L1 holds the tile in use): they arrive meanwhile.
+template <typename T>
+inline void prefetch_tile(const T* kp, const T* vp, const int64_t* row_slots, int64_t t, int64_t L, int64_t Hkv,
+                          int64_t h, int64_t D) {
+  for (int64_t r = t; r < std::min<int64_t>(t + TILE, L); ++r) {
+    const int64_t offset = (row_slots[r] * Hkv + h) * D;
+    for (int64_t c = 0; c < D * static_cast<int64_t>(sizeof(T)); c += 64) {
+      __builtin_prefetch(reinterpret_cast<const char*>(kp + offset) + c, 0, 1);
+      __builtin_prefetch(reinterpret_cast<const char*>(vp + offset) + c, 0, 1);
+    }
+  }
+}
+
+// The online softmax over one tile's n scores sg (replaced by their exp(score - new max)): the running max m and
+// sum l move on; returns the factor the output accumulated so far is to be scaled by.
+inline float softmax_step(float* sg, int n, float& m, float& l) {
+  float mx = m;
+  for (int t = 0; t < n; ++t) mx = std::max(mx, sg[t]);
+  const float correction = std::exp(m - mx);
+  float sum = 0.f;
+  #pragma omp simd reduction(+:sum)
+  for (int t = 0; t < n; ++t) { sg[t] = std::exp(sg[t] - mx); sum += sg[t]; }
+  l = l * correction + sum;
+  m = mx;
+  return correction;
+}
+
 // One (sequence, kv head): its G query heads over L cached rows, softmax kept online over tiles of rows.
 // Each tile's rows are first copied (a 16-bit cache's widened) into contiguous float32 scratch: scattered rows
 // are read from memory once, and the G heads' passes over them run on L1 (measured: 5.5 -> 4.4 ms hot, float32).
@@ -105,15 +133,7 @@ void attend(const float* __restrict qh, const T* __restrict kp, const T* __restr
   }
   for (int64_t t0 = 0; t0 < L; t0 += TILE) {
     const int n = static_cast<int>(std::min<int64_t>(TILE, L - t0));
-    // The rows two tiles on lie on other pages, where the hardware prefetcher cannot guess: ask for them now.
-    const int n_next = static_cast<int>(std::min<int64_t>(TILE, L - t0 - 2 * TILE));
-    for (int t = 0; t < n_next; ++t) {
-      const int64_t offset = (row_slots[t0 + 2 * TILE + t] * Hkv + h) * D;
-      for (int c = 0; c < D * static_cast<int>(sizeof(T)); c += 64) {
-        __builtin_prefetch(reinterpret_cast<const char*>(kp + offset) + c, 0, 1);
-        __builtin_prefetch(reinterpret_cast<const char*>(vp + offset) + c, 0, 1);
-      }
-    }
+    prefetch_tile(kp, vp, row_slots, t0 + 2 * TILE, L, Hkv, h, D);
     for (int t = 0; t < n; ++t) {
       const int64_t offset = (row_slots[t0 + t] * Hkv + h) * D;
       for (int i = 0; i < W; ++i) {
@@ -143,17 +163,11 @@ void attend(const float* __restrict qh, const T* __restrict kp, const T* __restr
     }
     for (int64_t g = 0; g < G; ++g) {
       float* sg = s + g * TILE;
-      float mx = m[g];
-      for (int t = 0; t < n; ++t) mx = std::max(mx, sg[t]);
-      const float correction = std::exp(m[g] - mx);
-      float sum = 0.f;
-      #pragma omp simd reduction(+:sum)
-      for (int t = 0; t < n; ++t) { sg[t] = std::exp(sg[t] - mx); sum += sg[t]; }
-      l[g] = l[g] * correction + sum;
-      m[g] = mx;
+      const float correction = softmax_step(sg, n, m[g], l[g]);
       for (int c = 0; c < W; c += CH) {  // the output CH vectors at a time, in registers over the tile's rows
         __m256 a[CH];
-        for (int i = 0; i < CH; ++i) a[i] = _mm256_mul_ps(_mm256_load_ps(acc + g * D + 8 * (c + i)), _mm256_set1_ps(correction));
+        const __m256 cv = _mm256_set1_ps(correction);
+        for (int i = 0; i < CH; ++i) a[i] = _mm256_mul_ps(_mm256_load_ps(acc + g * D + 8 * (c + i)), cv);
         for (int t = 0; t < n; ++t) {
           const __m256 w = _mm256_set1_ps(sg[t]);
           for (int i = 0; i < CH; ++i) a[i] = _mm256_fmadd_ps(w, _mm256_load_ps(tile_v + t * D + 8 * (c + i)), a[i]);
@@ -164,7 +178,8 @@ void attend(const float* __restrict qh, const T* __restrict kp, const T* __restr
   }
   for (int64_t g = 0; g < G; ++g) {
     const __m256 inv = _mm256_set1_ps(1.f / l[g]);
-    for (int i = 0; i < W; ++i) _mm256_storeu_ps(oh + g * D + 8 * i, _mm256_mul_ps(_mm256_load_ps(acc + g * D + 8 * i), inv));
+    for (int i = 0; i < W; ++i)
+      _mm256_storeu_ps(oh + g * D + 8 * i, _mm256_mul_ps(_mm256_load_ps(acc + g * D + 8 * i), inv));
   }
 }
 #else
@@ -186,16 +201,7 @@ void attend(const float* __restrict qh, const T* __restrict kp, const T* __restr
   }
   for (int64_t t0 = 0; t0 < L; t0 += TILE) {
     const int n = static_cast<int>(std::min<int64_t>(TILE, L - t0));
-    // The rows two tiles on lie on other pages, where the hardware prefetcher cannot guess: ask for them now (into
-    // L2; L1 holds this tile), so they arrive while this tile and the next are scored.
-    const int n_next = static_cast<int>(std::min<int64_t>(TILE, L - t0 - 2 * TILE));
-    for (int t = 0; t < n_next; ++t) {
-      const int64_t offset = (row_slots[t0 + 2 * TILE + t] * Hkv + h) * D;
-      for (int c = 0; c < D * static_cast<int>(sizeof(T)); c += 64) {
-        __builtin_prefetch(reinterpret_cast<const char*>(kp + offset) + c, 0, 1);
-        __builtin_prefetch(reinterpret_cast<const char*>(vp + offset) + c, 0, 1);
-      }
-    }
+    prefetch_tile(kp, vp, row_slots, t0 + 2 * TILE, L, Hkv, h, D);
     for (int t = 0; t < n; ++t) {
       const int64_t offset = (row_slots[t0 + t] * Hkv + h) * D;
       for (int i = 0; i < V; ++i) {
@@ -223,14 +229,7 @@ void attend(const float* __restrict qh, const T* __restrict kp, const T* __restr
     }
     for (int64_t g = 0; g < G; ++g) {
       float* sg = s + g * TILE;
-      float mx = m[g];
-      for (int t = 0; t < n; ++t) mx = std::max(mx, sg[t]);
-      const float correction = std::exp(m[g] - mx);
-      float sum = 0.f;
-      #pragma omp simd reduction(+:sum)
-      for (int t = 0; t < n; ++t) { sg[t] = std::exp(sg[t] - mx); sum += sg[t]; }
-      l[g] = l[g] * correction + sum;
-      m[g] = mx;
+      const float correction = softmax_step(sg, n, m[g], l[g]);
       f16v a[V];
       for (int i = 0; i < V; ++i) a[i] = acc[g][i] * correction;
       for (int t = 0; t < n; ++t) {
