@@ -79,7 +79,7 @@ def run_deltaserve(model_path: str, work, args, kv_dtype: str = "auto", dequanti
     config = EngineConfig(model=model_path, device="cpu", max_running_requests=args.max_running_requests,
                           max_total_tokens=pages * 16, max_queue=len(work), seed=args.seed,
                           prefill_chunk_tokens=args.prefill_chunk_tokens, kv_dtype=kv_dtype,
-                          dequantize_weights=dequantize)
+                          dequantize_weights=dequantize, prefix_cache=not args.no_prefix_cache)
     engine = Engine(config, log=None)
     start = time.perf_counter()
     streams = [engine.submit(ids, SamplingParams(max_tokens=o, temperature=0, ignore_eos=True)) for ids, o in work]
@@ -194,6 +194,7 @@ def main(argv=None) -> int:
                         help="comma-separated KV cache dtypes, one deltaserve run each (float16 is the CPU "
                              "default, as llama.cpp's f16 cache is; float32 is exact against transformers)")
     parser.add_argument("--skip-transformers", action="store_true")
+    parser.add_argument("--no-prefix-cache", action="store_true", help="deltaserve without its prefix cache")
     parser.add_argument("--weights", default="packed",
                         help="comma-separated, SmolLM2 only: packed (the default path), fp32 (--dequantize-weights)")
     parser.add_argument("--threads", type=int, default=2)
