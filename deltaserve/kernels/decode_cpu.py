@@ -648,17 +648,18 @@ torch::Tensor decode_stack(torch::Tensor x, std::vector<torch::Tensor> tensors, 
   while (ii < ints.size()) {
     const int64_t mixer = ints[ii++];
     if (mixer == 1) {
-      auto t = take(25);
+      auto t = take(23);
+      const auto caches = take(2);
       const auto meta = sizes(8);
       const double* f = reals(3);
-      attention_block(x, std::vector<torch::Tensor>(t.begin(), t.begin() + 23), meta, cos, sin, t[23], t[24],
-                      slot_mapping, context_slots, context_lens, f[0], f[1], f[2]);
+      attention_block(x, t, meta, cos, sin, caches[0], caches[1], slot_mapping, context_slots, context_lens, f[0], f[1],
+                      f[2]);
     } else if (mixer == 2) {
-      auto t = take(32);
+      auto t = take(30);
+      const auto pools = take(2);
       const auto meta = sizes(9);
       const double* f = reals(3);
-      gdn_block(x, std::vector<torch::Tensor>(t.begin(), t.begin() + 30), meta, t[30], t[31], state_slots, f[0], f[1],
-                f[2]);
+      gdn_block(x, t, meta, pools[0], pools[1], state_slots, f[0], f[1], f[2]);
     } else {
       TORCH_CHECK(mixer == 0, "decode_stack: a mixer kind must be 0, 1 or 2");
     }
