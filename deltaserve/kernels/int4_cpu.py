@@ -92,6 +92,7 @@ struct Weight {
   bool lut;
   f16v table;
   int64_t K, group;
+  int64_t stored = 0;  // scales (and offsets) held: N * K / group; 0 where not known (then no read past a run)
 
   float at(const void* p, int64_t i) const {
     if (kind == F32) return static_cast<const float*>(p)[i];
@@ -103,11 +104,15 @@ struct Weight {
   float offset(int64_t i, float s) const { return offsets ? at(offsets, i) : (lut ? 0.0f : -8.0f * s); }
 
   // Groups g0 .. g0 + count of row n as float32 scales s and offsets o, the dtype switched on once for the run
-  // (per group, at group 32, the switch and the conversions cost the AVX2 tile ~30% of its time).
+  // (per group, at group 32, the switch and the conversions cost the AVX2 tile ~30% of its time). s and o hold
+  // count rounded up to a multiple of 8.
   void group_params(int64_t n, int64_t g0, int64_t count, float* s, float* o) const {
     const int64_t first = n * (K / group) + g0;
-    to_float(scales, first, count, s);
-    if (offsets) to_float(offsets, first, count, o);
+    // Whole 8-scale vectors where the array has them (past a row's end lies the next row's): one scalar 16-bit
+    // conversion per group beyond the last full 8 cost the AVX2 tile ~7% at 18 groups a row (SmolLM2's K = 576).
+    const int64_t span = first + ((count + 7) & ~int64_t{7}) <= stored ? (count + 7) & ~int64_t{7} : count;
+    to_float(scales, first, span, s);
+    if (offsets) to_float(offsets, first, span, o);
     else for (int64_t i = 0; i < count; ++i) o[i] = lut ? 0.0f : -8.0f * s[i];
   }
   void to_float(const void* p, int64_t first, int64_t count, float* out) const {
@@ -137,9 +142,12 @@ struct Weight {
 #if defined(__AVX2__) && !defined(__AVX512F__)
 // AVX2: 8-float __m256 accumulators. With arrays of 16-float values GCC keeps the tile in memory and moves each value
 // through general registers at every step (linear_cpu.py measured 2.3-4.5x from the same change).
-template <int MR, int NR, bool LUT>
+// GS: the group size when known at compile time (0: w.group). At 32 (GGUF's blocks) the column loop of a group is one
+// step and GCC keeps the tile in registers: a 1536 x 576 matrix at one row, one thread, ~7% faster than with the size
+// read at run time.
+template <int MR, int NR, bool LUT, int GS>
 inline void tile(const float* __restrict x, const Weight& w, int64_t n0, float* __restrict y, int64_t ldy) {
-  const int64_t K = w.K, group = w.group, groups = K / group;
+  const int64_t K = w.K, group = GS ? GS : w.group, groups = K / group;
   __m256 table[2];
   if constexpr (LUT) std::memcpy(table, &w.table, 64);
   constexpr int A = MR == 1 ? 2 : 1;  // accumulators per output: one row's FMAs would otherwise wait on each other
@@ -191,9 +199,9 @@ inline void tile(const float* __restrict x, const Weight& w, int64_t n0, float* 
   }
 }
 #else
-template <int MR, int NR, bool LUT>
+template <int MR, int NR, bool LUT, int GS>
 inline void tile(const float* __restrict x, const Weight& w, int64_t n0, float* __restrict y, int64_t ldy) {
-  const int64_t K = w.K, groups = K / w.group;
+  const int64_t K = w.K, group = GS ? GS : w.group, groups = K / group;
   f16v acc[MR * NR];
   for (int i = 0; i < MR * NR; ++i) acc[i] = f16v{};
   for (int64_t g = 0; g < groups; ++g) {
@@ -203,7 +211,7 @@ inline void tile(const float* __restrict x, const Weight& w, int64_t n0, float* 
       s[n] = f16v{} + sc;
       o[n] = f16v{} + w.offset((n0 + n) * groups + g, sc);
     }
-    for (int64_t k = g * w.group; k < (g + 1) * w.group; k += 32) {
+    for (int64_t k = g * group; k < (g + 1) * group; k += 32) {
       f16v lo[NR], hi[NR];
       for (int n = 0; n < NR; ++n) {
         widen32<LUT>(w.packed + (n0 + n) * (K / 2) + k / 2, w.table, lo[n], hi[n]);
@@ -227,11 +235,24 @@ inline void tile(const float* __restrict x, const Weight& w, int64_t n0, float* 
 
 inline void widen_row(const Weight& w, int64_t n, float* dst);
 
+template <int NR, bool LUT, int GS>
+inline void tiles(const float* x, int64_t M, const Weight& w, int64_t n0, float* y, int64_t ldy) {
+  const int64_t K = w.K;
+  int64_t m = 0;
+  for (; m + MR_MAX <= M; m += MR_MAX) tile<MR_MAX, NR, LUT, GS>(x + m * K, w, n0, y + m * ldy, ldy);
+  switch (M - m) {
+    case 3: tile<3, NR, LUT, GS>(x + m * K, w, n0, y + m * ldy, ldy); break;
+    case 2: tile<2, NR, LUT, GS>(x + m * K, w, n0, y + m * ldy, ldy); break;
+    case 1: tile<1, NR, LUT, GS>(x + m * K, w, n0, y + m * ldy, ldy); break;
+    default: break;
+  }
+}
+
 template <int NR, bool LUT>
 inline void rows_past(const float* x, int64_t M, const Weight& w, int64_t n0, float* y, int64_t ldy) {
-  const int64_t K = w.K;
 #if defined(__AVX2__) && !defined(__AVX512F__)
   if (M >= 4) {
+    const int64_t K = w.K;
     // Two tiles' worth of rows or more: widen these NR weight rows once (into L1) for all M input rows, instead of
     // once per MR_MAX of them (the widening is most of a tile's work). A 1536 x 576 matrix at two threads: 4 rows
     // 144 -> 132 us, 8 rows 288 -> 207, 16 rows 571 -> 369; at 3 rows the two ways cost the same.
@@ -250,14 +271,8 @@ inline void rows_past(const float* x, int64_t M, const Weight& w, int64_t n0, fl
     return;
   }
 #endif
-  int64_t m = 0;
-  for (; m + MR_MAX <= M; m += MR_MAX) tile<MR_MAX, NR, LUT>(x + m * K, w, n0, y + m * ldy, ldy);
-  switch (M - m) {
-    case 3: tile<3, NR, LUT>(x + m * K, w, n0, y + m * ldy, ldy); break;
-    case 2: tile<2, NR, LUT>(x + m * K, w, n0, y + m * ldy, ldy); break;
-    case 1: tile<1, NR, LUT>(x + m * K, w, n0, y + m * ldy, ldy); break;
-    default: break;
-  }
+  if (w.group == 32) tiles<NR, LUT, 32>(x, M, w, n0, y, ldy);
+  else tiles<NR, LUT, 0>(x, M, w, n0, y, ldy);
 }
 
 template <bool LUT>
@@ -290,7 +305,7 @@ Weight weight_of(const torch::Tensor& packed, const torch::Tensor& scales, const
                 "int4: scales (and offsets, or an empty tensor) must be contiguous [N, K / group] of one dtype");
   const ScaleKind kind = dtype == torch::kFloat32 ? F32 : dtype == torch::kBFloat16 ? BF16 : F16;
   Weight w{packed.data_ptr<uint8_t>(), scales.data_ptr(), has_offsets ? offsets.data_ptr() : nullptr, kind,
-           lut.has_value(), f16v{}, K, group};
+           lut.has_value(), f16v{}, K, group, N * (K / group)};
   if (lut.has_value()) {
     TORCH_CHECK(lut->scalar_type() == torch::kFloat32 && lut->numel() == 16, "int4: the level table is 16 float32");
     w.table = load16(lut->contiguous().data_ptr<float>());
