@@ -94,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
         load_errors.append(error)
         server.should_exit = True
 
-    app = create_app(config, on_load_failure=stop)
+    app = create_app(config, on_load_failure=stop, freeze_after_load=True)
     http = protocol_class(config.header_timeout_s, config.max_connections)
     server = DrainingServer(uvicorn.Config(app, http=http, log_level=args.log_level, access_log=not args.no_access_log,
                                            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S), app.state.server.drain)
