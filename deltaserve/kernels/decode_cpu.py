@@ -103,14 +103,15 @@ struct Out {
 inline int64_t block_rows(const Lin& l) { return l.group ? int4k::NR_MAX : lineark::NR_MAX; }
 
 // Rows [n0, n0 + rows) of one projection's output: `rows` is its block, or 1 past its last full block.
-inline void rows_of(const Lin& l, const float* x, int64_t M, int64_t n0, int64_t rows, float* y) {
+// xq: x prepared for the packed one-row tile (int4k::prepared), or nullptr.
+inline void rows_of(const Lin& l, const float* x, int64_t M, int64_t n0, int64_t rows, float* y, const float* xq) {
   const int64_t N = l.N, K = l.K;
   if (l.group) {
     constexpr int NR = int4k::NR_MAX;
     if (l.lut) rows == NR ? int4k::rows_past<NR, true>(x, M, l.q4, n0, y + n0, N)
                           : int4k::rows_past<1, true>(x, M, l.q4, n0, y + n0, N);
-    else rows == NR ? int4k::rows_past<NR, false>(x, M, l.q4, n0, y + n0, N)
-                    : int4k::rows_past<1, false>(x, M, l.q4, n0, y + n0, N);
+    else rows == NR ? int4k::rows_past<NR, false>(x, M, l.q4, n0, y + n0, N, xq)
+                    : int4k::rows_past<1, false>(x, M, l.q4, n0, y + n0, N, xq);
   } else {
     constexpr int NR = lineark::NR_MAX;
     if (rows == NR) lineark::rows_past<NR>(x, M, l.w + n0 * K, K, y + n0, N);
@@ -139,6 +140,10 @@ void matmuls(const float* x, int64_t M, std::initializer_list<Out> outs) {
     full[j] = o[j].l->N / block[j];
     start[j + 1] = start[j] + full[j] + o[j].l->N % block[j];
   }
+  thread_local std::vector<float> buffer;  // the calling thread's; the team reads it
+  const float* xq = nullptr;
+  for (int j = 0; j < n_outs && xq == nullptr; ++j)
+    if (o[j].l->group) xq = int4k::prepared(x, M, o[j].l->q4, buffer);
   #pragma omp parallel for schedule(static)
   for (int64_t u = 0; u < start[n_outs]; ++u) {
     int j = 0;
@@ -147,9 +152,9 @@ void matmuls(const float* x, int64_t M, std::initializer_list<Out> outs) {
     const int64_t i = u - start[j];
     if (i < full[j]) {
       if (i + 2 < full[j]) prefetch_rows(l, (i + 2) * block[j], block[j]);  // two blocks on: in flight meanwhile
-      rows_of(l, x, M, i * block[j], block[j], o[j].y);
+      rows_of(l, x, M, i * block[j], block[j], o[j].y, xq);
     } else {
-      rows_of(l, x, M, full[j] * block[j] + (i - full[j]), 1, o[j].y);
+      rows_of(l, x, M, full[j] * block[j] + (i - full[j]), 1, o[j].y, xq);
     }
   }
   for (const Out& out : outs)

@@ -23,6 +23,7 @@ MAX_ROWS = 16
 
 _SOURCE = VECTOR_PRELUDE + r"""
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <vector>
 #if defined(__x86_64__) || defined(__i386__)
@@ -198,6 +199,80 @@ inline void tile(const float* __restrict x, const Weight& w, int64_t n0, float* 
     y[i / NR * ldy + i % NR] = sum8(t);
   }
 }
+
+// One input row, codes without a level table: no shifts, no byte widening. A run's 16 packed bytes are broadcast to
+// both 128-bit halves, and each of four masks keeps one nibble per 32-bit lane: lanes 0-3 the low nibble of byte i
+// of words 0-3 (columns 4j + i), lanes 4-7 its high nibble (columns 4j + i + 16), the code times a power of two,
+// which vcvtdq2ps turns into a float exactly. The input row is prepared once per call (prepare_row): permuted to
+// that lane order and scaled by the inverse powers, so each product equals code * x exactly (|x| >= 2^-102; below,
+// x * 2^-24 is subnormal and rounds). A group's products are summed, then w = scale * code + offset enters as
+// scale * sum + offset * (the group's sum of x). Per 32 columns and weight row: one load, one shift, 4 ands, 4
+// conversions and 4 FMAs, where `tile` takes 2 widening loads, 2 ands, 2 shifts, 4 conversions and 8 FMAs: a
+// 1536 x 576 matrix at one thread ~5% faster at group 32 and ~20% at 128 (a standalone study on this Zen 3).
+constexpr int Q_SHIFT[4] = {0, 8, 16, 20};  // the power of two of byte i's low nibble (byte 3: read after >> 4)
+
+// x [K] -> xq [K + K / 4]: per 32 columns, x in the lane order above times 2^-Q_SHIFT[i] (low) or 2^-(Q_SHIFT[i] + 4)
+// (high nibbles), then per 32 columns 8 lanes whose sum is the sum of those 32 x.
+inline void prepare_row(const float* __restrict x, int64_t K, float* __restrict xq) {
+  float* sums = xq + K;
+  float low[4], high[4];  // exact powers of two
+  for (int i = 0; i < 4; ++i) {
+    low[i] = std::ldexp(1.0f, -Q_SHIFT[i]);
+    high[i] = std::ldexp(1.0f, -Q_SHIFT[i] - 4);
+  }
+  for (int64_t c = 0; c < K; c += 32) {
+    for (int i = 0; i < 4; ++i)
+      for (int j = 0; j < 4; ++j) {
+        xq[c + 8 * i + j] = x[c + 4 * j + i] * low[i];
+        xq[c + 8 * i + 4 + j] = x[c + 4 * j + i + 16] * high[i];
+      }
+    const __m256 s = _mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(x + c), _mm256_loadu_ps(x + c + 8)),
+                                   _mm256_add_ps(_mm256_loadu_ps(x + c + 16), _mm256_loadu_ps(x + c + 24)));
+    _mm256_storeu_ps(sums + c / 4, s);
+  }
+}
+
+template <int NR, int GS>
+inline void tile_q(const float* __restrict xq, const Weight& w, int64_t n0, float* __restrict y) {
+  const int64_t K = w.K, group = GS ? GS : w.group, groups = K / group;
+  const float* sums = xq + K;
+  const __m256i m0 = _mm256_setr_epi32(15, 15, 15, 15, 15 << 4, 15 << 4, 15 << 4, 15 << 4);
+  const __m256i m1 = _mm256_slli_epi32(m0, Q_SHIFT[1]), m2 = _mm256_slli_epi32(m0, Q_SHIFT[2]);
+  const __m256i m3 = _mm256_slli_epi32(m0, Q_SHIFT[3]);
+  constexpr int64_t CHUNK = 128;
+  const uint8_t* rows[NR];
+  for (int n = 0; n < NR; ++n) rows[n] = w.packed + (n0 + n) * (K / 2);
+  __m256 acc[NR], acc_o[NR];
+  for (int n = 0; n < NR; ++n) acc[n] = acc_o[n] = _mm256_setzero_ps();
+  float gs[NR][CHUNK], go[NR][CHUNK];
+  for (int64_t c0 = 0; c0 < groups; c0 += CHUNK) {
+    const int64_t count = std::min(CHUNK, groups - c0);
+    for (int n = 0; n < NR; ++n) w.group_params(n0 + n, c0, count, gs[n], go[n]);
+    for (int64_t gi = 0; gi < count; ++gi) {
+      const int64_t k0 = (c0 + gi) * group;
+      __m256 part[NR][2], xsum = _mm256_setzero_ps();  // two chains a row: 4 dependent FMAs per 32 columns wait
+      for (int n = 0; n < NR; ++n) part[n][0] = part[n][1] = _mm256_setzero_ps();
+      for (int64_t k = k0; k < k0 + group; k += 32) {
+        const float* xk = xq + k;
+        xsum = _mm256_add_ps(xsum, _mm256_loadu_ps(sums + k / 4));
+        for (int n = 0; n < NR; ++n) {
+          const __m256i b = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[n] + k / 2)));
+          __m256* p = part[n];
+          p[0] = _mm256_fmadd_ps(_mm256_loadu_ps(xk), _mm256_cvtepi32_ps(_mm256_and_si256(b, m0)), p[0]);
+          p[1] = _mm256_fmadd_ps(_mm256_loadu_ps(xk + 8), _mm256_cvtepi32_ps(_mm256_and_si256(b, m1)), p[1]);
+          p[0] = _mm256_fmadd_ps(_mm256_loadu_ps(xk + 16), _mm256_cvtepi32_ps(_mm256_and_si256(b, m2)), p[0]);
+          p[1] = _mm256_fmadd_ps(_mm256_loadu_ps(xk + 24),
+                                 _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(b, 4), m3)), p[1]);
+        }
+      }
+      for (int n = 0; n < NR; ++n) {
+        acc[n] = _mm256_fmadd_ps(_mm256_set1_ps(gs[n][gi]), _mm256_add_ps(part[n][0], part[n][1]), acc[n]);
+        acc_o[n] = _mm256_fmadd_ps(_mm256_set1_ps(go[n][gi]), xsum, acc_o[n]);
+      }
+    }
+  }
+  for (int n = 0; n < NR; ++n) y[n] = sum8(_mm256_add_ps(acc[n], acc_o[n]));
+}
 #else
 template <int MR, int NR, bool LUT, int GS>
 inline void tile(const float* __restrict x, const Weight& w, int64_t n0, float* __restrict y, int64_t ldy) {
@@ -248,9 +323,18 @@ inline void tiles(const float* x, int64_t M, const Weight& w, int64_t n0, float*
   }
 }
 
+// xq: x prepared by prepare_row where M is 1 (AVX2, no level table), else nullptr.
 template <int NR, bool LUT>
-inline void rows_past(const float* x, int64_t M, const Weight& w, int64_t n0, float* y, int64_t ldy) {
+inline void rows_past(const float* x, int64_t M, const Weight& w, int64_t n0, float* y, int64_t ldy,
+                      const float* xq = nullptr) {
 #if defined(__AVX2__) && !defined(__AVX512F__)
+  if constexpr (!LUT) {
+    if (xq != nullptr && M == 1) {
+      if (w.group == 32) tile_q<NR, 32>(xq, w, n0, y);
+      else tile_q<NR, 0>(xq, w, n0, y);
+      return;
+    }
+  }
   if (M >= 4) {
     const int64_t K = w.K;
     // Two tiles' worth of rows or more: widen these NR weight rows once (into L1) for all M input rows, instead of
@@ -275,18 +359,32 @@ inline void rows_past(const float* x, int64_t M, const Weight& w, int64_t n0, fl
   else tiles<NR, LUT, 0>(x, M, w, n0, y, ldy);
 }
 
+// Where the one-row masked tile serves (AVX2, no level table): its prepared input, else nullptr.
+inline const float* prepared(const float* x, int64_t M, const Weight& w, std::vector<float>& buffer) {
+#if defined(__AVX2__) && !defined(__AVX512F__)
+  if (M == 1 && !w.lut) {
+    buffer.resize(w.K + w.K / 4);
+    prepare_row(x, w.K, buffer.data());
+    return buffer.data();
+  }
+#endif
+  return nullptr;
+}
+
 template <bool LUT>
 void decode_all(const float* x, int64_t M, const Weight& w, int64_t N, float* y) {
   const int64_t blocks = N / NR_MAX, row_bytes = w.K / 2;
+  std::vector<float> buffer;
+  const float* xq = prepared(x, M, w, buffer);
   #pragma omp parallel for schedule(static)
   for (int64_t b = 0; b < blocks; ++b) {
     if (b + 2 < blocks) {  // the packed rows two blocks on: in flight while these are used
       const char* ahead = reinterpret_cast<const char*>(w.packed + NR_MAX * (b + 2) * row_bytes);
       for (int64_t c = 0; c < NR_MAX * row_bytes; c += 64) __builtin_prefetch(ahead + c, 0, 1);
     }
-    rows_past<NR_MAX, LUT>(x, M, w, NR_MAX * b, y + NR_MAX * b, N);
+    rows_past<NR_MAX, LUT>(x, M, w, NR_MAX * b, y + NR_MAX * b, N, xq);
   }
-  for (int64_t n = NR_MAX * blocks; n < N; ++n) rows_past<1, LUT>(x, M, w, n, y + n, N);
+  for (int64_t n = NR_MAX * blocks; n < N; ++n) rows_past<1, LUT>(x, M, w, n, y + n, N, xq);
 }
 
 Weight weight_of(const torch::Tensor& packed, const torch::Tensor& scales, const torch::Tensor& offsets,
