@@ -81,6 +81,36 @@ def test_eight_prompts_together_equal_each_alone(eng, long_ids):
     assert_pools_empty(eng)
 
 
+def test_decode_steps_build_the_same_batch_as_the_general_path(eng, long_ids):
+    """The runner's decode-only batch (fewer small ops) equals the general packing, field by field, at 1 and at
+    several sequences of different context lengths."""
+    reset_chunk(eng, 512)
+    runner, seen = eng.runner, []
+    forward = runner.forward
+
+    def compare(plan):
+        if not plan.prefill:
+            fast, general = runner.decode_batch(plan), runner.packed_batch(plan)
+            for name, value in vars(general).items():
+                other = getattr(fast, name)
+                if isinstance(value, torch.Tensor):
+                    assert other.dtype == value.dtype and torch.equal(other, value), name
+                else:
+                    assert other == value, name
+            seen.append(len(plan.decode))
+        return forward(plan)
+
+    runner.forward = compare
+    try:
+        params = SamplingParams(max_tokens=5, **GREEDY)
+        run_all(eng, [(long_ids[:7], params)])
+        run_all(eng, [(long_ids[i * 5: i * 5 + n], params) for i, n in enumerate([3, 11, 30])])
+    finally:
+        runner.forward = forward
+    assert 1 in seen and 3 in seen
+    assert_pools_empty(eng)
+
+
 @pytest.fixture(scope="module")
 def unchunked(eng, long_ids):
     # 1,020 prompt tokens in all, so even chunks of 1000 split the second prompt.

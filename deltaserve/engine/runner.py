@@ -30,6 +30,12 @@ class ModelRunner:
 
     def build_batch(self, plan: StepPlan) -> ForwardBatch:
         """The packed batch of one step; positions and slots follow each request's cached length."""
+        if not plan.prefill and not plan.snapshots and not any(r.images for r in plan.decode):
+            return self.decode_batch(plan)
+        return self.packed_batch(plan)
+
+    def packed_batch(self, plan: StepPlan) -> ForwardBatch:
+        """build_batch of any step: decode rows, prefill chunks, images, GDN snapshots."""
         sequences = plan.sequences
         ids: list[int] = []
         q_lens, cached_lens, contexts, new_slots = [], [], [], []
@@ -72,6 +78,31 @@ class ModelRunner:
             paged_kernel=self.paged_kernel,
             snapshots=snapshots,
             **{name: t.to(to) for name, t in images.items()},
+        )
+
+    def decode_batch(self, plan: StepPlan) -> ForwardBatch:
+        """build_batch of a step of decode rows only (text): the same batch from a third of the small ops (a decode
+        step of SmolLM2 is ~7.5 ms on 2 cores; the general path took ~0.2 ms of it at 3 sequences, this ~0.07)."""
+        decode = plan.decode
+        to = self.device
+        cached = [r.num_cached for r in decode]
+        tables = [self.kv_pool.slots(r) for r in decode]
+        contexts = [t[: c + 1] for t, c in zip(tables, cached)]
+        sampling = set(map(id, plan.sampling))
+        rows = [b for b, r in enumerate(decode) if id(r) in sampling]
+        return ForwardBatch(
+            input_ids=torch.tensor([r.output_ids[-1] for r in decode], dtype=torch.long).to(to),
+            positions=torch.tensor(cached, dtype=torch.long).to(to),
+            q_lens=[1] * len(decode),
+            cached_lens=cached,
+            num_decode=len(decode),
+            cu_q=torch.arange(len(decode) + 1).to(to),
+            slot_mapping=torch.cat([c[-1:] for c in contexts]).to(to),
+            context_slots=(contexts[0][None] if len(contexts) == 1
+                           else torch.nn.utils.rnn.pad_sequence(contexts, batch_first=True)).to(to),
+            state_slots=torch.tensor([self.state_pool.slot(r) for r in decode], dtype=torch.long).to(to),
+            logits_indices=torch.tensor(rows, dtype=torch.long).to(to),
+            paged_kernel=self.paged_kernel,
         )
 
     @staticmethod
