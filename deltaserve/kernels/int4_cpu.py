@@ -207,8 +207,8 @@ inline void tile(const float* __restrict x, const Weight& w, int64_t n0, float* 
 // that lane order and scaled by the inverse powers, so each product equals code * x exactly (|x| >= 2^-102; below,
 // x * 2^-24 is subnormal and rounds). A group's products are summed, then w = scale * code + offset enters as
 // scale * sum + offset * (the group's sum of x). Per 32 columns and weight row: one load, one shift, 4 ands, 4
-// conversions and 4 FMAs, where `tile` takes 2 widening loads, 2 ands, 2 shifts, 4 conversions and 8 FMAs: a
-// 1536 x 576 matrix at one thread ~5% faster at group 32 and ~20% at 128 (a standalone study on this Zen 3).
+// conversions and 4 FMAs, where `tile` takes 2 widening loads, 2 ands, 2 shifts, 4 conversions and 8 FMAs: SmolLM2's
+// matrices streamed from memory (Zen 3, 1 or 2 threads) ~4-5% faster at group 32, ~9-11% at group 64.
 constexpr int Q_SHIFT[4] = {0, 8, 16, 20};  // the power of two of byte i's low nibble (byte 3: read after >> 4)
 
 // x [K] -> xq [K + K / 4]: per 32 columns, x in the lane order above times 2^-Q_SHIFT[i] (low) or 2^-(Q_SHIFT[i] + 4)
@@ -256,7 +256,8 @@ inline void tile_q(const float* __restrict xq, const Weight& w, int64_t n0, floa
         const float* xk = xq + k;
         xsum = _mm256_add_ps(xsum, _mm256_loadu_ps(sums + k / 4));
         for (int n = 0; n < NR; ++n) {
-          const __m256i b = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[n] + k / 2)));
+          const __m128i run = _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[n] + k / 2));
+          const __m256i b = _mm256_broadcastsi128_si256(run);
           __m256* p = part[n];
           p[0] = _mm256_fmadd_ps(_mm256_loadu_ps(xk), _mm256_cvtepi32_ps(_mm256_and_si256(b, m0)), p[0]);
           p[1] = _mm256_fmadd_ps(_mm256_loadu_ps(xk + 8), _mm256_cvtepi32_ps(_mm256_and_si256(b, m1)), p[1]);
