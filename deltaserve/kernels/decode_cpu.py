@@ -140,10 +140,9 @@ void matmuls(const float* x, int64_t M, std::initializer_list<Out> outs) {
     full[j] = o[j].l->N / block[j];
     start[j + 1] = start[j] + full[j] + o[j].l->N % block[j];
   }
-  thread_local std::vector<float> buffer;  // the calling thread's; the team reads it
-  const float* xq = nullptr;
+  const float* xq = nullptr;  // x as the packed one-row tile reads it, prepared once for all the projections
   for (int j = 0; j < n_outs && xq == nullptr; ++j)
-    if (o[j].l->group) xq = int4k::prepared(x, M, o[j].l->q4, buffer);
+    if (o[j].l->group) xq = int4k::prepared(x, M, o[j].l->q4);
   #pragma omp parallel for schedule(static)
   for (int64_t u = 0; u < start[n_outs]; ++u) {
     int j = 0;

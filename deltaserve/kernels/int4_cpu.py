@@ -23,7 +23,6 @@ MAX_ROWS = 16
 
 _SOURCE = VECTOR_PRELUDE + r"""
 #include <algorithm>
-#include <cmath>
 #include <cstring>
 #include <vector>
 #if defined(__x86_64__) || defined(__i386__)
@@ -84,6 +83,7 @@ inline void widen32(const uint8_t* p, f16v table, f16v& lo, f16v& hi) {
 // 0..15 (levels centred on 8), 0 with a level table (IQ4's levels are centred already). Either way every w formed in
 // float32 is the float32 product the dequantized weight holds (a 16-bit scale times a 4-bit level is exact).
 enum ScaleKind : int { F32 = 0, BF16 = 1, F16 = 2 };
+constexpr int64_t CHUNK = 128;  // groups whose scales and offsets a tile converts at a time (a multiple of 8)
 
 struct Weight {
   const uint8_t* packed;
@@ -111,7 +111,8 @@ struct Weight {
     const int64_t first = n * (K / group) + g0;
     // Whole 8-scale vectors where the array has them (past a row's end lies the next row's): one scalar 16-bit
     // conversion per group beyond the last full 8 cost the AVX2 tile ~7% at 18 groups a row (SmolLM2's K = 576).
-    const int64_t span = first + ((count + 7) & ~int64_t{7}) <= stored ? (count + 7) & ~int64_t{7} : count;
+    const int64_t whole = (count + 7) & ~int64_t{7};
+    const int64_t span = first + whole <= stored ? whole : count;
     to_float(scales, first, span, s);
     if (offsets) to_float(offsets, first, span, o);
     else for (int64_t i = 0; i < count; ++i) o[i] = lut ? 0.0f : -8.0f * s[i];
@@ -152,7 +153,6 @@ inline void tile(const float* __restrict x, const Weight& w, int64_t n0, float* 
   __m256 table[2];
   if constexpr (LUT) std::memcpy(table, &w.table, 64);
   constexpr int A = MR == 1 ? 2 : 1;  // accumulators per output: one row's FMAs would otherwise wait on each other
-  constexpr int64_t CHUNK = 128;  // groups whose scales and offsets are converted at a time
   // Row pointers in locals: through `w` GCC reloaded them at every group (the scale arrays' stores may alias it).
   const uint8_t* rows[NR];
   for (int n = 0; n < NR; ++n) rows[n] = w.packed + (n0 + n) * (K / 2);
@@ -215,11 +215,8 @@ constexpr int Q_SHIFT[4] = {0, 8, 16, 20};  // the power of two of byte i's low 
 // (high nibbles), then per 32 columns 8 lanes whose sum is the sum of those 32 x.
 inline void prepare_row(const float* __restrict x, int64_t K, float* __restrict xq) {
   float* sums = xq + K;
-  float low[4], high[4];  // exact powers of two
-  for (int i = 0; i < 4; ++i) {
-    low[i] = std::ldexp(1.0f, -Q_SHIFT[i]);
-    high[i] = std::ldexp(1.0f, -Q_SHIFT[i] - 4);
-  }
+  constexpr float low[4] = {1.0f, 0x1p-8f, 0x1p-16f, 0x1p-20f};  // 2^-Q_SHIFT[i], and 2^-4 times it (high)
+  constexpr float high[4] = {0x1p-4f, 0x1p-12f, 0x1p-20f, 0x1p-24f};
   for (int64_t c = 0; c < K; c += 32) {
     for (int i = 0; i < 4; ++i)
       for (int j = 0; j < 4; ++j) {
@@ -239,7 +236,6 @@ inline void tile_q(const float* __restrict xq, const Weight& w, int64_t n0, floa
   const __m256i m0 = _mm256_setr_epi32(15, 15, 15, 15, 15 << 4, 15 << 4, 15 << 4, 15 << 4);
   const __m256i m1 = _mm256_slli_epi32(m0, Q_SHIFT[1]), m2 = _mm256_slli_epi32(m0, Q_SHIFT[2]);
   const __m256i m3 = _mm256_slli_epi32(m0, Q_SHIFT[3]);
-  constexpr int64_t CHUNK = 128;
   const uint8_t* rows[NR];
   for (int n = 0; n < NR; ++n) rows[n] = w.packed + (n0 + n) * (K / 2);
   __m256 acc[NR], acc_o[NR];
@@ -360,10 +356,12 @@ inline void rows_past(const float* x, int64_t M, const Weight& w, int64_t n0, fl
   else tiles<NR, LUT, 0>(x, M, w, n0, y, ldy);
 }
 
-// Where the one-row masked tile serves (AVX2, no level table): its prepared input, else nullptr.
-inline const float* prepared(const float* x, int64_t M, const Weight& w, std::vector<float>& buffer) {
+// Where the one-row masked tile serves (AVX2, no level table): its prepared input, else nullptr. The input lives in
+// the calling thread's buffer until its next call; the OpenMP team the caller then starts reads it.
+inline const float* prepared(const float* x, int64_t M, const Weight& w) {
 #if defined(__AVX2__) && !defined(__AVX512F__)
   if (M == 1 && !w.lut) {
+    thread_local std::vector<float> buffer;
     buffer.resize(w.K + w.K / 4);
     prepare_row(x, w.K, buffer.data());
     return buffer.data();
@@ -375,8 +373,7 @@ inline const float* prepared(const float* x, int64_t M, const Weight& w, std::ve
 template <bool LUT>
 void decode_all(const float* x, int64_t M, const Weight& w, int64_t N, float* y) {
   const int64_t blocks = N / NR_MAX, row_bytes = w.K / 2;
-  std::vector<float> buffer;
-  const float* xq = prepared(x, M, w, buffer);
+  const float* xq = prepared(x, M, w);
   #pragma omp parallel for schedule(static)
   for (int64_t b = 0; b < blocks; ++b) {
     if (b + 2 < blocks) {  // the packed rows two blocks on: in flight while these are used
