@@ -112,6 +112,8 @@ inline void rows_of(const Lin& l, const float* x, int64_t M, int64_t n0, int64_t
                           : int4k::rows_past<1, true>(x, M, l.q4, n0, y + n0, N);
     else rows == NR ? int4k::rows_past<NR, false>(x, M, l.q4, n0, y + n0, N, xq)
                     : int4k::rows_past<1, false>(x, M, l.q4, n0, y + n0, N, xq);
+  } else if (M == 1 && lineark::ONE_ROW_STREAM) {
+    lineark::one_row(x, l.w + n0 * K, K, rows, y + n0);
   } else {
     constexpr int NR = lineark::NR_MAX;
     if (rows == NR) lineark::rows_past<NR>(x, M, l.w + n0 * K, K, y + n0, N);
@@ -150,7 +152,8 @@ void matmuls(const float* x, int64_t M, std::initializer_list<Out> outs) {
     const Lin& l = *o[j].l;
     const int64_t i = u - start[j];
     if (i < full[j]) {
-      if (i + 2 < full[j]) prefetch_rows(l, (i + 2) * block[j], block[j]);  // two blocks on: in flight meanwhile
+      if (i + 2 < full[j] && (l.group || M > 1 || !lineark::ONE_ROW_STREAM))  // two blocks on: in flight meanwhile
+        prefetch_rows(l, (i + 2) * block[j], block[j]);
       rows_of(l, x, M, i * block[j], block[j], o[j].y, xq);
     } else {
       rows_of(l, x, M, full[j] * block[j] + (i - full[j]), 1, o[j].y, xq);
