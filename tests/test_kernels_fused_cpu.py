@@ -1,5 +1,5 @@
-"""The fused CPU RMSNorm kernel (kernels/fused_cpu.py) against the formula in float64, and the model norms that
-call it against their portable PyTorch paths. The fused conv is tested with the portable one (test_kernels_conv)."""
+"""The fused CPU RMSNorm kernel (kernels/fused_cpu.py) against the formula in float64, the model norms that
+call it against their portable PyTorch paths, and its argmax against torch's. The fused conv is tested with the portable one (test_kernels_conv)."""
 
 import pytest
 import torch
@@ -61,6 +61,29 @@ def test_bad_input_names_the_limit():
         fused_cpu.rms_norm(x, torch.ones(8), EPS, gate=torch.randn(3, 8))
     with pytest.raises(RuntimeError, match="residual must be shaped like x"):
         fused_cpu.add_rms_norm(x, torch.randn(3, 8), torch.ones(8), EPS)
+
+
+def test_argmax_rows_is_torch_argmax():
+    """The sampler's greedy choice: torch.argmax's answer on every row, ties (the first wins), NaN (the first NaN
+    wins), infinities, a masked row (all -inf), widths that leave a vector tail, rows with a stride."""
+    gen = torch.Generator().manual_seed(3)
+    for width in (1, 7, 8, 17, 64, 1000, 49152):
+        x = torch.randn(9, width, generator=gen)
+        x[1] = x[1].round()  # many equal values
+        x[2, width // 2:] = x[2].max() + 1.0  # ties at the maximum
+        x[3] = float("-inf")  # a row a grammar masked entirely
+        x[4, width - 1] = float("inf")
+        x[5, width // 3] = float("nan")
+        x[6, width - 1] = float("nan")
+        x[6, 0] = float("inf")
+        x[7, width // 2:] = float("nan")
+        x[8] = 0.0
+        assert torch.equal(fused_cpu.argmax(x), x.argmax(-1)), width
+        strided = torch.randn(5, 2 * width, generator=gen)[:, :width]
+        assert torch.equal(fused_cpu.argmax(strided), strided.argmax(-1)), width
+    assert fused_cpu.argmax(torch.randn(0, 5)).shape == (0,)
+    with pytest.raises(RuntimeError, match="argmax_rows: x must be float32"):
+        fused_cpu.KERNELS.module.argmax_rows(torch.randn(4, 8).double())
 
 
 @pytest.mark.parametrize("norm_cls", [RMSNorm, ZeroCentredRMSNorm, GatedRMSNorm])

@@ -61,6 +61,25 @@ def test_filtered_distributions_equal_transformers_warpers():
         assert torch.allclose(ours[i] / ours[i].sum(), ref, atol=1e-6), p
 
 
+@pytest.mark.parametrize("scale", [4.0, 1.0, 0.05])  # peaked, middling, flat: top-p ends early, late, near the end
+def test_top_p_from_a_few_candidates_equals_transformers(monkeypatch, scale):
+    """A wide row (past the candidates top-p looks at first), and candidate counts that end just before, at and just
+    after the first token top-p drops: the same tokens stay as transformers' warpers keep."""
+    from deltaserve.engine import sampler
+
+    vocab = 2000
+    x = torch.randn(1, vocab, generator=torch.Generator().manual_seed(int(scale * 10))) * scale
+    for p in (SamplingParams(temperature=0.9, top_p=0.9), SamplingParams(temperature=1.0, top_k=700, top_p=0.5)):
+        ref = hf_probs(x[0], p)
+        kept = int((ref > 0).sum())
+        assert 1 < kept < vocab
+        for n in (1, kept - 1, kept, kept + 1, 256, vocab):
+            monkeypatch.setattr(sampler, "TOP_P_CANDIDATES", max(n, 1))
+            ours = _filtered_probs(x, [p])[0]
+            assert torch.equal(ours > 0, ref > 0), (p, n)
+            assert torch.allclose(ours, ref, atol=1e-6), (p, n)
+
+
 def test_draws_follow_the_filtered_distribution():
     p = SamplingParams(temperature=0.8, top_k=10, top_p=0.9, seed=0)
     x = logits(1, seed=3)
