@@ -1,5 +1,6 @@
 """The fused CPU RMSNorm kernel (kernels/fused_cpu.py) against the formula in float64, the model norms that
-call it against their portable PyTorch paths, and its argmax against torch's. The fused conv is tested with the portable one (test_kernels_conv)."""
+call it against their portable PyTorch paths, and its argmax against torch's. The fused conv is tested with the
+portable one (test_kernels_conv)."""
 
 import pytest
 import torch
