@@ -21,7 +21,7 @@ from deltaserve.kernels import (conv_decode, conv_prefill, decode_cpu, fused_cpu
 from deltaserve.kernels.attention import paged_attention, write_kv
 from deltaserve.models.batch import ATTENTION, GDN, CacheGeometry, ForwardBatch, ModelCaches
 from deltaserve.models.layers import (FusedParts, Rotary, add_then_norm, apply_rotary, attention_parts, by_row_blocks,
-                                     linear, mlp_parts, projection_parts, rope_parameters)
+                                     current_parts, linear, mlp_parts, projection_parts, rope_parameters)
 
 log = logging.getLogger(__name__)
 
@@ -468,7 +468,7 @@ class HybridModel(nn.Module):
         if decode_cpu.serves(x, batch, k_cache):
             x = x.contiguous()  # a decode-only step: the residual stream updated in place
             cos_sin = tuple(c[:, 0].contiguous() for c in cos_sin)
-            parts = [layer.fused.get(layer.input_layernorm.weight) for layer in self.layers]
+            parts = current_parts(self.layers)
             args = self.stack.args_for((caches, *parts), lambda: [layer.stack_args(caches) for layer in self.layers])
             if args is not None:  # every layer in one native call
                 self.stack.run_with(args, x, *cos_sin, batch)

@@ -226,6 +226,14 @@ class FusedParts:
         return self.parts
 
 
+def current_parts(layers: nn.ModuleList) -> list:
+    """Every decoder layer's FusedParts for its input norm weight as it is now (a decode step's check that the parts
+    were built from the loaded weights), read through the module dictionaries: nn.Module's attribute fallback for
+    submodules and parameters made this ~60 us a step for SmolLM2's 30 layers, the dictionaries ~8."""
+    return [layer.fused.get(layer._modules["input_layernorm"]._parameters["weight"])
+            for layer in layers._modules.values()]
+
+
 MLP_ROW_BLOCK = 2048  # rows per MLP pass: the [rows, intermediate] temporaries of a long prompt stay in cache
 
 

@@ -14,7 +14,8 @@ from deltaserve.kernels import decode_cpu
 from deltaserve.kernels.attention import paged_attention
 from deltaserve.models.batch import ATTENTION, CacheGeometry, ForwardBatch, ModelCaches
 from deltaserve.models.layers import (FusedParts, Int4Linear, Int8Linear, RMSNorm, Rotary, apply_rotary,
-                                     attention_parts, by_row_blocks, linear, mlp_parts, rope_parameters)
+                                     attention_parts, by_row_blocks, current_parts, linear, mlp_parts,
+                                     rope_parameters)
 
 
 class LlamaAttention(nn.Module):
@@ -110,8 +111,7 @@ class LlamaModel(nn.Module):
     def forward(self, batch: ForwardBatch, caches: ModelCaches) -> torch.Tensor:
         x = self.embed_tokens(batch.input_ids).to(self.norm.weight.dtype)  # a bf16-held vocab: back to compute
         cos_sin = self.rotary.cos_sin(batch.positions)
-        parts = [layer.fused.get(layer.input_layernorm.weight) for layer in self.layers] \
-            if decode_cpu.serves(x, batch, caches.k[0]) else None
+        parts = current_parts(self.layers) if decode_cpu.serves(x, batch, caches.k[0]) else None
         if parts is not None and all(p is not None for p in parts):
             x = x.contiguous()  # a decode-only step: every layer in one native call, the residual stream in place
             cos, sin = (c[:, 0].contiguous() for c in cos_sin)
