@@ -4,7 +4,8 @@ transformers reads the file dequantized to float32. deltaserve runs through its 
 scheduler, paged KV pool, sampler), one request at a time, twice: "packed" keeps the file's 4-bit blocks packed
 and multiplies them in float32 (kernels/int4.py, the CPU default; the dequantized model's logits to float32
 rounding) and "fp32" holds the weights dequantized to float32 (`--dequantize-weights`). transformers runs `forward`
-and `generate`. With `--llama-cpp DIR` (bench/llamacpp.py), llama.cpp's llama-bench runs the same Q4_1 file too.
+and `generate`. With `--llama-cpp DIR` (bench/llamacpp.py), llama.cpp's llama-bench runs the same Q4_1 file too:
+one run of each test alternated with ours (a shared VM's speed drifts within minutes), its best of --repeats.
 - prefill tok/s: prompt tokens / time to the first token of one request (the whole prompt in one chunk);
 - decode tok/s: (new tokens - 1) / (time from the first to the last token), batch 1, greedy, EOS ignored;
 - bytes per token: the weight bytes each side holds (a batch-1 step reads every one: the head is tied to the
@@ -164,13 +165,12 @@ def gguf_table(args, lengths: list[int], longest: int, cells: list) -> None:
 
     path = default_model_path()
     peer = llamacpp.tree(args.llama_cpp)
-    peer_rates = (llamacpp.run_bench(peer, path, prompts=lengths, gen=args.decode, threads=args.threads,
-                                     repeats=args.repeats) if peer else {})
+    peer_run = (lambda test: llamacpp.run_one(peer, path, test, args.threads)) if peer else None
     sides = {"transformers": Theirs(path), "deltaserve packed": Ours(str(path), longest, False),
              "deltaserve fp32": Ours(str(path), longest, True)}
-    print(f"{path.name}, {torch.get_num_threads()} threads, best of {args.repeats}; tok/s, and the ratio to "
-          f"transformers")
-    decode_rates = run_table(sides, cells, args.repeats, peer_rates)
+    print(f"{path.name}, {torch.get_num_threads()} threads, best of {args.repeats} (llama.cpp's runs alternated with "
+          f"ours); tok/s, the ratio to transformers, and deltaserve packed / llama.cpp")
+    decode_rates = run_table(sides, cells, args.repeats, peer_run)
     print_bytes(sides, decode_rates, args.repeats)
 
 
@@ -184,29 +184,38 @@ def w4a16_table(args, folder: Path, longest: int, cells: list) -> bool:
     print(f"\nW4A16 compressed-tensors, group {args.w4a16_group}, {source} (written by compressed-tensors' "
           f"compressor in {made:.0f} s), {torch.get_num_threads()} threads, best of {args.repeats}; tok/s, and "
           f"packed / dequantized (fp32)")
-    decode_rates = run_table(sides, cells, args.repeats, {}, peer_column=False)
+    decode_rates = run_table(sides, cells, args.repeats, None, peer_column=False)
     print_bytes(sides, decode_rates, args.repeats)
     return logits_check(sides["deltaserve packed"], sides["deltaserve fp32"], folder)
 
 
-def run_table(sides: dict, cells: list, repeats: int, peer_rates: dict, peer_column: bool = True) -> dict:
-    """Print one row per cell (tok/s per side, the ratio of each to the first side); the decode rates by side."""
+def run_table(sides: dict, cells: list, repeats: int, peer_run, peer_column: bool = True) -> dict:
+    """Print one row per cell (tok/s per side, the ratio of each to the first side, llama.cpp's best and our first
+    packed side's ratio to it); the decode rates by side. peer_run(test) -> llama.cpp's tok/s of one run, or None."""
     print(f"{'what':<22}" + "".join(f"{name:>20}" for name in sides) + "".join(f"{'x ' + n.split()[-1]:>11}"
                                                                                 for n in list(sides)[1:])
-          + (f"{'llama.cpp':>11}" if peer_column else ""))
+          + (f"{'llama.cpp':>11}{'x llama':>9}" if peer_column else ""))
     warm = prompt(min(64, *(len(ids) for *_, ids, _ in cells)), 0)
     for side in sides.values():
         side.prefill(warm)  # warm-up: first-call costs (kernel loads, allocations) out of the timings
     decode_rates = {}
+    ours = next((name for name in sides if name.endswith("packed")), None)
     for label, tokens, run, ids, peer_key in cells:
         best = {name: float("inf") for name in sides}
-        for _ in range(repeats):  # alternate the sides so all see the same machine load
+        peer_best = 0.0
+        for _ in range(repeats):  # alternate the sides, llama.cpp too, so all see the same machine load
             for name, side in sides.items():
                 best[name] = min(best[name], run(side, ids))
+            if peer_run is not None:
+                peer_best = max(peer_best, peer_run(peer_key))
         rates = [tokens / best[name] for name in sides]
         if peer_key.startswith("tg"):
             decode_rates = dict(zip(sides, rates))
-        peer = (f"{peer_rates[peer_key]:>11.1f}" if peer_key in peer_rates else f"{'-':>11}") if peer_column else ""
+        peer = ""
+        if peer_column:
+            ratio = tokens / best[ours] / peer_best if peer_best and ours else None
+            peer = ((f"{peer_best:>11.1f}" if peer_best else f"{'-':>11}")
+                    + (f"{ratio:>8.2f}x" if ratio else f"{'-':>9}"))
         print(f"{label:<22}" + "".join(f"{r:>20.1f}" for r in rates)
               + "".join(f"{r / rates[0]:>10.2f}x" for r in rates[1:]) + peer, flush=True)
     return decode_rates

@@ -3,7 +3,8 @@
 deltaserve runs through its Engine (the path `serve` takes: scheduler, paged KV pool, state pool, sampler) on the
 checkpoint saved by transformers; with `--llama-cpp DIR` (bench/llamacpp.py) llama.cpp's llama-bench decodes the
 same weights, converted to an f32 GGUF by its own converter. decode tok/s: (new tokens - 1) / (time from the first
-to the last token), greedy, EOS ignored, best of --repeats. Bytes per token: the weights a batch-1 step reads (all
+to the last token), greedy, EOS ignored, best of --repeats on each side (llama.cpp's runs alternated with ours: a
+shared VM's speed drifts within minutes). Bytes per token: the weights a batch-1 step reads (all
 but the embedding table, of which it reads one row), and the GB/s that rate reaches next to a plain read of the
 same bytes (bench/dense.py's plain_read_gbps).
 
@@ -53,19 +54,19 @@ def main(argv=None) -> int:
     peer = llamacpp.tree(args.llama_cpp)
     with tempfile.TemporaryDirectory() as tmp:
         folder = save_checkpoint(Path(tmp) / "hybrid")
-        peer_rate = None
-        if peer:
-            gguf = llamacpp.convert(peer, folder, Path(tmp) / "hybrid-f32.gguf")
-            peer_rate = llamacpp.run_bench(peer, gguf, gen=args.decode, threads=args.threads,
-                                           repeats=args.repeats)[f"tg{args.decode}"]
+        gguf = llamacpp.convert(peer, folder, Path(tmp) / "hybrid-f32.gguf") if peer else None
         ours = Ours(str(folder), args.decode_prompt + args.decode, False)
-    model = ours.engine.runner.model
-    embedding = model.model.embed_tokens.weight
-    tied = getattr(model.lm_head, "weight", None) is embedding
-    read = ours.weight_bytes - (0 if tied else embedding.numel() * embedding.element_size())
-    ids = prompt(args.decode_prompt, 1)
-    ours.prefill(prompt(64, 0))
-    best = min(ours.decode(ids, args.decode) for _ in range(args.repeats))
+        model = ours.engine.runner.model
+        embedding = model.model.embed_tokens.weight
+        tied = getattr(model.lm_head, "weight", None) is embedding
+        read = ours.weight_bytes - (0 if tied else embedding.numel() * embedding.element_size())
+        ids = prompt(args.decode_prompt, 1)
+        ours.prefill(prompt(64, 0))
+        best, peer_rate = float("inf"), None
+        for _ in range(args.repeats):  # alternated with llama.cpp's runs: both see the same machine load
+            best = min(best, ours.decode(ids, args.decode))
+            if peer:
+                peer_rate = max(peer_rate or 0.0, llamacpp.run_one(peer, gguf, f"tg{args.decode}", args.threads))
     rate = (args.decode - 1) / best
     print(f"tiny hybrid (hidden 512, 8 layers 3:1 GDN:attention, vocab 49152, fp32), batch-1 decode of "
           f"{args.decode} tokens, {args.threads} threads, best of {args.repeats}")
