@@ -34,6 +34,20 @@ def test_matches_float64(rows, out_features, in_features):
     assert (got.double() - ref).abs().max() <= 2e-6 * ref.abs().max() + 1e-6
 
 
+@pytest.mark.parametrize("out_features,in_features", [(3, 48), (193, 576), (1536, 576)])
+def test_one_row_equals_its_row_of_a_batch(out_features, in_features):
+    """A batch-1 step reads the weights row after row (one_row), a batch through the tile: every output is summed in
+    the same order, so a row's result is bit for bit the same alone as among others (greedy tokens do not depend on
+    the batch; tests/test_server_load.py caught a one-row order that differed)."""
+    g = torch.Generator().manual_seed(out_features)
+    x = torch.randn(9, in_features, generator=g)
+    w = torch.randn(out_features, in_features, generator=g)
+    for rows in (2, 3, 6, 9):
+        together = linear_cpu.linear(x[:rows], w)
+        for i in range(rows):
+            assert torch.equal(linear_cpu.linear(x[i:i + 1], w)[0], together[i]), (rows, i)
+
+
 def test_bias_and_leading_dims():
     g = torch.Generator().manual_seed(1)
     x = torch.randn(2, 3, 64, generator=g)  # six rows

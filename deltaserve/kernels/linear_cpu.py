@@ -75,39 +75,21 @@ inline void tile(const float* __restrict x, const float* __restrict w, int64_t K
 }
 #endif
 
-#if defined(__AVX2__) && !defined(__AVX512F__)
 // One input row (a batch-1 decode step) past `rows` consecutive weight rows [rows, K], each read front to back before
 // the next: one sequential stream a thread, which the hardware prefetcher follows best. The 4-row tile with software
-// prefetch (below, for more input rows) read the weights at ~30 GB/s on 2 threads of this AVX2-only VM (Zen 3), this
-// at ~35 (a plain sum of the same bytes: 35-40): the tiny hybrid's layers and vocabulary projection, 3.5 -> 3.0 ms
-// and 3.2 -> 2.7 ms (a standalone C++ study, alternated runs). Four 8-float chains, so that the adds of one wait
-// for no other; K a multiple of 16.
+// prefetch (rows_past, for more input rows) read the weights at ~30 GB/s on 2 threads of this AVX2-only VM (Zen 3),
+// this at 30-36 (a plain sum of the same bytes: 35-40): the tiny hybrid's layers and vocabulary projection 3.4-3.9 ->
+// 3.0-3.7 ms and 3.0-3.5 -> 2.7-3.2 ms (a standalone C++ study, alternated runs). Each row is the tile's own 1 x 1
+// case, so every output is summed in the order the tile sums it for more input rows: a sequence's tokens do not
+// depend on how many others share its step. AVX-512 builds keep the 4-row tile for one row (not measured there).
+#if defined(__AVX2__) && !defined(__AVX512F__)
 constexpr bool ONE_ROW_STREAM = true;
-inline void one_row(const float* __restrict x, const float* __restrict w, int64_t K, int64_t rows,
-                    float* __restrict y) {
-  for (int64_t n = 0; n < rows; ++n, w += K) {
-    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-    int64_t k = 0;
-    for (; k + 32 <= K; k += 32) {
-      a0 = _mm256_fmadd_ps(_mm256_loadu_ps(x + k), _mm256_loadu_ps(w + k), a0);
-      a1 = _mm256_fmadd_ps(_mm256_loadu_ps(x + k + 8), _mm256_loadu_ps(w + k + 8), a1);
-      a2 = _mm256_fmadd_ps(_mm256_loadu_ps(x + k + 16), _mm256_loadu_ps(w + k + 16), a2);
-      a3 = _mm256_fmadd_ps(_mm256_loadu_ps(x + k + 24), _mm256_loadu_ps(w + k + 24), a3);
-    }
-    if (k < K) {  // K % 32 == 16
-      a0 = _mm256_fmadd_ps(_mm256_loadu_ps(x + k), _mm256_loadu_ps(w + k), a0);
-      a1 = _mm256_fmadd_ps(_mm256_loadu_ps(x + k + 8), _mm256_loadu_ps(w + k + 8), a1);
-    }
-    y[n] = sum8(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
-  }
-}
 #else
-// AVX-512 builds keep the tile for one row too (the stream study above was made on an AVX2-only CPU).
 constexpr bool ONE_ROW_STREAM = false;
+#endif
 inline void one_row(const float* x, const float* w, int64_t K, int64_t rows, float* y) {
   for (int64_t n = 0; n < rows; ++n) tile<1, 1>(x, w + n * K, K, y + n, 1);
 }
-#endif
 
 template <int NR>
 inline void rows_past(const float* x, int64_t M, const float* w, int64_t K, float* y, int64_t ldy) {
