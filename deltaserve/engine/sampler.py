@@ -137,12 +137,14 @@ def _top_k_top_p(row: torch.Tensor, p: SamplingParams) -> None:
     most likely tokens whose probability reaches top_p (the most likely token always stays; so do ties with the
     last one kept)."""
     vocab = row.shape[0]
-    values = row  # what top-p chooses among: the row, or the values top-k kept
+    kth = None
     if 0 < p.top_k < vocab:
         kth = _largest(row, p.top_k)[-1]
         row.masked_fill_(row < kth, float("-inf"))
-        values = row[row >= kth]  # (numpy's partition of a row of mostly -inf took ~0.4 ms)
     if p.top_p < 1:
+        # what top-p chooses among: the row, or the values top-k kept (numpy's partition of a row of mostly -inf
+        # took ~0.4 ms)
+        values = row if kth is None else row[row >= kth]
         size = values.shape[0]
         top = values.max()
         total = _exp_below(values, top).sum()  # the softmax's denominator
