@@ -102,6 +102,10 @@ struct Out {
 
 inline int64_t block_rows(const Lin& l) { return l.group ? int4k::NR_MAX : lineark::NR_MAX; }
 
+// Whether one input row meets this projection's float32 weight rows one after another (lineark::one_row), read with
+// no software prefetch.
+inline bool one_row_stream(const Lin& l, int64_t M) { return !l.group && M == 1 && lineark::ONE_ROW_STREAM; }
+
 // Rows [n0, n0 + rows) of one projection's output: `rows` is its block, or 1 past its last full block.
 // xq: x prepared for the packed one-row tile (int4k::prepared), or nullptr.
 inline void rows_of(const Lin& l, const float* x, int64_t M, int64_t n0, int64_t rows, float* y, const float* xq) {
@@ -112,7 +116,7 @@ inline void rows_of(const Lin& l, const float* x, int64_t M, int64_t n0, int64_t
                           : int4k::rows_past<1, true>(x, M, l.q4, n0, y + n0, N);
     else rows == NR ? int4k::rows_past<NR, false>(x, M, l.q4, n0, y + n0, N, xq)
                     : int4k::rows_past<1, false>(x, M, l.q4, n0, y + n0, N, xq);
-  } else if (M == 1 && lineark::ONE_ROW_STREAM) {
+  } else if (one_row_stream(l, M)) {
     lineark::one_row(x, l.w + n0 * K, K, rows, y + n0);
   } else {
     constexpr int NR = lineark::NR_MAX;
@@ -152,7 +156,7 @@ void matmuls(const float* x, int64_t M, std::initializer_list<Out> outs) {
     const Lin& l = *o[j].l;
     const int64_t i = u - start[j];
     if (i < full[j]) {
-      if (i + 2 < full[j] && (l.group || M > 1 || !lineark::ONE_ROW_STREAM))  // two blocks on: in flight meanwhile
+      if (i + 2 < full[j] && !one_row_stream(l, M))  // two blocks on: in flight meanwhile
         prefetch_rows(l, (i + 2) * block[j], block[j]);
       rows_of(l, x, M, i * block[j], block[j], o[j].y, xq);
     } else {
