@@ -1,14 +1,15 @@
 """The fused CPU RMSNorm kernel (kernels/fused_cpu.py) against the formula in float64, the model norms that
-call it against their portable PyTorch paths, and its argmax against torch's. The fused conv is tested with the
-portable one (test_kernels_conv)."""
+call it against their portable PyTorch paths, its argmax against torch's and its int8 row gather against
+kernels/int8.py's torch widening. The fused conv is tested with the portable one (test_kernels_conv)."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from deltaserve.kernels import fused_cpu
+from deltaserve.kernels.int8 import Int8Rows
 from deltaserve.models.hybrid import GatedRMSNorm, ZeroCentredRMSNorm
-from deltaserve.models.layers import RMSNorm
+from deltaserve.models.layers import Int8Embedding, RMSNorm
 
 # every test here runs on each build of the C++ kernels: native and AVX2-only (tests/conftest.py)
 pytestmark = pytest.mark.usefixtures("isa")
@@ -85,6 +86,28 @@ def test_argmax_rows_is_torch_argmax():
     assert fused_cpu.argmax(torch.randn(0, 5)).shape == (0,)
     with pytest.raises(RuntimeError, match="argmax_rows: x must be float32"):
         fused_cpu.KERNELS.module.argmax_rows(torch.randn(4, 8).double())
+
+
+@pytest.mark.parametrize("group", [32, 64, 576])
+def test_int8_rows_equal_the_torch_gather(group):
+    """A decode step's embedding lookup: the rows of a symmetric int8 table widened by the kernel equal
+    Int8Rows.gather's torch ops bit for bit (one rounding of code * scale either way), repeated and edge ids too;
+    an id outside the table is refused by name. An embedding with offsets keeps the torch path."""
+    gen = torch.Generator().manual_seed(5)
+    n, k = 300, 576
+    codes = torch.randint(-128, 128, (n, k), generator=gen, dtype=torch.int8)
+    scales = torch.rand(n, k // group, generator=gen) * 0.02
+    rows = Int8Rows(codes, scales, torch.zeros_like(scales), group)
+    ids = torch.tensor([0, 7, 7, n - 1, 123])
+    got = fused_cpu.int8_rows(codes, scales, ids)
+    assert got.dtype == torch.float32 and torch.equal(got, rows.gather(ids))
+    embedding = Int8Embedding(rows)
+    assert embedding.symmetric and torch.equal(embedding(ids), rows.gather(ids))
+    with pytest.raises(RuntimeError, match="int8_rows: id 300 is outside the table's 300 rows"):
+        fused_cpu.int8_rows(codes, scales, torch.tensor([1, n]))
+    shifted = Int8Rows(codes, scales, torch.randn(n, k // group, generator=gen), group)
+    embedding = Int8Embedding(shifted)
+    assert not embedding.symmetric and torch.equal(embedding(ids), shifted.gather(ids))
 
 
 @pytest.mark.parametrize("norm_cls", [RMSNorm, ZeroCentredRMSNorm, GatedRMSNorm])

@@ -162,3 +162,22 @@ def test_missing_and_surplus_tensors_are_named(tiny_qwen3):
         build_model(config, broken)
     with pytest.raises(ValueError, match="unknown tensors, e.g. model.extra.weight"):
         build_model(config, {**sd, "model.extra.weight": torch.zeros(2)})
+
+
+@pytest.mark.parametrize("params, head_dim", [
+    ({"rope_type": "default", "rope_theta": 10000.0}, 64),
+    ({"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+      "original_max_position_embeddings": 8192}, 128),
+    ({"rope_type": "linear", "rope_theta": 10000000.0, "factor": 2.0, "partial_rotary_factor": 0.25,
+      "attention_factor": 0.8}, 256),
+], ids=["default", "llama3", "partial-scaled"])
+def test_rotary_rows_equal_cos_sin(params, head_dim):
+    """The decode steps' cos / sin (Rotary.rows: [T, rd] each) are cos_sin's values bit for bit."""
+    from deltaserve.models.layers import Rotary
+
+    rotary = Rotary(params, head_dim)
+    positions = torch.tensor([0, 1, 17, 4095, 262143])
+    cos, sin = rotary.rows(positions)
+    ref_cos, ref_sin = rotary.cos_sin(positions)
+    assert cos.is_contiguous() and cos.shape == (5, rotary.rotary_dim)
+    assert torch.equal(cos, ref_cos[:, 0]) and torch.equal(sin, ref_sin[:, 0])

@@ -422,11 +422,42 @@ torch::Tensor argmax_rows(torch::Tensor x) {
   }
   return out;
 }
+
+// Rows ids of a symmetric int8 table widened to float32: out[i, k] = float(codes[ids[i], k]) * scales[ids[i], k / g],
+// one rounding, the product kernels/int8.py's gather forms (a table with offsets takes that path instead). The
+// gather there is ~10 small torch ops (~45 us a decode step's token, ~2x that between the step's big native calls).
+torch::Tensor int8_rows(torch::Tensor codes, torch::Tensor scales, torch::Tensor ids) {
+  TORCH_CHECK(codes.scalar_type() == torch::kInt8 && codes.is_contiguous() && codes.dim() == 2,
+              "int8_rows: codes must be contiguous int8 [N, K]");
+  const int64_t N = codes.size(0), K = codes.size(1);
+  TORCH_CHECK(scales.scalar_type() == torch::kFloat32 && scales.is_contiguous() && scales.dim() == 2 &&
+              scales.size(0) == N && scales.size(1) > 0 && K % scales.size(1) == 0,
+              "int8_rows: scales must be contiguous float32 [N, K / group]");
+  TORCH_CHECK(ids.scalar_type() == torch::kLong && ids.is_contiguous() && ids.dim() == 1,
+              "int8_rows: ids must be contiguous int64 [R]");
+  const int64_t R = ids.size(0), G = scales.size(1), group = K / G;
+  const int64_t* id = ids.data_ptr<int64_t>();
+  for (int64_t r = 0; r < R; ++r)
+    TORCH_CHECK(id[r] >= 0 && id[r] < N, "int8_rows: id ", id[r], " is outside the table's ", N, " rows");
+  auto out = torch::empty({R, K}, scales.options());
+  float* o = out.data_ptr<float>();
+  for (int64_t r = 0; r < R; ++r) {
+    const int8_t* q = codes.data_ptr<int8_t>() + id[r] * K;
+    const float* s = scales.data_ptr<float>() + id[r] * G;
+    for (int64_t g = 0; g < G; ++g) {
+      const float sg = s[g];
+      #pragma omp simd
+      for (int64_t k = g * group; k < (g + 1) * group; ++k) o[r * K + k] = static_cast<float>(q[k]) * sg;
+    }
+  }
+  return out;
+}
 """
 
 KERNELS = CompiledKernels("deltaserve_fused_cpu", _SOURCE,
-                           ["causal_conv1d", "rms_norm", "gdn_prefill", "gdn_decode", "argmax_rows"],
-                           "fused CPU kernels (conv, RMSNorm, gated delta rule, argmax)", "the portable PyTorch ops")
+                           ["causal_conv1d", "rms_norm", "gdn_prefill", "gdn_decode", "argmax_rows", "int8_rows"],
+                           "fused CPU kernels (conv, RMSNorm, gated delta rule, argmax, int8 rows)",
+                           "the portable PyTorch ops")
 
 
 def load(log=None):
@@ -474,6 +505,15 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     if serves(x) and x.dim() == 2 and x.shape[1] > 0 and x.stride(1) == 1:
         return KERNELS.module.argmax_rows(x)
     return x.argmax(-1)
+
+
+def int8_rows(codes: torch.Tensor, scales: torch.Tensor, ids: torch.Tensor) -> torch.Tensor | None:
+    """Rows `ids` [R] of a symmetric int8 table (codes [N, K], float32 scales [N, K / group]) as float32 [R, K], or
+    None where the kernel is not built or does not take these tensors (the caller then widens with torch ops)."""
+    if (KERNELS.module is None or codes.device.type != "cpu" or codes.dtype != torch.int8 or ids.dim() != 1
+            or scales.dtype != torch.float32):
+        return None
+    return KERNELS.module.int8_rows(codes, scales, ids.long().contiguous())
 
 
 GDN_VALUE_DIMS = (16, 32, 64, 128)  # the value head sizes the GDN kernels are compiled for (their TORCH_CHECKs too)

@@ -110,14 +110,14 @@ class LlamaModel(nn.Module):
 
     def forward(self, batch: ForwardBatch, caches: ModelCaches) -> torch.Tensor:
         x = self.embed_tokens(batch.input_ids).to(self.norm.weight.dtype)  # a bf16-held vocab: back to compute
-        cos_sin = self.rotary.cos_sin(batch.positions)
         parts = current_parts(self.layers) if decode_cpu.serves(x, batch, caches.k[0]) else None
         if parts is not None and all(p is not None for p in parts):
             x = x.contiguous()  # a decode-only step: every layer in one native call, the residual stream in place
-            cos, sin = (c[:, 0].contiguous() for c in cos_sin)
+            cos, sin = self.rotary.rows(batch.positions)
             self.stack.run(x, (caches, *parts), lambda: [layer.stack_args(caches) for layer in self.layers], cos, sin,
                            batch)
             return x
+        cos_sin = self.rotary.cos_sin(batch.positions)
         for layer in self.layers:
             x = layer(x, cos_sin, batch, caches)
         return x
