@@ -212,3 +212,29 @@ def test_int8_head_equals_a_float64_product(rows, symmetric, isa):
     bound = 2 * k * 2.0 ** -24 * (x.double().abs() @ parts.view(n, k).t())
     assert ((got.double() - want).abs() <= bound).all()
     assert decode_cpu.serves_int8(x.contiguous(), 32) == (rows <= 64)
+
+
+@torch.inference_mode()
+def test_a_projection_of_no_rows_widens_nothing(monkeypatch):
+    """The head of a prefill chunk that ends no prompt gets no rows: the int8 head and a packed 4-bit projection
+    answer [0, N] without widening their weight (the int8 head widened its whole table, ~0.05-0.45 s a chunk for
+    SmolLM2's vocabulary; a packed head or a pruned last layer widened every tile)."""
+    from deltaserve.kernels import int4_cpu
+    from deltaserve.kernels.int4 import Int4Codes, PackedInt4, int4_linear, pack
+    from deltaserve.kernels.int8 import Int8Rows
+    from deltaserve.models.layers import Int8Embedding, Int8Linear
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a weight was widened for no rows")
+
+    monkeypatch.setattr(Int8Rows, "dequantize", refuse)
+    monkeypatch.setattr(int4_cpu, "widen", refuse)
+    monkeypatch.setattr(PackedInt4, "widened", refuse)
+    gen = torch.Generator().manual_seed(0)
+    n, k = 96, 64
+    table = Int8Rows(torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8),
+                     torch.rand(n, k // 32, generator=gen), torch.rand(n, k // 32, generator=gen), 32)
+    assert Int8Linear(Int8Embedding(table))(torch.empty(0, k)).shape == (0, n)
+    codes = Int4Codes(torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8),
+                      torch.rand(n, k // 32, generator=gen), None, 32)
+    assert int4_linear(torch.empty(0, k), pack(codes), torch.randn(n)).shape == (0, n)

@@ -177,7 +177,9 @@ def int4_linear(x: torch.Tensor, w: PackedInt4, bias: torch.Tensor | None = None
     if w.perm is not None:
         rows = rows[:, w.perm]
     rows = rows.contiguous()
-    if int4_cpu.serves(rows):
+    if rows.shape[0] == 0:  # e.g. the head of a prefill chunk that ends no prompt: nothing to widen W for
+        y = rows.new_empty((0, n))
+    elif int4_cpu.serves(rows):
         y = int4_cpu.decode(rows, w.packed, w.scales, _stored(w.offsets), w.lut, w.group_size)
     else:
         step = max(16, WIDEN_FLOATS // k)
