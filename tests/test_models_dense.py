@@ -172,12 +172,21 @@ def test_missing_and_surplus_tensors_are_named(tiny_qwen3):
       "attention_factor": 0.8}, 256),
 ], ids=["default", "llama3", "partial-scaled"])
 def test_rotary_rows_equal_cos_sin(params, head_dim):
-    """The decode steps' cos / sin (Rotary.rows: [T, rd] each) are cos_sin's values bit for bit."""
+    """The decode steps' cos / sin (Rotary.rows: [T, rd] each) and cos_sin's [T, 1, rd] are, bit for bit, the
+    rotate-half tables written out here: cat(p * inv_freq, p * inv_freq), its cos and sin, times the attention
+    factor; [3, T] multimodal positions with equal rows give the same as [T]."""
     from deltaserve.models.layers import Rotary
 
     rotary = Rotary(params, head_dim)
     positions = torch.tensor([0, 1, 17, 4095, 262143])
+    freqs = positions.float().unsqueeze(1) * rotary.inv_freq.unsqueeze(0)
+    emb = torch.cat([freqs, freqs], dim=-1)
+    factor = float(params.get("attention_factor", 1.0))
+    ref_cos, ref_sin = emb.cos() * factor, emb.sin() * factor
     cos, sin = rotary.rows(positions)
-    ref_cos, ref_sin = rotary.cos_sin(positions)
     assert cos.is_contiguous() and cos.shape == (5, rotary.rotary_dim)
-    assert torch.equal(cos, ref_cos[:, 0]) and torch.equal(sin, ref_sin[:, 0])
+    assert torch.equal(cos, ref_cos) and torch.equal(sin, ref_sin)
+    for got, ref in zip(rotary.cos_sin(positions), (ref_cos, ref_sin)):
+        assert got.shape == (5, 1, rotary.rotary_dim) and torch.equal(got[:, 0], ref)
+    for got, ref in zip(rotary.rows(positions.expand(3, -1)), (ref_cos, ref_sin)):
+        assert torch.equal(got, ref)

@@ -466,10 +466,7 @@ class HybridModel(nn.Module):
         k_cache = next((k for k in caches.k if k is not None), None)
         if decode_cpu.serves(x, batch, k_cache):
             x = x.contiguous()  # a decode-only step: the residual stream updated in place
-            if batch.rope_positions is None:
-                cos_sin = self.rotary.rows(batch.positions)
-            else:  # multimodal positions (a step of a request with images): every section's own
-                cos_sin = tuple(c[:, 0].contiguous() for c in self.rotary.cos_sin(batch.rope_positions))
+            cos_sin = self.rotary.rows(batch.positions if batch.rope_positions is None else batch.rope_positions)
             parts = current_parts(self.layers)
             args = self.stack.args_for((caches, *parts), lambda: [layer.stack_args(caches) for layer in self.layers])
             if args is not None:  # every layer in one native call

@@ -107,19 +107,18 @@ class Rotary(nn.Module):
         """cos and sin [T, 1, rd] (one row per token, broadcast over heads), computed once per forward.
 
         `positions` is [T], or [3, T] (time, row, column) for the multimodal rotary; equal rows give the same."""
+        cos, sin = self.rows(positions)
+        return cos.unsqueeze(1), sin.unsqueeze(1)
+
+    def rows(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos_sin's values as two contiguous [T, rd] tensors, what the fused decode blocks take (~10 us a decode
+        step where cos_sin's [T, 1, rd] and two copies of its rows took ~35)."""
         if positions.dim() == 2:
             freqs3 = positions.float().unsqueeze(2) * self.inv_freq  # [3, T, rd/2]
             index = self.mrope_axis.expand(1, positions.shape[1], -1)
             freqs = freqs3.gather(0, index).squeeze(0)
         else:
-            freqs = positions.float().unsqueeze(1) * self.inv_freq.unsqueeze(0)  # [T, rd/2]
-        emb = torch.cat([freqs, freqs], dim=-1).unsqueeze(1)
-        return emb.cos() * self.attention_factor, emb.sin() * self.attention_factor
-
-    def rows(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos_sin's values for positions [T] as two contiguous [T, rd] tensors, what the fused decode blocks take:
-        the same elementwise arithmetic in fewer ops (~10 us a decode step where cos_sin and two copies took ~35)."""
-        freqs = positions.float().unsqueeze(1) * self.inv_freq
+            freqs = positions.float().unsqueeze(1) * self.inv_freq  # [T, rd/2]
         emb = torch.cat([freqs, freqs], dim=-1)
         cos, sin = emb.cos(), emb.sin()
         if self.attention_factor != 1.0:  # times 1.0 is the identity: skipped
@@ -333,7 +332,7 @@ class Int8Embedding(nn.Module):
         self.symmetric = not bool(self.offsets.any())  # w = scale * q: a few ids take fused_cpu's gather
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        if self.symmetric and ids.dim() == 1 and ids.numel() <= NATIVE_GATHER_ROWS:
+        if self.symmetric and ids.numel() <= NATIVE_GATHER_ROWS:
             rows = fused_cpu.int8_rows(self.codes, self.scales, ids)
             if rows is not None:
                 return rows.to(self.dtype)
@@ -352,7 +351,7 @@ class Int8Linear(nn.Module):
         self.register_buffer("codes", embedding.codes)  # the same tensors: counted once by the ledger's measure
         self.register_buffer("scales", embedding.scales)
         self.register_buffer("offsets", embedding.offsets)
-        self.symmetric = not bool(embedding.offsets.any())  # w = scale * q: the decode kernel skips the offsets
+        self.symmetric = embedding.symmetric  # w = scale * q: the decode kernel skips the offsets
         self.bias = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
