@@ -408,9 +408,8 @@ inline void i8_tile(const float* __restrict x, const Int8W& w, int64_t n0, float
 #else
 constexpr int I8_MR = int4k::MR_MAX, I8_NR = int4k::NR_MAX;
 
-typedef int8_t i8x16_u __attribute__((vector_size(16), aligned(1)));
 inline f16v widen16_i8(const int8_t* p) {
-  return __builtin_convertvector(__builtin_convertvector(*reinterpret_cast<const i8x16_u*>(p), i16v), f16v);
+  return __builtin_convertvector(widen_i8(p), f16v);
 }
 
 // y[m, n0 + n] for MR input rows and NR weight rows, widened 16 columns at a time (int4_cpu's tile, 8-bit codes).

@@ -37,8 +37,6 @@ constexpr int MR_MAX = 4, NR_MAX = 4;  // 16 accumulators + 8 weight vectors + 1
 constexpr int MR_MAX = 2, NR_MAX = 2;  // a 16-float value takes two of AVX2's 16 registers
 #endif
 
-typedef uint8_t u8x16_u __attribute__((vector_size(16), aligned(1)));
-
 #if defined(__AVX2__) && !defined(__AVX512F__)
 // AVX2: intrinsics (GCC lowers the generic version's byte -> 16 x int32 conversion to 32 scalar loads and stores per
 // call, having no 512-bit registers to convert into).
@@ -62,7 +60,7 @@ inline void codes16(const uint8_t* p, __m256i& low, __m256i& high) {
 // 16 packed bytes -> the codes of 32 columns as floats: low nibbles are columns 0..15, high ones 16..31.
 template <bool LUT>
 inline void widen32(const uint8_t* p, f16v table, f16v& lo, f16v& hi) {
-  const i16v v = __builtin_convertvector(*reinterpret_cast<const u8x16_u*>(p), i16v);
+  const i16v v = widen_u8(p);
   const i16v ql = v & 15, qh = v >> 4;
   if constexpr (LUT) {
 #if defined(__clang__)

@@ -36,10 +36,8 @@ constexpr int MAX_GROUP = 16;
 // 16-bit caches (--kv-dtype bfloat16 / float16) widen to float32 on load; the arithmetic stays float32. These
 // overloads join the prelude's float one (which they would otherwise hide inside this namespace).
 using ::load16;
-typedef uint16_t u16x16 __attribute__((vector_size(32), aligned(2)));
-typedef uint32_t u32x16 __attribute__((vector_size(64)));
 inline f16v load16(const at::BFloat16* p) {  // bfloat16 is the top half of a float32
-  const u32x16 wide = __builtin_convertvector(*reinterpret_cast<const u16x16*>(p), u32x16) << 16;
+  const i16v wide = widen_u16(reinterpret_cast<const uint16_t*>(p)) << 16;
   f16v x;
   std::memcpy(&x, &wide, sizeof x);
   return x;
