@@ -129,16 +129,18 @@ inline f16v sum16(const f16v* x) {
          SHUFFLE(d[0], d[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
 }
 
-#if defined(__AVX2__) && !defined(__AVX512F__)
-#include <immintrin.h>
-// AVX2 builds: the tiles use 8-float __m256 values (GCC keeps arrays of 16-float values in memory there and moves
-// each through general registers at every step).
+#if defined(__AVX2__)
 // The sum of v's 8 lanes.
 inline float sum8(__m256 v) {
   const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
   return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
 }
+#endif
+
+#if defined(__AVX2__) && !defined(__AVX512F__)
+// AVX2 builds: the tiles use 8-float __m256 values (GCC keeps arrays of 16-float values in memory there and moves
+// each through general registers at every step).
 
 // y[m, n] = x[m] . w[n] for MR input rows x [MR, K] and NR float32 weight rows w [NR, K], K a multiple of 8
 // (linear_cpu's few-row tile, and int4_cpu's weight rows once widened).

@@ -418,6 +418,19 @@ inline void i8_tile(const float* __restrict x, const Int8W& w, int64_t n0, float
   const int64_t K = w.K, groups = K / w.group;
   f16v acc[MR * NR];
   for (int i = 0; i < MR * NR; ++i) acc[i] = f16v{};
+  if constexpr (MR == 1 && !OFF) {
+    // One row of a symmetric table, as the AVX2 tile: a group's codes meet x unscaled, its scale multiplies their sum
+    // once. SmolLM2's 49152 x 576 on Zen 4, two threads: 0.95 -> 0.82 ms (the memory rate).
+    for (int64_t g = 0; g < groups; ++g) {
+      f16v part[NR];
+      for (int n = 0; n < NR; ++n) part[n] = f16v{};
+      for (int64_t k = g * w.group; k < (g + 1) * w.group; k += 16) {
+        const f16v xv = load16(x + k);
+        for (int n = 0; n < NR; ++n) part[n] += xv * widen16_i8(w.codes + (n0 + n) * K + k);
+      }
+      for (int n = 0; n < NR; ++n) acc[n] += part[n] * w.scales[(n0 + n) * groups + g];
+    }
+  } else
   for (int64_t g = 0; g < groups; ++g) {
     f16v s[NR], o[NR];
     for (int n = 0; n < NR; ++n) {
