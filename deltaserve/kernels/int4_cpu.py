@@ -362,8 +362,8 @@ inline void rows_past(const float* x, int64_t M, const Weight& w, int64_t n0, fl
   else tiles<NR, LUT, 0>(x, M, w, n0, y, ldy);
 }
 
-// Where the one-row masked tile serves (AVX2 or AVX-512, no level table): its prepared input, else nullptr. The input lives in
-// the calling thread's buffer until its next call; the OpenMP team the caller then starts reads it.
+// Where the one-row masked tile serves (AVX2 or AVX-512, no level table): its prepared input, else nullptr. The input
+// lives in the calling thread's buffer until its next call; the OpenMP team the caller then starts reads it.
 inline const float* prepared(const float* x, int64_t M, const Weight& w) {
 #if defined(__AVX2__)
   if (M == 1 && !w.lut) {
