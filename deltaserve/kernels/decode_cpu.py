@@ -104,7 +104,7 @@ inline int64_t block_rows(const Lin& l) { return l.group ? int4k::NR_MAX : linea
 
 // Whether one input row meets this projection's float32 weight rows one after another (lineark::one_row), read with
 // no software prefetch.
-inline bool one_row_stream(const Lin& l, int64_t M) { return !l.group && M == 1 && lineark::ONE_ROW_STREAM; }
+inline bool one_row_stream(const Lin& l, int64_t M) { return !l.group && M == 1; }
 
 // Rows [n0, n0 + rows) of one projection's output: `rows` is its block, or 1 past its last full block.
 // xq: x prepared for the packed one-row tile (int4k::prepared), or nullptr.
