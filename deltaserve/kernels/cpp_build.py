@@ -81,35 +81,28 @@ inline i16v widen_i8(const int8_t* p) {
 inline i16v widen_u16(const uint16_t* p) {
   return reinterpret_cast<i16v>(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))));
 }
-#elif defined(__AVX2__)
-inline i16v two_halves(__m256i low, __m256i high) {
-  i16v r;
-  std::memcpy(&r, &low, 32);
-  std::memcpy(reinterpret_cast<char*>(&r) + 32, &high, 32);
-  return r;
-}
-inline i16v widen_u8(const uint8_t* p) {
-  return two_halves(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))),
-                    _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8))));
-}
-inline i16v widen_i8(const int8_t* p) {
-  return two_halves(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))),
-                    _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8))));
-}
-inline i16v widen_u16(const uint16_t* p) {
-  return two_halves(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
-                    _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8))));
-}
 #else
+// AVX2 builds widen 4-bit and int8 codes in their own __m256 tiles; only the bfloat16 KV load takes widen_u16 there.
 inline i16v widen_u8(const uint8_t* p) {
   return __builtin_convertvector(*reinterpret_cast<const u8x16_u*>(p), i16v);
 }
 inline i16v widen_i8(const int8_t* p) {
   return __builtin_convertvector(*reinterpret_cast<const i8x16_u*>(p), i16v);
 }
+#if defined(__AVX2__)
+inline i16v widen_u16(const uint16_t* p) {  // two 8-lane widening loads
+  const __m256i low = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m256i high = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)));
+  i16v r;
+  std::memcpy(&r, &low, 32);
+  std::memcpy(reinterpret_cast<char*>(&r) + 32, &high, 32);
+  return r;
+}
+#else
 inline i16v widen_u16(const uint16_t* p) {
   return __builtin_convertvector(*reinterpret_cast<const u16x16_u*>(p), i16v);
 }
+#endif
 #endif
 
 // Lane i of the result is the sum of x[i]'s 16 lanes: a transpose-and-add tree, 15 adds for 16 dot products
