@@ -183,11 +183,8 @@ def int4_linear(x: torch.Tensor, w: PackedInt4, bias: torch.Tensor | None = None
         y = int4_cpu.decode(rows, w.packed, w.scales, _stored(w.offsets), w.lut, w.group_size)
     else:
         step = max(16, WIDEN_FLOATS // k)
-        if step >= n:  # one tile (SmolLM2's every matrix): no copy of the product through torch.cat
-            y = rows @ _widened_rows(w, 0, n).t()
-        else:
-            y = torch.cat([rows @ _widened_rows(w, start, min(start + step, n)).t() for start in range(0, n, step)],
-                          dim=1)
+        tiles = [rows @ _widened_rows(w, start, min(start + step, n)).t() for start in range(0, n, step)]
+        y = tiles[0] if len(tiles) == 1 else torch.cat(tiles, dim=1)  # one tile (all of SmolLM2's): no copy
     if bias is not None:
         y += bias
     return y.to(x.dtype).view(*x.shape[:-1], n)

@@ -457,6 +457,7 @@ class HybridModel(nn.Module):
         x = self.embed_tokens(batch.input_ids)
         if batch.image_rows is not None:  # image tokens read the vision tower's embeddings instead
             x = x.index_copy(0, batch.image_rows, batch.image_embeds.to(x.dtype))
+        positions = batch.positions if batch.rope_positions is None else batch.rope_positions
         rows = batch.logits_indices
         # Past its token mixer's cache writes, the last layer matters only for the logits rows: when those are
         # at most one per sequence (a prefill's last token), its queries, attention and MLP run for them alone.
@@ -466,7 +467,7 @@ class HybridModel(nn.Module):
         k_cache = next((k for k in caches.k if k is not None), None)
         if decode_cpu.serves(x, batch, k_cache):
             x = x.contiguous()  # a decode-only step: the residual stream updated in place
-            cos_sin = self.rotary.rows(batch.positions if batch.rope_positions is None else batch.rope_positions)
+            cos_sin = self.rotary.rows(positions)
             parts = current_parts(self.layers)
             args = self.stack.args_for((caches, *parts), lambda: [layer.stack_args(caches) for layer in self.layers])
             if args is not None:  # every layer in one native call
@@ -475,7 +476,7 @@ class HybridModel(nn.Module):
                 for layer in self.layers:
                     layer.decode(x, cos_sin, batch, caches)
             return x.index_select(0, rows)
-        cos_sin = self.rotary.cos_sin(batch.positions if batch.rope_positions is None else batch.rope_positions)
+        cos_sin = self.rotary.cos_sin(positions)
         for layer in self.layers[:-1]:
             x = layer(x, cos_sin, batch, caches)
         x = self.layers[-1](x, cos_sin, batch, caches, rows if prune else None)
