@@ -73,7 +73,48 @@ def test_what_it_does_not_take_goes_to_f_linear():
                       (torch.randn(4, 48, dtype=torch.float64, generator=g), w.double()),
                       (torch.randn(0, 48, generator=g), w)):
         assert not linear_cpu.serves(x, weight)
-        assert torch.allclose(linear_cpu.linear(x, weight), F.linear(x, weight))
+        assert _within_float32_sums(linear_cpu.linear(x, weight), x, weight)  # gemm's (oneDNN's or F.linear's)
     with linear_cpu.disabled():
         assert not linear_cpu.serves(torch.randn(4, 48), w)
     assert linear_cpu.serves(torch.randn(4, 48), w)
+
+
+# -- gemm: a prefill chunk's many rows ---------------------------------------------------------------------------
+
+def _within_float32_sums(got, x, w, b=None):
+    """|got - exact| within the float32 summation bound K * 2^-24 * (|x| @ |w|.T + |b|), whatever the order."""
+    exact = _reference(x, w, b)
+    scale = F.linear(x.double().abs(), w.double().abs(), None if b is None else b.double().abs())
+    return bool(((got.double() - exact).abs() <= x.shape[-1] * 2.0 ** -24 * scale + 1e-30).all())
+
+
+def test_torch_here_ships_onednn_linear():
+    """The pinned CPU torch has oneDNN's linear, so the prefill GEMMs below take it (not only F.linear's MKL)."""
+    assert linear_cpu.ONEDNN
+
+
+@pytest.mark.parametrize("rows", [17, 65, 512, 528])
+@pytest.mark.parametrize("out_features,in_features", [(193, 576), (1536, 576), (576, 1536)])
+def test_gemm_both_backends_match_float64(rows, out_features, in_features):
+    g = torch.Generator().manual_seed(rows + out_features)
+    x = torch.randn(rows, in_features, generator=g)
+    w = torch.randn(out_features, in_features, generator=g)
+    b = torch.randn(out_features, generator=g)
+    onednn = linear_cpu.gemm(x, w, b)
+    with linear_cpu.mkl_gemm():
+        mkl = linear_cpu.gemm(x, w, b)
+    for got in (onednn, mkl):
+        assert got.dtype == torch.float32 and got.shape == (rows, out_features)
+        assert _within_float32_sums(got, x, w, b)
+
+
+def test_gemm_leading_dims_strided_input_and_what_it_passes_on():
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(40, 96, generator=g)
+    x = torch.randn(3, 96, 70, generator=g).transpose(1, 2)  # [3, 70, 96], not contiguous
+    got = linear_cpu.gemm(x, w)
+    assert got.shape == (3, 70, 40) and _within_float32_sums(got, x, w)
+    assert linear_cpu.linear(x, w).shape == (3, 70, 40)  # 210 rows: past the few-row kernel, to gemm
+    for x, weight in ((torch.randn(0, 96), w), (x.double(), w.double()), (x.bfloat16(), w.bfloat16()),
+                      (x, w.t().contiguous().t())):  # no rows, other dtypes, a strided weight: F.linear's
+        assert torch.equal(linear_cpu.gemm(x, weight), F.linear(x, weight))

@@ -168,9 +168,9 @@ def int4_linear(x: torch.Tensor, w: PackedInt4, bias: torch.Tensor | None = None
     """x [..., K] @ W.T in float32 arithmetic, W packed; the result in x's dtype.
 
     Up to int4_cpu.MAX_ROWS rows (decode) the C++ kernel reads the packed bytes; more rows (prefill) widen a tile
-    of W at a time and multiply it with torch.mm. Without a compiler, and on other devices (CUDA), the tile widening
-    is done by torch ops."""
-    from deltaserve.kernels import int4_cpu
+    of W at a time and multiply it with linear_cpu.gemm (oneDNN or MKL). Without a compiler, and on other devices
+    (CUDA), the tile widening is done by torch ops."""
+    from deltaserve.kernels import int4_cpu, linear_cpu
 
     n, k = w.shape
     rows = x.reshape(-1, k).to(torch.float32)
@@ -183,7 +183,7 @@ def int4_linear(x: torch.Tensor, w: PackedInt4, bias: torch.Tensor | None = None
         y = int4_cpu.decode(rows, w.packed, w.scales, _stored(w.offsets), w.lut, w.group_size)
     else:
         step = max(16, WIDEN_FLOATS // k)
-        tiles = [rows @ _widened_rows(w, start, min(start + step, n)).t() for start in range(0, n, step)]
+        tiles = [linear_cpu.gemm(rows, _widened_rows(w, start, min(start + step, n))) for start in range(0, n, step)]
         y = tiles[0] if len(tiles) == 1 else torch.cat(tiles, dim=1)  # one tile (all of SmolLM2's): no copy
     if bias is not None:
         y += bias

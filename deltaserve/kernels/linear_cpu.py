@@ -6,11 +6,14 @@ that shape on this Zen 4 CPU (8 rows times SmolLM2's vocabulary projection: 6 GB
 tensor reads 53 GB/s), so a step with few requests left was bound by that, not by memory. This kernel keeps the
 weight's own layout ([out, in], what nn.Linear holds): each task takes 4 weight rows (in L1, the next ones already
 on their way) and runs every group of 6 input rows past them as 24 dot products on 16-float vectors, so each weight
-byte is read from memory once per step. Above `MAX_ROWS` rows (prefill chunks) MKL's blocked GEMM is the better
-one and serves. float32 only, input widths a multiple of 16; everything else takes F.linear.
+byte is read from memory once per step. Above `MAX_ROWS` rows (prefill chunks) a blocked GEMM is the better one
+and serves (`gemm`: oneDNN's float32 linear, which torch ships, else MKL's through F.linear). float32 only, input
+widths a multiple of 16; everything else takes F.linear.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 import torch.nn.functional as F
@@ -176,10 +179,40 @@ def serves(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(x, weight, bias), through the kernel where `serves` says it takes the inputs."""
+    """F.linear(x, weight, bias), through the kernel where `serves` says it takes the inputs, else `gemm`."""
     if not serves(x, weight):
-        return F.linear(x, weight, bias)
+        return gemm(x, weight, bias)
     y = KERNELS.module.linear_rows(x.reshape(-1, x.shape[-1]).contiguous(), weight)
     if bias is not None:
         y += bias
     return y.view(*x.shape[:-1], weight.shape[0])
+
+
+# Prefill GEMMs (float32, CPU) through oneDNN's linear, which torch ships (`torch.ops.mkldnn._linear_pointwise`, the
+# op torch.compile's CPU backend emits), rather than F.linear's MKL sgemm. Measured on AMD Zen 4 (AVX-512), 2 threads,
+# SmolLM2's shapes: 205-223 vs 180-204 GFLOP/s at 512-2048 rows (MKL 138-152 at some 1024-2048 row shapes), 106-170
+# vs 85-131 at 17-32 rows, the 49,152-row vocabulary at 17-256 rows 83-197 vs 43-131; in the engine a 512-token
+# SmolLM2 prompt's GEMMs took 0.60-0.64 s instead of 0.68-0.72 (alternated). The same float32 arithmetic: only the
+# order of the sums differs (both within float32 rounding of a float64 product; tests/test_linear_cpu.py).
+ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+def gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias) for many rows: oneDNN's float32 linear on CPU where torch has it (`ONEDNN`), else
+    F.linear (MKL on CPU, cuBLAS on CUDA, any dtype)."""
+    if not (ONEDNN and x.device.type == "cpu" and x.dtype == weight.dtype == torch.float32 and weight.dim() == 2
+            and weight.is_contiguous() and x.numel() and (bias is None or bias.dtype == torch.float32)):
+        return F.linear(x, weight, bias)
+    rows = x.reshape(-1, x.shape[-1]).contiguous()
+    return torch.ops.mkldnn._linear_pointwise(rows, weight, bias, "none", [], "").view(*x.shape[:-1], weight.shape[0])
+
+
+@contextlib.contextmanager
+def mkl_gemm():
+    """Inside the block `gemm` takes F.linear (MKL on CPU); for comparisons and tests of both."""
+    global ONEDNN
+    kept, ONEDNN = ONEDNN, False
+    try:
+        yield
+    finally:
+        ONEDNN = kept

@@ -365,8 +365,8 @@ class Int8Linear(nn.Module):
             y = decode_cpu.int8_linear(rows, self.codes, self.scales, offsets, self.group_size)
         else:
             step = max(16, (1 << 20) // self.in_features)  # ~4 MiB of widened rows at a time
-            y = torch.cat([rows @ Int8Rows(self.codes[a:a + step], self.scales[a:a + step],
-                                           self.offsets[a:a + step], self.group_size).dequantize().t()
+            y = torch.cat([linear_cpu.gemm(rows, Int8Rows(self.codes[a:a + step], self.scales[a:a + step],
+                                                          self.offsets[a:a + step], self.group_size).dequantize())
                            for a in range(0, self.out_features, step)], dim=1)
         return y.view(*x.shape[:-1], self.out_features)
 
