@@ -56,15 +56,33 @@ def _paged_cpu_inputs(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
             and k_cache.dtype in paged_cpu.CACHE_DTYPES)
 
 
+# On CPU a fresh prompt of 384-767 rows is attended in query blocks of 128 rows, each over the keys up to its last row
+# (~5/8 of the causal square). torch's CPU SDPA (flash kernel, torch 2.13) takes keys in blocks of min(rows, 512)
+# and, below 768 rows, queries in blocks of 64, and skips only key blocks wholly above the diagonal: under 768 rows
+# it computes nearly the whole square and masks half of it. Measured on Zen 4, 2 threads, 9 query and 3 KV heads
+# of 64, alternated (ms a layer): 384 rows 3.4 -> 3.0, 512 rows 7.3 -> 5.6 (3.9 -> 3.0 on a quieter run), 640 rows
+# 9.4 -> 8.2; at 256 rows and at 767 or more the blocks were slower (1.25 -> 1.41, 1024 rows 14.0 -> 17.6).
+QUERY_BLOCK = 128
+BLOCKED_ROWS = range(384, 768)
+
+
 def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cached: int, scale: float) -> torch.Tensor:
     """One sequence: q [S, Hq, D] at positions cached..cached+S-1 over k, v [cached+S, Hkv, D]."""
     # 4-D inputs: with 3-D ones CPU SDPA takes the math path and materialises the whole score matrix.
     qh, kh, vh = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
     gqa = qh.shape[1] != kh.shape[1]
-    if cached == 0:
+    s = q.shape[0]
+    if cached == 0 and (s not in BLOCKED_ROWS or q.device.type != "cpu"):
         o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=gqa)
+    elif cached == 0:
+        o = torch.empty_like(qh)
+        for a in range(0, s, QUERY_BLOCK):
+            b = min(a + QUERY_BLOCK, s)
+            mask = None if a == 0 else torch.arange(b, device=q.device) <= torch.arange(a, b, device=q.device)[:, None]
+            o[:, :, a:b] = F.scaled_dot_product_attention(qh[:, :, a:b], kh[:, :, :b], vh[:, :, :b], attn_mask=mask,
+                                                          is_causal=a == 0, scale=scale, enable_gqa=gqa)
     else:
-        s, total = q.shape[0], k.shape[0]
+        total = k.shape[0]
         q_pos = torch.arange(cached, cached + s, device=q.device).unsqueeze(1)
         mask = torch.arange(total, device=q.device).unsqueeze(0) <= q_pos
         o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=gqa)
