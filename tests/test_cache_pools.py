@@ -109,7 +109,10 @@ def step(s: Scheduler, tokens: list[int]) -> None:
     for request, n in plan.sequences:  # what the runner would write: inside the reservation, pages present
         assert s.kv_pool.capacity(request) >= request.num_cached + n
         assert s.kv_pool.capacity(request) <= request.reserved_pages * s.kv_pool.page_size
-    assert sum(n for _, n in plan.prefill) <= s.prefill_chunk_tokens
+    # the rows the ledger prices: a chunk beside one decode row per slot; past the chunk only to end a prompt
+    assert len(plan.decode) + sum(n for _, n in plan.prefill) <= s.prefill_chunk_tokens + s.policy.state_slots
+    over = sum(n for _, n in plan.prefill) > s.prefill_chunk_tokens
+    assert not over or all(r.num_cached + n == r.prompt_len for r, n in plan.prefill)
     s.complete(plan, [Sampled(tokens[i % len(tokens)]) for i in range(len(plan.sampling))])
 
 
@@ -167,3 +170,30 @@ def test_waiting_request_starts_when_its_whole_reservation_fits():
     with pytest.raises(QueueFull) as full:
         submit(s, tok, "h", 2, 2)
     assert full.value.retry_after_s >= 1
+
+
+def test_a_prompt_ends_in_the_decode_rows_a_step_leaves_unused():
+    """Chunk 8 beside 3 decode rows (one per slot) is what the ledger prices: a lone 11-token prompt is read in one
+    step, a 12-token one in 8 + 4; beside a running decode one row fewer is spare; and never past the attention
+    workspace the ledger prices (a chunk's scores over the longest context)."""
+    def chunks(s, name, prompt_len, max_tokens=4):
+        request = submit(s, tok, name, prompt_len, max_tokens)
+        sizes = []
+        while not request.prefilled:
+            plan = s.schedule()
+            sizes += [n for r, n in plan.prefill if r is request]
+            s.complete(plan, [Sampled(5)] * len(plan.sampling))
+        return request, sizes
+
+    tok = tokenizer()
+    s = scheduler(pool_pages=16, page_size=4, slots=3, chunk=8)
+    assert chunks(s, "a", 11)[1] == [11]
+    s.abort(s.running[0])
+    assert chunks(s, "b", 12)[1] == [8, 4]
+    # "b" decodes beside the next prompt: two spare rows
+    assert chunks(s, "c", 10)[1] == [10]
+    s.abort(s.running[-1])
+    assert chunks(s, "d", 11)[1] == [8, 3]
+    # 11 rows x 11 keys = 121 scores > 8 rows x a 12-token context: no fold
+    s = scheduler(pool_pages=3, page_size=4, slots=3, chunk=8)
+    assert chunks(s, "e", 11, max_tokens=1)[1] == [8, 3]
