@@ -64,7 +64,7 @@ def test_strided_input_is_read_as_its_values():
     assert torch.allclose(linear_cpu.linear(x, w).double(), _reference(x, w), atol=1e-5)
 
 
-def test_what_it_does_not_take_goes_to_f_linear():
+def test_what_it_does_not_take_goes_to_gemm():
     g = torch.Generator().manual_seed(4)
     w = torch.randn(8, 48, generator=g)
     too_many = torch.randn(linear_cpu.MAX_ROWS + 1, 48, generator=g)

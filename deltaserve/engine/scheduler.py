@@ -162,7 +162,7 @@ class Scheduler:
         budget = self.prefill_chunk_tokens
         # The ledger prices a step of a chunk beside one decode row per state slot. A prompt whose rest fits in the
         # chunk plus the decode rows this step leaves unused ends in it: a step of its own for the last few tokens
-        # reads every weight again (SmolLM2's 528-token prompt: 512 + 16 took ~0.85 + ~0.05 s, 528 at once ~0.87).
+        # reads every weight again (SmolLM2's 528-token prompt: 512 + 16 rows took ~0.85 + ~0.05 s, 528 at once ~0.88).
         spare = self.policy.state_slots - len(decode)
         for request in self.running:
             if budget <= 0:

@@ -193,7 +193,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 # SmolLM2's shapes: 205-223 vs 180-204 GFLOP/s at 512-2048 rows (MKL 138-152 at some 1024-2048 row shapes), 106-170
 # vs 85-131 at 17-32 rows, the 49,152-row vocabulary at 17-256 rows 83-197 vs 43-131; in the engine a 512-token
 # SmolLM2 prompt's GEMMs took 0.60-0.64 s instead of 0.68-0.72 (alternated). The same float32 arithmetic: only the
-# order of the sums differs (both within float32 rounding of a float64 product; tests/test_linear_cpu.py).
+# order of the sums differs (both within float32 rounding of a float64 product; tests/test_kernels_linear_cpu.py).
 ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
