@@ -6,9 +6,9 @@ weights saved from that GGUF by transformers as an HF folder) on 127.0.0.1, and 
 - decode: one request at a time, --decode-tokens out; tok/s between the first and the last token;
 - ttft: a prompt of about --ttft-prompt tokens, 1 token out; time to the first token;
 - load: --requests requests at concurrency --concurrency, --load-tokens out each; output tok/s over the wall time.
-Both servers are up at once and the sides alternate request by request (load run by load run), so only one works
-at a time and a slow minute on a shared machine falls on both; each row gives the best of --repeats (--load-repeats)
-and the median.
+Both servers are up at once and the sides alternate request by request (load run by load run), each request sent
+once both servers' processes are idle, so only one works at a time and a slow minute on a shared machine falls on
+both; each row gives the best of --repeats (--load-repeats) and the median.
 Every prompt begins with its own number, so vLLM's prefix cache (on by default) and ours have nothing to reuse.
 
 vLLM is not part of deltaserve; install its CPU build in its own environment (see the README's speed section):
@@ -148,10 +148,42 @@ async def load_rate(client: httpx.AsyncClient, url: str, model: str, args, index
     return produced / (time.perf_counter() - started)
 
 
-async def measure(sides: dict[str, tuple[str, str]], args) -> dict[str, dict[str, list[float]]]:
+def cpu_seconds(roots: list[int]) -> float:
+    """CPU time (user + system) of these processes and all their descendants so far, from /proc (Linux)."""
+    parent, ticks = {}, {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()  # after the name: state, ppid, ... utime, stime
+            except OSError:
+                continue
+            parent[int(entry)], ticks[int(entry)] = int(fields[1]), int(fields[11]) + int(fields[12])
+    tree, frontier = set(roots), list(roots)
+    while frontier:
+        pid = frontier.pop()
+        children = [child for child, ppid in parent.items() if ppid == pid and child not in tree]
+        tree.update(children)
+        frontier.extend(children)
+    return sum(ticks.get(pid, 0) for pid in tree) / os.sysconf("SC_CLK_TCK")
+
+
+async def settle(roots: list[int], window_s: float = 0.25, limit_s: float = 20.0) -> None:
+    """Wait until both servers' process trees are idle (under 10% of a core over a window): vLLM's CPU worker keeps a
+    core busy for ~1 s after each request (a busy-wait on its message queue), which took a core from the other side's
+    next request and put ours at 1.04-1.17 s to a first token where it takes 0.73-0.79 alone."""
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        before = cpu_seconds(roots)
+        await asyncio.sleep(window_s)
+        if cpu_seconds(roots) - before <= 0.1 * window_s:
+            return
+
+
+async def measure(sides: dict[str, tuple[str, str]], args, roots: list[int]) -> dict[str, dict[str, list[float]]]:
     """Each measurement taken --repeats times a side (--load-repeats for the load), the sides alternated request
-    by request (load run by load): only one side works at a time, and a slow minute on this shared machine falls on
-    both. sides: name -> (url, model)."""
+    by request (load run by load run), each begun once both servers are idle: only one side works at a time, and a
+    slow minute on this shared machine falls on both. sides: name -> (url, model); roots: the servers' processes."""
     limits = httpx.Limits(max_connections=args.concurrency + 2)
     results = {name: {"decode_tok_s": [], "ttft_s": [], "load_tok_s": []} for name in sides}
     async with httpx.AsyncClient(timeout=3600, limits=limits, trust_env=False) as client:
@@ -161,6 +193,7 @@ async def measure(sides: dict[str, tuple[str, str]], args) -> dict[str, dict[str
                                   ("load_tok_s", load_rate, args.load_repeats)):
             for i in range(repeats):
                 for name, (url, model) in sides.items():
+                    await settle(roots)
                     results[name][key].append(await run(client, url, model, args, i))
     return results
 
@@ -214,7 +247,7 @@ def main(argv=None) -> int:
                 process, url, model = start_vllm(args, args.port + 1, logs, folder)
                 processes.append(process)
                 sides["vllm"] = (url, model)
-            results = asyncio.run(measure(sides, args))
+            results = asyncio.run(measure(sides, args, [p.pid for p in processes]))
         finally:
             for process in processes:
                 stop(process)
