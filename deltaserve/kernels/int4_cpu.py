@@ -5,8 +5,8 @@ per row into two 16-float vectors (mask and shift, the level table through one i
 w = scale * level + offset in float32 and runs every group of MR input rows past them, so each packed byte is read
 from memory once per step and no float32 copy of the weight is ever written (on AVX2, from 4 input rows on, a task
 widens its NR weight rows once into an L1 buffer that all the rows then read: the widening is most of a tile's
-work). Prefill (more rows) calls `widen` for a tile of rows and multiplies it with torch.mm: the float32 GEMM rate,
-the widening a small fraction of it.
+work). Prefill (more rows) calls `widen` for a tile of rows and multiplies it with linear_cpu.gemm: the float32 GEMM
+rate, the widening a small fraction of it.
 AVX-512 and AVX2 through the same GCC/Clang vector extensions as linear_cpu.py; the one-row tile is AVX2 code that
 AVX-512 builds take too.
 """

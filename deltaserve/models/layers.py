@@ -342,7 +342,8 @@ class Int8Embedding(nn.Module):
 class Int8Linear(nn.Module):
     """A linear layer whose weight stays int8: a vocabulary projection tied to an Int8Embedding, multiplying the
     embedding's own codes (no second copy). Its result equals the dequantized float32 weight's to float32 rounding:
-    decode rows (kernels/decode_cpu.py) widen each code in registers; more rows widen a tile at a time for torch.mm."""
+    decode rows (kernels/decode_cpu.py) widen each code in registers; more rows widen a tile at a time for
+    linear_cpu.gemm."""
 
     def __init__(self, embedding: Int8Embedding):
         super().__init__()
