@@ -24,7 +24,7 @@ from test_engine_support import make_hybrid_checkpoint
 
 TEMPLATE = Path(__file__).parent / "data" / "chat_templates" / "qwen3.jinja"
 PROMPT = "t5 t17 t33 t2 t90 t41"
-LONG_TOKENS = 300  # tiny hybrid: several seconds of decoding on this machine, long after the drain begins
+LONG_TOKENS = 3000  # tiny hybrid: seconds of decoding here, long after the drain begins (300 once ended first)
 ENDLESS_TOKENS = 3000  # far longer than the short timeout below: these are cut
 WAIT_S = 120  # upper bound of every wait below (a busy machine); nothing asserts on time
 GREEDY = {"temperature": 0, "extra_body": {"ignore_eos": True}}
