@@ -2,7 +2,8 @@
 
 Decode rows on CPU read the pages in place (kernels/paged_cpu.py) once the engine has built that kernel. The
 portable PyTorch path (gather + scaled_dot_product_attention) serves everything else, one sequence at a time over
-exactly its context: decode rows with no mask, prefill chunks with a causal mask offset by what is cached.
+exactly its context: decode rows with no mask, prefill chunks causally (on CPU the cached prefix and the chunk's
+own rows apart, joined by their logsumexp; elsewhere with a causal mask offset by what is cached).
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ def _paged_cpu_inputs(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
             and k_cache.dtype in paged_cpu.CACHE_DTYPES)
 
 
-# On CPU a fresh prompt of 384-767 rows is attended in query blocks of 128 rows, each over the keys up to its last row
+# On CPU a prompt's own 384-767 rows are attended in query blocks of 128 rows, each over the keys up to its last row
 # (~5/8 of the causal square). torch's CPU SDPA (flash kernel, torch 2.13) takes keys in blocks of min(rows, 512)
 # and, below 768 rows, queries in blocks of 64, and skips only key blocks wholly above the diagonal: under 768 rows
 # it computes nearly the whole square and masks half of it. Measured on Zen 4, 2 threads, 9 query and 3 KV heads
@@ -65,28 +66,55 @@ def _paged_cpu_inputs(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
 QUERY_BLOCK = 128
 BLOCKED_ROWS = range(384, 768)
 
+# torch's CPU flash kernel, which F.scaled_dot_product_attention runs on CPU, called directly for its logsumexp.
+_flash_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+
 
 def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cached: int, scale: float) -> torch.Tensor:
-    """One sequence: q [S, Hq, D] at positions cached..cached+S-1 over k, v [cached+S, Hkv, D]."""
+    """One sequence: q [S, Hq, D] at positions cached..cached+S-1 over k, v [cached+S, Hkv, D].
+
+    On CPU, rows after a cached prefix (a prefix-cache hit, a prompt's later chunks) attend in two parts: the
+    cached keys whole (no mask) and their own rows causally, joined by each part's logsumexp. One masked call over
+    everything computed the whole rectangle, half of the new rows' own square above the diagonal, and the mask
+    (9 query and 3 KV heads of 64, Zen 4, ms a layer: 4 cached + 528 rows 4.7 -> 3.8, 200 + 512 6.2 -> 5.4,
+    4096 + 512 40.8 -> 36.0)."""
     # 4-D inputs: with 3-D ones CPU SDPA takes the math path and materialises the whole score matrix.
     qh, kh, vh = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
-    gqa = qh.shape[1] != kh.shape[1]
-    s = q.shape[0]
-    if cached == 0 and (s not in BLOCKED_ROWS or q.device.type != "cpu"):
-        o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=gqa)
-    elif cached == 0:
-        o = torch.empty_like(qh)
-        for a in range(0, s, QUERY_BLOCK):
-            b = min(a + QUERY_BLOCK, s)
-            mask = None if a == 0 else torch.arange(b, device=q.device) <= torch.arange(a, b, device=q.device)[:, None]
-            o[:, :, a:b] = F.scaled_dot_product_attention(qh[:, :, a:b], kh[:, :, :b], vh[:, :, :b], attn_mask=mask,
-                                                          is_causal=a == 0, scale=scale, enable_gqa=gqa)
+    if q.device.type == "cpu":
+        o, lse = _causal_cpu(qh, kh[:, :, cached:], vh[:, :, cached:], scale)
+        if cached:
+            o_past, lse_past = _flash_cpu(qh, kh[:, :, :cached], vh[:, :, :cached], 0.0, False, scale=scale)
+            # softmax over both parts = each part's softmax weighted by its share exp(lse_part) of the whole
+            share_past = torch.sigmoid(lse_past - lse).unsqueeze(-1)
+            o = torch.lerp(o.float(), o_past.float(), share_past).to(q.dtype)
     else:
-        total = k.shape[0]
-        q_pos = torch.arange(cached, cached + s, device=q.device).unsqueeze(1)
-        mask = torch.arange(total, device=q.device).unsqueeze(0) <= q_pos
-        o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=gqa)
+        gqa = qh.shape[1] != kh.shape[1]
+        mask = None
+        if cached:
+            total, s = k.shape[0], q.shape[0]
+            mask = torch.arange(total, device=q.device) <= torch.arange(cached, cached + s, device=q.device)[:, None]
+        o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, is_causal=not cached, scale=scale,
+                                           enable_gqa=gqa)
     return o[0].transpose(0, 1)
+
+
+def _causal_cpu(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor,
+                scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal attention of [1, H, S, D] rows over themselves on CPU: output and logsumexp [1, Hq, S]."""
+    s = qh.shape[2]
+    if s not in BLOCKED_ROWS:
+        return _flash_cpu(qh, kh, vh, 0.0, True, scale=scale)
+    o = qh.new_empty(qh.shape)
+    lse = qh.new_empty(qh.shape[:3], dtype=torch.float32 if qh.dtype in (torch.bfloat16, torch.float16) else qh.dtype)
+    for a in range(0, s, QUERY_BLOCK):
+        b = min(a + QUERY_BLOCK, s)
+        mask = None  # the first block is causal as it stands (square); the others see keys 0..b-1 from row a
+        if a:
+            above = torch.arange(b) > torch.arange(a, b)[:, None]
+            mask = torch.zeros(b - a, b, dtype=qh.dtype).masked_fill_(above, float("-inf"))
+        o[:, :, a:b], lse[:, :, a:b] = _flash_cpu(qh[:, :, a:b], kh[:, :, :b], vh[:, :, :b], 0.0, a == 0,
+                                                  attn_mask=mask, scale=scale)
+    return o, lse
 
 
 def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
