@@ -99,6 +99,18 @@ class ForwardBatch:
         return torch.tensor(self.context_lens[: self.num_decode], dtype=torch.long)
 
 
+def rows_as_decode(batch: ForwardBatch, rows: torch.Tensor) -> ForwardBatch:
+    """The chosen rows of a batch as single-token queries, each over its own sequence's context up to itself."""
+    seq = torch.searchsorted(batch.cu_q, rows, right=True) - 1
+    positions = batch.positions[rows]
+    return ForwardBatch(
+        input_ids=batch.input_ids[rows], positions=positions, q_lens=[1] * len(rows),
+        cached_lens=positions.tolist(), num_decode=len(rows), cu_q=torch.arange(len(rows) + 1),
+        slot_mapping=batch.slot_mapping[rows], context_slots=batch.context_slots[seq],
+        state_slots=batch.state_slots[seq], logits_indices=torch.arange(len(rows)), paged_kernel=batch.paged_kernel,
+    )
+
+
 def single_sequence_batch(
     input_ids: list[int], cached_len: int, slots: torch.Tensor, state_slot: int = 0, all_logits: bool = False,
     **images,

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from deltaserve.kernels import (conv_decode, conv_prefill, decode_cpu, fused_cpu, gated_delta_decode_in_place,
                                 gated_delta_prefill)
 from deltaserve.kernels.attention import paged_attention, write_kv
-from deltaserve.models.batch import ATTENTION, GDN, CacheGeometry, ForwardBatch, ModelCaches
+from deltaserve.models.batch import ATTENTION, GDN, CacheGeometry, ForwardBatch, ModelCaches, rows_as_decode
 from deltaserve.models.layers import (FusedParts, Rotary, add_then_norm, apply_rotary, attention_parts, by_row_blocks,
                                      current_parts, linear, mlp_parts, projection_parts, rope_parameters)
 
@@ -130,18 +130,6 @@ class GatedAttention(nn.Module):
         width = self.num_heads * self.head_dim
         o = o.reshape(x.shape[0], width).mul_(torch.sigmoid(gate.reshape(x.shape[0], width)))
         return self.o_proj(o)
-
-
-def rows_as_decode(batch: ForwardBatch, rows: torch.Tensor) -> ForwardBatch:
-    """The chosen rows of a batch as single-token queries, each over its own sequence's context up to itself."""
-    seq = torch.searchsorted(batch.cu_q, rows, right=True) - 1
-    positions = batch.positions[rows]
-    return ForwardBatch(
-        input_ids=batch.input_ids[rows], positions=positions, q_lens=[1] * len(rows),
-        cached_lens=positions.tolist(), num_decode=len(rows), cu_q=torch.arange(len(rows) + 1),
-        slot_mapping=batch.slot_mapping[rows], context_slots=batch.context_slots[seq],
-        state_slots=batch.state_slots[seq], logits_indices=torch.arange(len(rows)), paged_kernel=batch.paged_kernel,
-    )
 
 
 class GatedDeltaNet(nn.Module):

@@ -11,8 +11,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from deltaserve.kernels import decode_cpu
-from deltaserve.kernels.attention import paged_attention
-from deltaserve.models.batch import ATTENTION, CacheGeometry, ForwardBatch, ModelCaches
+from deltaserve.kernels.attention import paged_attention, write_kv
+from deltaserve.models.batch import ATTENTION, CacheGeometry, ForwardBatch, ModelCaches, rows_as_decode
 from deltaserve.models.layers import (FusedParts, Int4Linear, Int8Linear, RMSNorm, Rotary, apply_rotary,
                                      attention_parts, by_row_blocks, current_parts, linear, mlp_parts,
                                      rope_parameters)
@@ -38,17 +38,26 @@ class LlamaAttention(nn.Module):
         self.rotary = rotary
         self.scale = self.head_dim ** -0.5
 
-    def forward(self, x: torch.Tensor, cos_sin, batch: ForwardBatch, caches: ModelCaches) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos_sin, batch: ForwardBatch, caches: ModelCaches,
+                rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Attention output of every row, or only of `rows` (all rows' K/V are still cached)."""
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, *cos_sin), apply_rotary(k, *cos_sin)
+            k = self.k_norm(k)
+        k = apply_rotary(k, *cos_sin)
         i = self.layer_idx
+        if rows is not None:
+            write_kv(caches.k[i], caches.v[i], batch.slot_mapping, k, v)
+            x, cos_sin, k, v = x[rows], (cos_sin[0][rows], cos_sin[1][rows]), k[rows], v[rows]
+            batch = rows_as_decode(batch, rows)
+        q = self.q_proj(x).view(x.shape[0], self.num_heads, self.head_dim)
+        if self.qk_norm:
+            q = self.q_norm(q)
+        q = apply_rotary(q, *cos_sin)
         o = paged_attention(q, k, v, caches.k[i], caches.v[i], batch, self.scale)
-        return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
+        return self.o_proj(o.reshape(x.shape[0], self.num_heads * self.head_dim))
 
 
 class LlamaMLP(nn.Module):
@@ -76,9 +85,10 @@ class LlamaDecoderLayer(nn.Module):
         self.eps = eps
         self.fused = FusedParts(self._fused_parts)
 
-    def forward(self, x, cos_sin, batch, caches):
-        h = self.self_attn(self.input_layernorm(x), cos_sin, batch, caches)
-        normed, x = self.post_attention_layernorm.after_add(h, x)
+    def forward(self, x, cos_sin, batch, caches, rows: torch.Tensor | None = None):
+        """The layer's output for every row, or only for `rows` (the KV cache still sees every row)."""
+        h = self.self_attn(self.input_layernorm(x), cos_sin, batch, caches, rows)
+        normed, x = self.post_attention_layernorm.after_add(h, x if rows is None else x[rows])
         return x + self.mlp(normed)
 
     def _fused_parts(self):
@@ -109,18 +119,25 @@ class LlamaModel(nn.Module):
         self.stack = decode_cpu.Stack()
 
     def forward(self, batch: ForwardBatch, caches: ModelCaches) -> torch.Tensor:
+        """Hidden states [R, hidden] of the batch's logits rows (before the final norm)."""
         x = self.embed_tokens(batch.input_ids).to(self.norm.weight.dtype)  # a bf16-held vocab: back to compute
+        rows = batch.logits_indices
+        # As in the hybrid model: past its K/V writes, the last layer matters only for the logits rows; when those
+        # are at most one per sequence (a prefill's last token) its queries, attention, o_proj and MLP run for them
+        # alone (a 528-token SmolLM2 prompt: 1/30 of its projections).
+        prune = len(rows) <= batch.num_seqs and (len(rows) < x.shape[0] or batch.num_decode < batch.num_seqs)
         parts = current_parts(self.layers) if decode_cpu.serves(x, batch, caches.k[0]) else None
         if parts is not None and all(p is not None for p in parts):
             x = x.contiguous()  # a decode-only step: every layer in one native call, the residual stream in place
             cos, sin = self.rotary.rows(batch.positions)
             self.stack.run(x, (caches, *parts), lambda: [layer.stack_args(caches) for layer in self.layers], cos, sin,
                            batch)
-            return x
+            return x.index_select(0, rows)
         cos_sin = self.rotary.cos_sin(batch.positions)
-        for layer in self.layers:
+        for layer in self.layers[:-1]:
             x = layer(x, cos_sin, batch, caches)
-        return x
+        x = self.layers[-1](x, cos_sin, batch, caches, rows if prune else None)
+        return x if prune else x.index_select(0, rows)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -143,8 +160,7 @@ class LlamaForCausalLM(nn.Module):
         return {"lm_head.weight": "model.embed_tokens.weight"} if self.config.get("tie_word_embeddings") else {}
 
     def forward(self, batch: ForwardBatch, caches: ModelCaches) -> torch.Tensor:
-        hidden = self.model(batch, caches)
         # Only the rows the sampler needs pass the final norm and the vocab projection.
-        hidden = self.model.norm(hidden.index_select(0, batch.logits_indices))
+        hidden = self.model.norm(self.model(batch, caches))
         head = self.lm_head
         return head(hidden if isinstance(head, (Int4Linear, Int8Linear)) else hidden.to(head.weight.dtype)).float()
