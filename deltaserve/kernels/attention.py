@@ -8,6 +8,8 @@ own rows apart, joined by their logsumexp; elsewhere with a causal mask offset b
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -106,15 +108,20 @@ def _causal_cpu(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor,
         return _flash_cpu(qh, kh, vh, 0.0, True, scale=scale)
     o = qh.new_empty(qh.shape)
     lse = qh.new_empty(qh.shape[:3], dtype=torch.float32 if qh.dtype in (torch.bfloat16, torch.float16) else qh.dtype)
+    square = _causal_mask(s, qh.dtype)
     for a in range(0, s, QUERY_BLOCK):
         b = min(a + QUERY_BLOCK, s)
-        mask = None  # the first block is causal as it stands (square); the others see keys 0..b-1 from row a
-        if a:
-            above = torch.arange(b) > torch.arange(a, b)[:, None]
-            mask = torch.zeros(b - a, b, dtype=qh.dtype).masked_fill_(above, float("-inf"))
+        # the first block is causal as it stands (square); the others see keys 0..b-1 from row a
+        mask = None if a == 0 else square[a:b, :b]
         o[:, :, a:b], lse[:, :, a:b] = _flash_cpu(qh[:, :, a:b], kh[:, :, :b], vh[:, :, :b], 0.0, a == 0,
                                                   attn_mask=mask, scale=scale)
     return o, lse
+
+
+@functools.lru_cache(maxsize=4)
+def _causal_mask(s: int, dtype: torch.dtype) -> torch.Tensor:
+    """[s, s] additive causal mask (-inf above the diagonal), built once for every layer of a step (read only)."""
+    return torch.full((s, s), float("-inf"), dtype=dtype).triu_(1)
 
 
 def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
