@@ -149,8 +149,11 @@ def test_up_routes_by_role_retries_on_a_replica_and_brings_a_killed_instance_bac
         assert ask("chat") == "chat"  # the chat role is untouched meanwhile
         wait_for(lambda: metric(f"http://127.0.0.1:{metrics_port}", 'deltaserve_deploy_restarts_total{instance="agents1"}') >= 1,
                  60, "the supervisor to count the restart", up)
-        wait_for(lambda: httpx.get(urls["agents1"] + "/health", timeout=5, trust_env=False).status_code == 200,
-                 600, "the killed replica to come back", up)
+        ready = f'deltaserve_deploy_instance_ready{{instance="agents1"}}'
+        # the supervisor's own view: ready again once it has seen the new process answer (it logs "is back" then)
+        wait_for(lambda: metric(f"http://127.0.0.1:{metrics_port}", ready) == 1, 600, "the killed replica to come back",
+                 up)
+        assert httpx.get(urls["agents1"] + "/health", timeout=5, trust_env=False).status_code == 200
         assert _listener_pid(ports["agents1"]) != pid
 
         def back_in_rotation() -> bool:

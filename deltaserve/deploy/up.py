@@ -5,8 +5,10 @@ GET /health 200, then starts the router (vllm-router in its multi-model mode) an
 the router reads the instance's /server_info and routes requests by their `model` to the instances of that role.
 A crashed instance is started again after a backoff that doubles per restart (1 s .. max_restart_backoff_s), its
 restarts counted in the log and in Prometheus (`deltaserve_deploy_restarts_total{instance}`) when
-[supervisor] metrics_port is set, and registered again. Ctrl-C or SIGTERM stops the router and sends SIGTERM to
-every instance, which drains (each ends its streams within its --shutdown-timeout), then exits 0.
+[supervisor] metrics_port is set, and registered again; `deltaserve_deploy_instance_ready{instance}` there is 1 from
+when the supervisor sees an instance answer /health 200 until it sees the instance exit. Ctrl-C or SIGTERM stops
+the router and sends SIGTERM to every instance, which drains (each ends its streams within its --shutdown-timeout),
+then exits 0.
 
 Why vllm-router: both routers install from PyPI as binary wheels and both read /server_info, but sglang-router 0.3.2
 ignores the request's model name in its regular mode, and its multi-model mode panics at start on a machine without
@@ -89,15 +91,19 @@ class Supervisor:
         self.router_child = (Child("router", _router_argv(self.router), self.log_dir / "router.log")
                              if self.router else None)
         self._stop = threading.Event()
-        self._restarts_metric = None
+        self._restarts_metric = self._ready_metric = None
         if self.settings.metrics_port is not None:
-            from prometheus_client import CollectorRegistry, Counter, start_http_server
+            from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
             registry = CollectorRegistry()
             self._restarts_metric = Counter("deltaserve_deploy_restarts", "instance restarts by the supervisor",
                                             ["instance"], registry=registry)
+            self._ready_metric = Gauge("deltaserve_deploy_instance_ready", "1 while the supervisor has seen the "
+                                       "instance ready (GET /health 200) and not exited since", ["instance"],
+                                       registry=registry)
             for name in self.instances:
                 self._restarts_metric.labels(name)
+                self._ready_metric.labels(name).set(0)
             start_http_server(self.settings.metrics_port, addr="127.0.0.1", registry=registry)
 
     def request_stop(self) -> None:
@@ -114,6 +120,7 @@ class Supervisor:
                     if self._stop.is_set():
                         return 0
                     raise DeployError(f"instance {name} did not become ready: see {child.log_path}")
+                self._set_ready(name, True)
             if self.router_child is not None:
                 self._start_router()
             self.log("ready: " + ", ".join(f"{i.role} -> {i.url}" for i in self.deployment.instances)
@@ -134,6 +141,7 @@ class Supervisor:
                     backoff = min(self.settings.max_restart_backoff_s, 2.0 ** child.restarts)
                     child.restarts += 1
                     child.next_start_s = now + backoff
+                    self._set_ready(name, False)  # before the count: whoever sees the restart sees it not ready
                     if self._restarts_metric is not None:
                         self._restarts_metric.labels(name).inc()
                     self.log(f"{name} exited (code {code}); restart {child.restarts} in {backoff:.0f} s")
@@ -149,8 +157,13 @@ class Supervisor:
     def _register_when_ready(self, child: Child) -> None:
         if self._wait_ready(child, self.specs[child.name].url):
             self.log(f"{child.name} is back (restart {child.restarts})")
+            self._set_ready(child.name, True)
             if self.router_child is not None:
                 self._register(self.specs[child.name])
+
+    def _set_ready(self, name: str, ready: bool) -> None:
+        if self._ready_metric is not None:
+            self._ready_metric.labels(name).set(1 if ready else 0)
 
     def _wait_ready(self, child: Child, url: str) -> bool:
         deadline = time.monotonic() + self.settings.ready_timeout_s
