@@ -178,6 +178,8 @@ async def settle(roots: list[int], window_s: float = 0.25, limit_s: float = 20.0
         await asyncio.sleep(window_s)
         if cpu_seconds(roots) - before <= 0.1 * window_s:
             return
+    print(f"warning: the servers were still busy after {limit_s:.0f} s; the next request shares the CPU with them "
+          "(its figure may read slow)", file=sys.stderr)
 
 
 async def measure(sides: dict[str, tuple[str, str]], args, roots: list[int]) -> dict[str, dict[str, list[float]]]:
