@@ -21,7 +21,8 @@ from deltaserve.kernels import (conv_decode, conv_prefill, decode_cpu, fused_cpu
 from deltaserve.kernels.attention import paged_attention, write_kv
 from deltaserve.models.batch import ATTENTION, GDN, CacheGeometry, ForwardBatch, ModelCaches, rows_as_decode
 from deltaserve.models.layers import (FusedParts, Rotary, add_then_norm, apply_rotary, attention_parts, by_row_blocks,
-                                     current_parts, linear, mlp_parts, projection_parts, rope_parameters)
+                                     current_parts, embedding, linear, mlp_parts, projection_parts,
+                                     rope_parameters)
 
 log = logging.getLogger(__name__)
 
@@ -423,8 +424,7 @@ class HybridModel(nn.Module):
         super().__init__()
         check_activation(config)
         hidden = config["hidden_size"]
-        self.embed_tokens = nn.Embedding(config["vocab_size"], hidden, device="meta")
-        self.embed_tokens.requires_grad_(False)
+        self.embed_tokens = embedding(config["vocab_size"], hidden)
         head_dim = config.get("head_dim") or hidden // config["num_attention_heads"]
         rope = rope_parameters(config)
         rope.setdefault("partial_rotary_factor", DEFAULT_PARTIAL_ROTARY_FACTOR)

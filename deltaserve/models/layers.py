@@ -152,6 +152,16 @@ def linear(dim_in: int, dim_out: int, bias: bool = False) -> Linear:
     return layer
 
 
+def embedding(num: int, dim: int) -> nn.Embedding:
+    """A frozen embedding table whose weights come from a checkpoint (on the meta device until load_weights).
+
+    Handed its meta weight, nn.Embedding skips its normal_ init: on a meta tensor that runs through torch's reference
+    ops, whose first call imports torch._dynamo (~1 s of every start, for numbers nobody reads)."""
+    table = nn.Embedding(num, dim, _weight=torch.empty(num, dim, device="meta"))
+    table.requires_grad_(False)
+    return table
+
+
 class Int4Linear(nn.Module):
     """A linear layer whose weight stays 4-bit (kernels/int4.py's packed layout): what a checkpoint's 4-bit matrix
     becomes unless --dequantize-weights. Its result equals the dequantized float32 weight's to float32 rounding."""

@@ -14,8 +14,8 @@ from deltaserve.kernels import decode_cpu
 from deltaserve.kernels.attention import paged_attention, write_kv
 from deltaserve.models.batch import ATTENTION, CacheGeometry, ForwardBatch, ModelCaches, rows_as_decode
 from deltaserve.models.layers import (FusedParts, Int4Linear, Int8Linear, RMSNorm, Rotary, apply_rotary,
-                                     attention_parts, by_row_blocks, current_parts, linear, mlp_parts,
-                                     rope_parameters)
+                                     attention_parts, by_row_blocks, current_parts, embedding, linear,
+                                     mlp_parts, rope_parameters)
 
 
 class LlamaAttention(nn.Module):
@@ -108,8 +108,7 @@ class LlamaModel(nn.Module):
     def __init__(self, config: dict):
         super().__init__()
         hidden = config["hidden_size"]
-        self.embed_tokens = nn.Embedding(config["vocab_size"], hidden, device="meta")
-        self.embed_tokens.requires_grad_(False)
+        self.embed_tokens = embedding(config["vocab_size"], hidden)
         head_dim = config.get("head_dim") or hidden // config["num_attention_heads"]
         self.rotary = Rotary(rope_parameters(config), head_dim)
         self.layers = nn.ModuleList(

@@ -531,10 +531,10 @@ def _groups_from_tensors(tensors) -> list[WeightGroup]:
 
 def _spec_from_gguf(path: Path) -> ModelMemorySpec:
     """Config synthesized from the GGUF metadata ({arch}.* keys); weight bytes from the tensor infos."""
-    import gguf  # only for GGUF files
+    from deltaserve.weights.gguf import PlainViewReader  # only for GGUF files; the loader's reader, 3x faster
 
     try:
-        reader = gguf.GGUFReader(str(path))
+        reader = PlainViewReader(path)
     except Exception as e:  # the reader raises bare ValueError/struct errors on truncated files
         raise SpecError(f"{path}: not a readable GGUF file ({e})") from None
     meta = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("tokenizer.")}

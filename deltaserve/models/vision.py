@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from deltaserve.models.layers import linear
+from deltaserve.models.layers import embedding, linear
 
 LAYER_NORM_EPS = 1e-6  # what the checkpoints were trained with (transformers hard-codes it too)
 VISION_PREFIX = "model.visual."
@@ -137,8 +137,7 @@ class VisionTower(nn.Module):
         self.patch_size = c.get("patch_size", 16)
         self.temporal_patch_size = c.get("temporal_patch_size", 2)
         self.patch_embed = PatchEmbed(c.get("in_channels", 3), self.temporal_patch_size, self.patch_size, hidden)
-        self.pos_embed = nn.Embedding(c["num_position_embeddings"], hidden, device="meta")
-        self.pos_embed.requires_grad_(False)
+        self.pos_embed = embedding(c["num_position_embeddings"], hidden)
         self.grid_side = int(c["num_position_embeddings"] ** 0.5)
         self.blocks = nn.ModuleList(
             VisionBlock(hidden, c["intermediate_size"], heads, c.get("hidden_act", "gelu_pytorch_tanh"))

@@ -49,7 +49,7 @@ INT4_TYPES = (Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.IQ4_NL, Q.IQ4_XS)
 LUT_TYPES = (Q.IQ4_NL, Q.IQ4_XS)
 
 
-class _PlainViewReader(GGUFReader):
+class PlainViewReader(GGUFReader):
     """GGUFReader slicing a plain ndarray view of its memmap: np.memmap's per-slice hooks made
     parsing a 100k-string vocabulary three times slower."""
 
@@ -72,7 +72,7 @@ def open_gguf(path: Path) -> GGUFReader:
     if magic != GGUF_MAGIC:
         raise CheckpointError(path, "not a GGUF file (it does not start with the GGUF magic bytes)")
     try:
-        reader = _PlainViewReader(path)
+        reader = PlainViewReader(path)
     except Exception as e:
         raise CheckpointError(path, f"truncated or corrupt GGUF file ({type(e).__name__}: {e})") from e
     size = path.stat().st_size
