@@ -278,7 +278,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--model", help="checkpoint folder, .gguf file or config.json (default: built-in SmolLM2)")
     g.add_argument("--device", help="auto, cpu, cuda, cuda:N, or a size such as 24GiB to plan for a GPU of it")
     g.add_argument("--device-memory", help="override the device's total memory, e.g. 24GiB")
-    g.add_argument("--dtype", help="compute dtype: auto (float32 CPU, bfloat16 CUDA), float32, bfloat16, float16")
+    g.add_argument("--dtype", help="compute dtype: auto (float32 CPU, bfloat16 CUDA), float32, bfloat16, float16 "
+                   "(on CPU the native kernels are float32 only: others go op by op, decode ~3x slower)")
     g.add_argument("--page-size", type=int, help="KV tokens per page (16)")
     g.add_argument("--mem-fraction", type=float,
                    help="fraction of the device TOTAL memory to budget (0.9 GPU, 0.5 CPU)")

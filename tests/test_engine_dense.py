@@ -6,6 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from deltaserve.config import EngineConfig
+from deltaserve.engine.engine import Engine
 from deltaserve.engine.request import SamplingParams
 from test_engine_support import engine, run_all, text_of, tokens_of
 
@@ -236,3 +238,22 @@ def test_a_prefill_step_reuses_the_memory_the_last_one_freed(eng, long_ids):
     faults = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 2
     assert faults < 10_000
     assert_pools_empty(eng)
+
+
+def test_bfloat16_compute_on_cpu_runs_and_says_what_it_costs(eng, long_ids):
+    """--dtype bfloat16 on CPU: the float32-only native kernels step aside (a note says so) and the engine still
+    answers. Its greedy token is the float32 one wherever float32's top two log-probabilities are > 2 apart (bf16
+    keeps 8 bits: logits move by a few tenths at most on this model, far less than that margin)."""
+    notes = []
+    bf16 = Engine(EngineConfig(model=None, device="cpu", dtype="bfloat16", kv_dtype="float32", max_total_tokens=2048,
+                               dequantize_weights=True, prefix_cache=False), log=notes.append)
+    assert any("--dtype bfloat16 on CPU" in str(n) for n in notes)
+    params = SamplingParams(max_tokens=1, logprobs=2, **GREEDY)
+    checked = 0
+    for n in (9, 17, 33, 60, 90, 120):
+        ref = run_all(eng, [(long_ids[:n], params)])[0]
+        top = ref[0].logprobs[0]
+        if len(top.top) > 1 and top.top[0][2] - top.top[1][2] > 2:
+            assert tokens_of(run_all(bf16, [(long_ids[:n], params)])[0]) == tokens_of(ref)
+            checked += 1
+    assert checked, "no prompt with a clear float32 margin"
