@@ -93,6 +93,17 @@ class ForwardBatch:
     def context_lens(self) -> list[int]:
         return [c + q for c, q in zip(self.cached_lens, self.q_lens)]
 
+    @property
+    def last_layer_rows(self) -> torch.Tensor | None:
+        """The rows a model's last layer computes past its token mixer's cache writes, or None for every row.
+
+        Only the logits rows matter there: when those are at most one per sequence (a prefill's last token), its
+        queries, attention and MLP run for them alone. A prefill chunk of one token is pruned too: as a decode row
+        its attention reads the pages in place instead of gathering its whole context (at 9.6K tokens: 3 ms)."""
+        rows = self.logits_indices
+        fewer = len(rows) < len(self.input_ids) or self.num_decode < self.num_seqs
+        return rows if len(rows) <= self.num_seqs and fewer else None
+
     @cached_property
     def decode_context_lens(self) -> torch.Tensor:
         """[num_decode] int64 context lengths of the decode sequences, built once per step for every layer."""

@@ -447,11 +447,6 @@ class HybridModel(nn.Module):
             x = x.index_copy(0, batch.image_rows, batch.image_embeds.to(x.dtype))
         positions = batch.positions if batch.rope_positions is None else batch.rope_positions
         rows = batch.logits_indices
-        # Past its token mixer's cache writes, the last layer matters only for the logits rows: when those are
-        # at most one per sequence (a prefill's last token), its queries, attention and MLP run for them alone.
-        # A prefill chunk of one token is pruned too: as a decode row its attention reads the pages in place
-        # instead of gathering its whole context (at 9.6K tokens: 3 ms).
-        prune = len(rows) <= batch.num_seqs and (len(rows) < x.shape[0] or batch.num_decode < batch.num_seqs)
         k_cache = next((k for k in caches.k if k is not None), None)
         if decode_cpu.serves(x, batch, k_cache):
             x = x.contiguous()  # a decode-only step: the residual stream updated in place
@@ -467,8 +462,9 @@ class HybridModel(nn.Module):
         cos_sin = self.rotary.cos_sin(positions)
         for layer in self.layers[:-1]:
             x = layer(x, cos_sin, batch, caches)
-        x = self.layers[-1](x, cos_sin, batch, caches, rows if prune else None)
-        return x if prune else x.index_select(0, rows)
+        keep = batch.last_layer_rows
+        x = self.layers[-1](x, cos_sin, batch, caches, keep)
+        return x if keep is not None else x.index_select(0, rows)
 
 
 class HybridForCausalLM(nn.Module):

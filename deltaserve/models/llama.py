@@ -121,10 +121,6 @@ class LlamaModel(nn.Module):
         """Hidden states [R, hidden] of the batch's logits rows (before the final norm)."""
         x = self.embed_tokens(batch.input_ids).to(self.norm.weight.dtype)  # a bf16-held vocab: back to compute
         rows = batch.logits_indices
-        # As in the hybrid model: past its K/V writes, the last layer matters only for the logits rows; when those
-        # are at most one per sequence (a prefill's last token) its queries, attention, o_proj and MLP run for them
-        # alone (a 528-token SmolLM2 prompt: 1/30 of its projections).
-        prune = len(rows) <= batch.num_seqs and (len(rows) < x.shape[0] or batch.num_decode < batch.num_seqs)
         parts = current_parts(self.layers) if decode_cpu.serves(x, batch, caches.k[0]) else None
         if parts is not None and all(p is not None for p in parts):
             x = x.contiguous()  # a decode-only step: every layer in one native call, the residual stream in place
@@ -135,8 +131,9 @@ class LlamaModel(nn.Module):
         cos_sin = self.rotary.cos_sin(batch.positions)
         for layer in self.layers[:-1]:
             x = layer(x, cos_sin, batch, caches)
-        x = self.layers[-1](x, cos_sin, batch, caches, rows if prune else None)
-        return x if prune else x.index_select(0, rows)
+        keep = batch.last_layer_rows  # a prefill's last layer for its sampled row only (1/30 of SmolLM2's work)
+        x = self.layers[-1](x, cos_sin, batch, caches, keep)
+        return x if keep is not None else x.index_select(0, rows)
 
 
 class LlamaForCausalLM(nn.Module):
