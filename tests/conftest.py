@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, settings
 
-from deltaserve.kernels import decode_cpu, fused_cpu, int4_cpu, linear_cpu, paged_cpu
+from deltaserve.kernels import decode_cpu, fused_cpu, int4_cpu, linear_cpu, paged_cpu, prefill_cpu
 
 # Property tests are derandomized: a newcomer's `make test` runs the same examples every time, so it never fails at
 # random; what a property finds is fixed, not skipped. HYPOTHESIS_PROFILE=explore searches afresh.
@@ -17,7 +17,7 @@ settings.register_profile("ci", derandomize=True, deadline=None, suppress_health
 settings.register_profile("explore", deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
-KERNEL_MODULES = (fused_cpu, linear_cpu, paged_cpu, int4_cpu, decode_cpu)
+KERNEL_MODULES = (fused_cpu, linear_cpu, paged_cpu, prefill_cpu, int4_cpu, decode_cpu)
 
 
 @pytest.fixture(params=["fused", "portable"])

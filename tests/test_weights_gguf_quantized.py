@@ -21,7 +21,7 @@ from gguf import GGMLQuantizationType as Q
 from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
 from deltaserve.engine.loader import load_model
-from deltaserve.kernels import decode_cpu, fused_cpu, int4_cpu, linear_cpu, paged_cpu
+from deltaserve.kernels import decode_cpu, fused_cpu, int4_cpu, linear_cpu, paged_cpu, prefill_cpu
 from deltaserve.models.batch import single_sequence_batch
 from deltaserve.models.layers import Int4Linear
 from deltaserve.weights import load_checkpoint
@@ -144,7 +144,7 @@ def test_logits_equal_llama_cpp(fixture, dequantize):
     # other summation order flips some rounded inputs and moves this gap by tenths of a percent (3.2% seen with the
     # AVX2 few-row kernels); the kernels equal the portable path to float32 rounding in their own tests
     with contextlib.ExitStack() as portable:
-        for kernels in (decode_cpu, fused_cpu, int4_cpu, linear_cpu, paged_cpu):
+        for kernels in (decode_cpu, fused_cpu, int4_cpu, linear_cpu, paged_cpu, prefill_cpu):
             portable.enter_context(kernels.KERNELS.disabled())
         got = logits_at(model, peer["tokens"])[-1].double()
     theirs = torch.tensor(peer["last_logits"], dtype=torch.float64)

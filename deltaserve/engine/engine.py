@@ -39,7 +39,7 @@ from deltaserve.engine.request import Request, RequestStream, SamplingParams, To
 from deltaserve.engine.runner import ModelRunner
 from deltaserve.engine.sampler import sample
 from deltaserve.engine.scheduler import QueueFull, RequestRefused, Scheduler
-from deltaserve.kernels import decode_cpu, fused_cpu, int4_cpu, linear_cpu, paged_cpu
+from deltaserve.kernels import decode_cpu, fused_cpu, int4_cpu, linear_cpu, paged_cpu, prefill_cpu
 from deltaserve.models.spec import spec_from_checkpoint
 
 __all__ = ["Completion", "Engine", "EngineStats", "LLM", "QueueFull", "RequestRefused"]
@@ -132,6 +132,7 @@ class Engine:
             int4_cpu.load(self._log)
             if c.attention_backend == "paged":
                 paged_cpu.load(self._log)
+                prefill_cpu.load(self._log)
                 decode_cpu.load(self._log)  # a decode step's layers in two native calls each
         self.vocab_size = int(loaded.model.lm_head.out_features)
         self._setup_images(loaded)

@@ -1,9 +1,10 @@
 """Attention over the paged KV cache: write the new K/V rows, then attend to each sequence's whole context.
 
-Decode rows on CPU read the pages in place (kernels/paged_cpu.py) once the engine has built that kernel. The
-portable PyTorch path (gather + scaled_dot_product_attention) serves everything else, one sequence at a time over
-exactly its context: decode rows with no mask, prefill chunks causally (on CPU the cached prefix and the chunk's
-own rows apart, joined by their logsumexp; elsewhere with a causal mask offset by what is cached).
+Decode rows on CPU read the pages in place (kernels/paged_cpu.py) and prefill chunks run kernels/prefill_cpu.py's
+tiled kernel, once the engine has built them. The portable PyTorch path (gather + scaled_dot_product_attention)
+serves everything else, one sequence at a time over exactly its context: decode rows with no mask, prefill chunks
+causally (on CPU the cached prefix and the chunk's own rows apart, joined by their logsumexp; elsewhere with a
+causal mask offset by what is cached).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from deltaserve.kernels import paged_cpu
+from deltaserve.kernels import paged_cpu, prefill_cpu
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
@@ -46,11 +47,11 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         cached = batch.cached_lens[b]
         if cached == 0:
             # A fresh prompt attends only to itself: use the new rows directly, no gather.
-            out[lo:hi] = _prefill_attention(q[lo:hi], k[lo:hi], v[lo:hi], 0, scale)
+            out[lo:hi] = _prefill_attention(q[lo:hi], k[lo:hi], v[lo:hi], 0, scale, batch.paged_kernel)
         else:
             slots = batch.context_slots[b, : cached + hi - lo]
             out[lo:hi] = _prefill_attention(q[lo:hi], k_cache[slots].to(q.dtype), v_cache[slots].to(q.dtype),
-                                            cached, scale)
+                                            cached, scale, batch.paged_kernel)
     return out
 
 
@@ -72,14 +73,18 @@ BLOCKED_ROWS = range(384, 768)
 _flash_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
 
-def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cached: int, scale: float) -> torch.Tensor:
+def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cached: int, scale: float,
+                       native: bool = False) -> torch.Tensor:
     """One sequence: q [S, Hq, D] at positions cached..cached+S-1 over k, v [cached+S, Hkv, D].
 
-    On CPU, rows after a cached prefix (a prefix-cache hit, a prompt's later chunks) attend in two parts: the
+    `native`: the C++ kernel (kernels/prefill_cpu.py) where it is built and takes these inputs (float32 on CPU).
+    Otherwise on CPU, rows after a cached prefix (a prefix-cache hit, a prompt's later chunks) attend in two parts: the
     cached keys whole (no mask) and their own rows causally, joined by each part's logsumexp. One masked call over
     everything computed the whole rectangle, half of the new rows' own square above the diagonal, and the mask
     (9 query and 3 KV heads of 64, Zen 4, ms a layer: 4 cached + 528 rows 4.7 -> 3.8, 200 + 512 6.2 -> 5.4,
     4096 + 512 40.8 -> 36.0)."""
+    if native and prefill_cpu.serves(q, k):
+        return prefill_cpu.prefill_attention(q, k, v, cached, scale)
     # 4-D inputs: with 3-D ones CPU SDPA takes the math path and materialises the whole score matrix.
     qh, kh, vh = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
     if q.device.type == "cpu":
