@@ -9,7 +9,7 @@ from gguf import GGMLQuantizationType as Q
 from test_weights_gguf import transformers_dequant, write_gguf
 
 from deltaserve.kernels import int4_cpu
-from deltaserve.kernels.int4 import Int4Codes, PackedInt4, int4_linear, pack, packable
+from deltaserve.kernels.int4 import Int4Codes, PackedInt4, _stored, int4_linear, pack, packable
 from deltaserve.weights import load_checkpoint
 
 # every test here runs on each build of the C++ kernels: native and AVX2-only (tests/conftest.py)
@@ -92,7 +92,7 @@ CASES = [  # (N, K, group, level table, permutation): every group size, per chan
     (36, 512, 256, True, True), (20, 160, 160, False, False)]
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 6, 7, 14, 17, 64, 300])  # 4-16: weight rows widened once
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 6, 7, 14, 17, 64, 300])  # 4-16: weight rows widened once; 17+: gemm
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}x{c[1]}-g{c[2]}{'-lut' if c[3] else ''}"
                          f"{'-perm' if c[4] else ''}")
 def test_packed_linear_equals_the_dequantized_float32_product(case, rows):
@@ -104,6 +104,38 @@ def test_packed_linear_equals_the_dequantized_float32_product(case, rows):
     assert_float32_exact(int4_linear(x, w, bias), x, codes, bias)
     with int4_cpu.disabled():  # the portable path (no compiler): the same bound
         assert_float32_exact(int4_linear(x, w, bias), x, codes, bias)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("n", [20, 50, 96, 192, 576])
+def test_prefill_gemm_every_panel_width(n, threads):
+    """The prefill GEMM picks its panel width (64, 32 or 16 weight rows; half on AVX2) by how the panels spread over
+    the threads, and a last panel may be narrower: each choice, and row counts that leave 1-23 rows past the last
+    full register tile, against the same float64 bound."""
+    assert int4_cpu.load() is not None
+    kept = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for rows in (17, 301, 528):
+            codes = random_codes(n, 576, 32, rows, False, False)
+            x = torch.randn(rows, 576, generator=torch.Generator().manual_seed(rows))
+            w = pack(codes)
+            got = int4_cpu.gemm(x, w.packed, w.scales, _stored(w.offsets), w.lut, w.group_size)
+            assert_float32_exact(got, x, codes)
+    finally:
+        torch.set_num_threads(kept)
+
+
+def test_prefill_rows_take_the_gemm(monkeypatch):
+    calls = []
+    real = int4_cpu.gemm
+    monkeypatch.setattr(int4_cpu, "gemm", lambda *a: calls.append(a[0].shape) or real(*a))
+    codes = random_codes(64, 256, 32, 40, False, False)
+    w = pack(codes)
+    int4_linear(torch.randn(int4_cpu.MAX_ROWS, 256), w)  # decode rows: the packed-byte kernel
+    assert calls == []
+    int4_linear(torch.randn(int4_cpu.MAX_ROWS + 1, 256), w)
+    assert calls == [(int4_cpu.MAX_ROWS + 1, 256)]
 
 
 FORMS = [(torch.float16, True), (torch.bfloat16, True), (torch.float16, False), (torch.bfloat16, False),

@@ -5,8 +5,13 @@ per row into two 16-float vectors (mask and shift, the level table through one i
 w = scale * level + offset in float32 and runs every group of MR input rows past them, so each packed byte is read
 from memory once per step and no float32 copy of the weight is ever written (on AVX2, from 4 input rows on, a task
 widens its NR weight rows once into an L1 buffer that all the rows then read: the widening is most of a tile's
-work). Prefill (more rows) calls `widen` for a tile of rows and multiplies it with linear_cpu.gemm: the float32 GEMM
-rate, the widening a small fraction of it.
+work). Prefill (more rows) runs `gemm`, a float32 GEMM of our own that reads the packed weight: each task widens a
+panel of 64 weight rows once (32 or 16 where 64-row panels would not spread evenly over the threads), transposes it
+into a K-major panel in registers (16 x 16 blocks), and multiplies every 6 input rows past it, 96 columns of K at a
+time, from a 6 x 64 register tile. Until then prefill widened the whole matrix into a float32 tensor and called
+oneDNN's linear, which packs a row-major [N, K] weight again on every call: SmolLM2's 210 matrices at 528 rows took
+549-568 ms that way, 530-534 this way, and 512-521 in oneDNN on weights prepacked once (what vLLM's CPU build holds:
+float32, 8x the bytes); the panel's widening and transposition are ~12 ms of it (alternated, Zen 4, 2 threads).
 AVX-512 and AVX2 through the same GCC/Clang vector extensions as linear_cpu.py; the one-row tile is AVX2 code that
 AVX-512 builds take too.
 """
@@ -21,6 +26,7 @@ from deltaserve.kernels.cpp_build import VECTOR_PRELUDE, CompiledKernels
 # 2-row tile on AVX2: a 1536 x 576 matrix at 32 rows 1.10 ms vs 0.62 ms widened once, at 8 rows 0.36 vs 0.50 ms;
 # 2 threads, AVX2 EPYC). Decode-only steps of up to 64 rows take kernels/decode_cpu.py's blocks instead.
 MAX_ROWS = 16
+GEMM_K_MULTIPLE = 16  # `gemm` takes K a multiple of the vector width (16 floats AVX-512, 8 AVX2); 4-bit groups are 32
 
 _SOURCE = VECTOR_PRELUDE + r"""
 #include <algorithm>
@@ -481,9 +487,166 @@ torch::Tensor int4_widen(torch::Tensor packed, torch::Tensor scales, torch::Tens
   for (int64_t n = start; n < stop; ++n) widen_row(w, n, op + (n - start) * K);
   return out;
 }
+namespace {
+
+// The prefill GEMM: x [M, K] @ W.T with W packed. A task takes a panel of PW = NV vectors of weight rows, widens
+// them once (float32, row-major, L2) and transposes them into a K-major panel bp [K][PW]; then every MR input rows
+// multiply it in GKC-deep steps from a register tile of MR x NV vectors (the panel's step stays in L1 meanwhile).
+#if defined(__AVX512F__)
+constexpr int GW = 16;
+#else
+constexpr int GW = 8;
+#endif
+typedef float gvec __attribute__((vector_size(GW * 4)));
+typedef float gvec_u __attribute__((vector_size(GW * 4), aligned(4)));
+inline gvec gload(const float* p) { return *reinterpret_cast<const gvec_u*>(p); }
+inline void gstore(float* p, gvec x) { *reinterpret_cast<gvec_u*>(p) = x; }
+constexpr int64_t GKC = 96;
+
+// dst[c][r] = src[r][c] for a GW x GW block (row strides lds, ldd)
+inline void transpose_block(const float* src, int64_t lds, float* dst, int64_t ldd) {
+#if defined(__AVX512F__)
+  __m512 r[16], t[16];
+  for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(src + i * lds);
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    r[i] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t[i]), _mm512_castps_pd(t[i + 2])));
+    r[i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t[i]), _mm512_castps_pd(t[i + 2])));
+    r[i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t[i + 1]), _mm512_castps_pd(t[i + 3])));
+    r[i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t[i + 1]), _mm512_castps_pd(t[i + 3])));
+  }
+  // r[4a + b] holds, in each 128-bit lane L, element b of rows 4a..4a+3 at column 4L + b
+  for (int b = 0; b < 4; ++b) {
+    t[b] = _mm512_shuffle_f32x4(r[b], r[4 + b], 0x88);       // lanes 0, 2 of rows 0-3 | 4-7
+    t[4 + b] = _mm512_shuffle_f32x4(r[b], r[4 + b], 0xdd);   // lanes 1, 3
+    t[8 + b] = _mm512_shuffle_f32x4(r[8 + b], r[12 + b], 0x88);
+    t[12 + b] = _mm512_shuffle_f32x4(r[8 + b], r[12 + b], 0xdd);
+  }
+  for (int b = 0; b < 4; ++b) {
+    _mm512_storeu_ps(dst + (0 + b) * ldd, _mm512_shuffle_f32x4(t[b], t[8 + b], 0x88));      // column b
+    _mm512_storeu_ps(dst + (8 + b) * ldd, _mm512_shuffle_f32x4(t[b], t[8 + b], 0xdd));      // column 8 + b
+    _mm512_storeu_ps(dst + (4 + b) * ldd, _mm512_shuffle_f32x4(t[4 + b], t[12 + b], 0x88)); // column 4 + b
+    _mm512_storeu_ps(dst + (12 + b) * ldd, _mm512_shuffle_f32x4(t[4 + b], t[12 + b], 0xdd));
+  }
+#elif defined(__AVX__)
+  __m256 r[8], t[8];
+  for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(src + i * lds);
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 8; i += 4) {
+    r[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+    r[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xee);
+    r[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+    r[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xee);
+  }
+  for (int b = 0; b < 4; ++b) {
+    _mm256_storeu_ps(dst + b * ldd, _mm256_permute2f128_ps(r[b], r[4 + b], 0x20));
+    _mm256_storeu_ps(dst + (4 + b) * ldd, _mm256_permute2f128_ps(r[b], r[4 + b], 0x31));
+  }
+#else
+  for (int i = 0; i < GW; ++i)
+    for (int j = 0; j < GW; ++j) dst[j * ldd + i] = src[i * lds + j];
+#endif
+}
+
+// rows ar[0..MR) (their k0..k0+kc slice) times bp [kc][NV * GW]: into cr[r][0..NV*GW), added to it when acc.
+// MR x NV accumulators + NV panel vectors + 1 broadcast: 29 of AVX-512's 32 registers (6 x 4), 15 of AVX2's 16.
+template <int MR, int NV>
+inline void gemm_tile(const float* const* ar, const float* bp, int64_t kc, float* const* cr, bool acc) {
+  constexpr int PW = NV * GW;
+  gvec c[MR][NV];
+  #pragma GCC unroll 12
+  for (int r = 0; r < MR; ++r)
+    #pragma GCC unroll 4
+    for (int n = 0; n < NV; ++n) c[r][n] = gvec{};
+  for (int64_t k = 0; k < kc; ++k) {
+    gvec b[NV];
+    #pragma GCC unroll 4
+    for (int n = 0; n < NV; ++n) b[n] = gload(bp + k * PW + n * GW);
+    #pragma GCC unroll 12
+    for (int r = 0; r < MR; ++r) {
+      const gvec a = gvec{} + ar[r][k];
+      #pragma GCC unroll 4
+      for (int n = 0; n < NV; ++n) c[r][n] += a * b[n];
+    }
+  }
+  #pragma GCC unroll 12
+  for (int r = 0; r < MR; ++r)
+    #pragma GCC unroll 4
+    for (int n = 0; n < NV; ++n) gstore(cr[r] + n * GW, acc ? gload(cr[r] + n * GW) + c[r][n] : c[r][n]);
+}
+
+template <int MR, int NV>
+void gemm_all(const float* x, int64_t M, const Weight& w, int64_t N, float* y) {
+  constexpr int PW = NV * GW;
+  const int64_t K = w.K, panels = (N + PW - 1) / PW;
+  #pragma omp parallel
+  {
+    std::vector<float> rows(PW * K), bp(K * PW), zero(K, 0.f), edge(N % PW ? M * PW : 0), dummy(PW);
+    #pragma omp for schedule(static)
+    for (int64_t p = 0; p < panels; ++p) {
+      const int64_t n0 = p * PW, width = std::min<int64_t>(PW, N - n0);
+      for (int j = 0; j < PW; ++j) {
+        if (j < width) widen_row(w, n0 + j, rows.data() + j * K);
+        else std::fill(rows.data() + j * K, rows.data() + (j + 1) * K, 0.f);
+      }
+      for (int j = 0; j < PW; j += GW)
+        for (int64_t k = 0; k < K; k += GW) transpose_block(rows.data() + j * K + k, K, bp.data() + k * PW + j, PW);
+      // a last panel narrower than PW lands in `edge` [M][PW] first
+      float* out = width == PW ? y + n0 : edge.data();
+      const int64_t ldo = width == PW ? N : PW;
+      for (int64_t k0 = 0; k0 < K; k0 += GKC) {
+        const int64_t kc = std::min(GKC, K - k0);
+        const float* ar[MR];
+        float* cr[MR];
+        for (int64_t m0 = 0; m0 < M; m0 += MR) {
+          for (int r = 0; r < MR; ++r) {
+            const bool in = m0 + r < M;
+            ar[r] = in ? x + (m0 + r) * K + k0 : zero.data();
+            cr[r] = in ? out + (m0 + r) * ldo : dummy.data();
+          }
+          gemm_tile<MR, NV>(ar, bp.data() + k0 * PW, kc, cr, k0 > 0);
+        }
+      }
+      if (width < PW)
+        for (int64_t m = 0; m < M; ++m) std::memcpy(y + m * N + n0, edge.data() + m * PW, width * sizeof(float));
+    }
+  }
+}
+
+}  // namespace
+
+// x [M, K] float32 contiguous -> x @ W.T [M, N] float32 (prefill; K a multiple of the vector width)
+torch::Tensor int4_gemm(torch::Tensor x, torch::Tensor packed, torch::Tensor scales, torch::Tensor offsets,
+                        c10::optional<torch::Tensor> lut, int64_t group) {
+  const Weight w = weight_of(packed, scales, offsets, lut, group);
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.is_contiguous() && x.dim() == 2 && x.size(1) == w.K,
+              "int4_gemm: contiguous float32 x [M, K]");
+  TORCH_CHECK(w.K % GW == 0, "int4_gemm: K must be a multiple of ", GW);
+  const int64_t M = x.size(0), N = packed.size(0);
+  auto y = torch::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return y;
+  const int64_t threads = at::get_num_threads();
+  // the widest panel whose count spreads evenly over the threads (or is many times their number)
+  auto even = [&](int64_t pw) { const int64_t p = (N + pw - 1) / pw; return p % threads == 0 || p >= 8 * threads; };
+#if defined(__AVX512F__)
+  if (even(4 * GW)) gemm_all<6, 4>(x.data_ptr<float>(), M, w, N, y.data_ptr<float>());
+  else if (even(2 * GW)) gemm_all<12, 2>(x.data_ptr<float>(), M, w, N, y.data_ptr<float>());
+  else gemm_all<24, 1>(x.data_ptr<float>(), M, w, N, y.data_ptr<float>());
+#else
+  if (even(2 * GW)) gemm_all<6, 2>(x.data_ptr<float>(), M, w, N, y.data_ptr<float>());
+  else gemm_all<12, 1>(x.data_ptr<float>(), M, w, N, y.data_ptr<float>());
+#endif
+  return y;
+}
 """
 
-KERNELS = CompiledKernels("deltaserve_int4_cpu", _SOURCE, ["int4_decode", "int4_widen"],
+KERNELS = CompiledKernels("deltaserve_int4_cpu", _SOURCE, ["int4_decode", "int4_widen", "int4_gemm"],
                            "CPU packed 4-bit kernel", "torch (widened weights)")
 
 
@@ -510,6 +673,11 @@ def serves(rows: torch.Tensor) -> bool:
 def decode(rows, packed, scales, offsets, lut, group_size: int) -> torch.Tensor:
     """rows [M, K] float32 @ W.T, reading the packed bytes (offsets: an empty tensor for a symmetric weight)."""
     return KERNELS.module.int4_decode(rows, packed, scales, offsets, lut, group_size)
+
+
+def gemm(rows, packed, scales, offsets, lut, group_size: int) -> torch.Tensor:
+    """rows [M, K] float32 (contiguous, K a multiple of 16) @ W.T, each panel of W widened once into the GEMM."""
+    return KERNELS.module.int4_gemm(rows, packed, scales, offsets, lut, group_size)
 
 
 def widen(packed, scales, offsets, lut, group_size: int, start: int, stop: int) -> torch.Tensor:
