@@ -127,3 +127,41 @@ def test_model_norms_equal_their_portable_paths(norm_cls):
         portable = outputs()
     for a, b in zip(fused, portable):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("width", [1536, 40, 7])
+def test_silu_mul_matches_float64(width):
+    """silu(gate) * up in place, against float64: the exponential (~1 ulp) and three roundings (the sum, the
+    quotient, the product), so a few units of float32 rounding of the product. Gates past the exponential's
+    range: below -87.3 its input is clamped at 88.7, so silu is taken as ~gate * e^-88.7, within 2^-126 |gate|."""
+    g = torch.Generator().manual_seed(width)
+    gate = torch.randn(70, width, generator=g) * 8
+    gate[0, : min(width, 4)] = torch.tensor([-100.0, 100.0, -87.5, 88.9])[: min(width, 4)]
+    up = torch.randn(70, width, generator=g)
+    want = F.silu(gate.double()) * up.double()
+    got = fused_cpu.silu_mul(gate.clone(), up)
+    clamped = 2.0**-126 * (gate.double() * up.double()).abs()
+    assert ((got.double() - want).abs() <= 8 * 2.0**-24 * want.abs() + clamped).all()
+    strided = torch.randn(70, 2 * width, generator=g)[:, :width]  # rows with a stride, as a split projection has
+    assert torch.allclose(fused_cpu.silu_mul(strided.clone(), up), F.silu(strided) * up, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("rotary", [64, 32])  # the whole head, and partial rotary (Qwen3-Next: a quarter)
+def test_rope_equals_the_portable_rotation(rotary):
+    """The rotate-half rotation against float64: two products and a sum a channel (two roundings with the FMA);
+    channels past the rotary part pass through unchanged."""
+    g = torch.Generator().manual_seed(rotary)
+    qkv = torch.randn(33, 9 + 3, 64, generator=g)
+    x = qkv[:, :9]  # rows with a stride, heads contiguous: a split projection's view
+    angles = torch.randn(33, 1, rotary // 2, generator=g) * 10
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    got = fused_cpu.rope(x, cos, sin)
+    xd, half = x.double(), rotary // 2
+    rot = xd[..., :rotary]
+    want = rot * cos.double() + torch.cat([-rot[..., half:], rot[..., :half]], -1) * sin.double()
+    magnitude = rot.abs() * cos.double().abs() + rot.flip(-1).abs() * sin.double().abs()  # bounds each term
+    assert ((got[..., :rotary].double() - want).abs() <= 2 * 2.0**-24 * (magnitude + rot.abs().max())).all()
+    assert torch.equal(got[..., rotary:], x[..., rotary:])
+    assert fused_cpu.rope(x.double(), cos, sin) is None  # not float32: the caller's torch ops serve
+    with pytest.raises(RuntimeError, match="rd even <= D"):
+        fused_cpu.KERNELS.module.rope(x, cos[:, 0, :rotary - 1], sin[:, 0, :rotary - 1])

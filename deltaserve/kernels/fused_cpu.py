@@ -15,6 +15,7 @@ gated_delta.py and the norms in models/, to float32 rounding; the tests run both
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from deltaserve.kernels.cpp_build import VECTOR_PRELUDE, CompiledKernels
 
@@ -28,6 +29,32 @@ namespace {
 constexpr int64_t CONV_ROWS = 64;  // output rows per work item
 
 inline float silu(float a) { return a / (1.0f + std::exp(-a)); }
+
+// e^x on 16 floats: 2^n p(r), r = x - n ln 2 (Cody-Waite), p Cephes' degree-6 polynomial (~1 ulp); x is clamped to
+// [-87.3, 88.7], the normal range. Written out because this build keeps -fno-finite-math-only, under which GCC
+// calls the scalar expf for every element of an `omp simd` loop instead of glibc's vector one.
+inline f16v exp16(f16v x) {
+  const f16v lo = f16v{} - 87.3f, hi = f16v{} + 88.7f;
+  x = x < lo ? lo : x;
+  x = x > hi ? hi : x;
+  const f16v t = x * 1.44269504088896341f;
+  const i16v n = __builtin_convertvector(t + (t < 0.0f ? f16v{} - 0.5f : f16v{} + 0.5f), i16v);  // to nearest
+  const f16v nf = __builtin_convertvector(n, f16v);
+  f16v r = x - nf * 0.693359375f;
+  r = r - nf * -2.12194440e-4f;
+  f16v p = f16v{} + 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * (r * r) + r + 1.0f;
+  i16v bits;
+  std::memcpy(&bits, &p, sizeof bits);
+  bits += n << 23;
+  std::memcpy(&p, &bits, sizeof bits);
+  return p;
+}
 
 // out = bias + sum_w weight_t[w] * src[w], then SiLU: one row of C channels, accumulated in place in L1.
 inline void conv_row(float* __restrict out, const float* const* src, const float* __restrict weight_t,
@@ -382,6 +409,65 @@ std::vector<torch::Tensor> rms_norm(torch::Tensor x, torch::Tensor weight, doubl
   return {y};
 }
 
+// SwiGLU's product in place: gate [R, F] <- silu(gate) * up (float32 rows, channels contiguous). torch's silu_
+// and mul_ took ~0.35 ms a SmolLM2 layer at 528 rows (2 threads) for what is one pass over two tensors.
+torch::Tensor silu_mul(torch::Tensor gate, torch::Tensor up) {
+  auto rows_ok = [](const torch::Tensor& t) {
+    return t.dim() == 2 && t.scalar_type() == torch::kFloat32 && t.stride(1) == 1;
+  };
+  TORCH_CHECK(rows_ok(gate) && rows_ok(up) && gate.sizes() == up.sizes(),
+              "silu_mul: gate and up must be float32 [R, F] alike, channels contiguous");
+  const int64_t R = gate.size(0), F = gate.size(1), gs = gate.stride(0), us = up.stride(0);
+  float* gp = gate.data_ptr<float>();
+  const float* upp = up.data_ptr<float>();
+  #pragma omp parallel for schedule(static) if (R * F >= 65536)
+  for (int64_t r = 0; r < R; ++r) {
+    float* g = gp + r * gs;
+    const float* u = upp + r * us;
+    int64_t f = 0;
+    for (; f + 16 <= F; f += 16) {
+      const f16v a = load16(g + f);
+      store16(g + f, a / (1.0f + exp16(-a)) * load16(u + f));
+    }
+    for (; f < F; ++f) g[f] = silu(g[f]) * u[f];
+  }
+  return gate;
+}
+
+// Rotary embedding, rotate-half form: x [T, H, D] (each row's heads and channels contiguous), cos and sin [T, rd]
+// (rd <= D, even; channels past rd pass through) -> [T, H, D]: the first rd channels become x * cos + (-x2, x1) * sin.
+// apply_rotary's four torch ops (cat, neg, mul, addcmul) were ~0.3 ms a SmolLM2 layer at 528 rows.
+torch::Tensor rope(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
+  TORCH_CHECK(x.dim() == 3 && x.scalar_type() == torch::kFloat32 && x.stride(2) == 1 && x.stride(1) == x.size(2),
+              "rope: x must be float32 [T, H, D], each row's heads and channels contiguous");
+  const int64_t T = x.size(0), H = x.size(1), D = x.size(2), rd = cos.size(1), half = rd / 2;
+  TORCH_CHECK(cos.dim() == 2 && sin.sizes() == cos.sizes() && cos.size(0) == T && rd % 2 == 0 && rd <= D &&
+              cos.scalar_type() == torch::kFloat32 && sin.scalar_type() == torch::kFloat32 &&
+              cos.stride(1) == 1 && sin.stride(1) == 1, "rope: cos and sin must be float32 [T, rd], rd even <= D");
+  auto out = torch::empty({T, H, D}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t xs = x.stride(0), cs = cos.stride(0), ss = sin.stride(0);
+  #pragma omp parallel for schedule(static) if (T * H * D >= 65536)
+  for (int64_t t = 0; t < T; ++t) {
+    const float* __restrict c = cp + t * cs;
+    const float* __restrict s = sp + t * ss;
+    for (int64_t h = 0; h < H; ++h) {
+      const float* __restrict in = xp + t * xs + h * D;
+      float* __restrict o = op + (t * H + h) * D;
+      #pragma omp simd
+      for (int64_t i = 0; i < half; ++i) {
+        o[i] = in[i] * c[i] - in[i + half] * s[i];
+        o[i + half] = in[i + half] * c[i + half] + in[i] * s[i + half];
+      }
+      for (int64_t i = rd; i < D; ++i) o[i] = in[i];
+    }
+  }
+  return out;
+}
+
 // The index of each row's largest value, x [R, V] float32 (rows contiguous) -> int64 [R], as torch.argmax: the
 // first of equal maxima, and a NaN counts as larger than every number (the first NaN wins). torch's CPU argmax
 // over one 49,152-wide row took ~50 us (a scalar pass); this two vectorised passes: the largest value (and whether
@@ -455,8 +541,9 @@ torch::Tensor int8_rows(torch::Tensor codes, torch::Tensor scales, torch::Tensor
 """
 
 KERNELS = CompiledKernels("deltaserve_fused_cpu", _SOURCE,
-                           ["causal_conv1d", "rms_norm", "gdn_prefill", "gdn_decode", "argmax_rows", "int8_rows"],
-                           "fused CPU kernels (conv, RMSNorm, gated delta rule, argmax, int8 rows)",
+                           ["causal_conv1d", "rms_norm", "gdn_prefill", "gdn_decode", "argmax_rows", "int8_rows",
+                            "silu_mul", "rope"],
+                           "fused CPU kernels (conv, RMSNorm, gated delta rule, argmax, int8 rows, SwiGLU, RoPE)",
                            "the portable PyTorch ops")
 
 
@@ -497,6 +584,23 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
     """(rms_norm(x + residual), x + residual) in one pass; x and residual [R, D]."""
     normed, total = KERNELS.module.rms_norm(x, weight, eps, offset, None, residual)
     return normed, total
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up, into gate where the kernel takes them (float32 rows on CPU), else by torch ops (in place too)."""
+    if serves(gate, up) and gate.dim() == 2 and gate.shape == up.shape and gate.stride(1) == up.stride(1) == 1:
+        return KERNELS.module.silu_mul(gate, up)
+    return F.silu(gate, inplace=True).mul_(up)
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor | None:
+    """layers.apply_rotary's result for x [T, H, D] and cos, sin [T, 1, rd] in one pass, or None where the kernel
+    does not take them (not float32 on CPU, heads not contiguous): the caller then uses torch ops."""
+    t, h, d = x.shape if x.dim() == 3 else (0, 0, 0)
+    if (not serves(x, cos, sin) or x.dim() != 3 or x.stride(2) != 1 or x.stride(1) != d or cos.dim() != 3
+            or cos.shape[:2] != (t, 1) or sin.shape != cos.shape or cos.shape[2] % 2 or cos.shape[2] > d):
+        return None
+    return KERNELS.module.rope(x, cos.reshape(t, cos.shape[2]), sin.reshape(t, cos.shape[2]))
 
 
 def argmax(x: torch.Tensor) -> torch.Tensor:

@@ -309,7 +309,7 @@ class SwiGLU(nn.Module):
         return by_row_blocks(self._rows, x)
 
     def _rows(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x), inplace=True).mul_(self.up_proj(x)))
+        return self.down_proj(fused_cpu.silu_mul(self.gate_proj(x), self.up_proj(x)))
 
 
 class SparseMoeBlock(nn.Module):

@@ -128,6 +128,9 @@ class Rotary(nn.Module):
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [T, H, D]; cos/sin [T, 1, rd] with rd <= D; channels past rd pass through."""
+    fused = fused_cpu.rope(x, cos, sin)  # one native pass where built (float32 on CPU)
+    if fused is not None:
+        return fused
     rd = cos.shape[-1]
     if cos.dtype != x.dtype:
         cos, sin = cos.to(x.dtype), sin.to(x.dtype)

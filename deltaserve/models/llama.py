@@ -8,9 +8,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
-from deltaserve.kernels import decode_cpu
+from deltaserve.kernels import decode_cpu, fused_cpu
 from deltaserve.kernels.attention import paged_attention, write_kv
 from deltaserve.models.batch import ATTENTION, CacheGeometry, ForwardBatch, ModelCaches, rows_as_decode
 from deltaserve.models.layers import (FusedParts, Int4Linear, Int8Linear, RMSNorm, Rotary, apply_rotary,
@@ -71,7 +70,7 @@ class LlamaMLP(nn.Module):
         return by_row_blocks(self._rows, x)
 
     def _rows(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x), inplace=True).mul_(self.up_proj(x)))
+        return self.down_proj(fused_cpu.silu_mul(self.gate_proj(x), self.up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
