@@ -31,6 +31,7 @@ _SOURCE = VECTOR_PRELUDE + r"""
 namespace {
 
 constexpr int TILE = 32;    // cached rows scored together: their K and V rows stay in L1 between the passes
+static_assert(TILE % 16 == 0, "softmax_step reads whole 16-float vectors of a tile");
 constexpr int MAX_GROUP = 16;
 
 // 16-bit caches (--kv-dtype bfloat16 / float16) widen to float32 on load; the arithmetic stays float32. These
@@ -77,13 +78,19 @@ inline void prefetch_tile(const T* kp, const T* vp, const int64_t* row_slots, in
 
 // The online softmax over one tile's n scores sg (replaced by their exp(score - new max)): the running max m and
 // sum l move on; returns the factor the output accumulated so far is to be scaled by.
+// sg holds TILE floats: lanes past n are read, their results dropped (and stored as 0).
 inline float softmax_step(float* sg, int n, float& m, float& l) {
   float mx = m;
   for (int t = 0; t < n; ++t) mx = std::max(mx, sg[t]);
   const float correction = std::exp(m - mx);
+  f16v sums = f16v{};
+  for (int t = 0; t < n; t += 16) {  // exp16: GCC calls the scalar expf per value in an `omp simd` loop here
+    const f16v e = (LANES16 + t) < n ? exp16(load16(sg + t) - mx) : f16v{};
+    store16(sg + t, e);
+    sums += e;
+  }
   float sum = 0.f;
-  #pragma omp simd reduction(+:sum)
-  for (int t = 0; t < n; ++t) { sg[t] = std::exp(sg[t] - mx); sum += sg[t]; }
+  for (int i = 0; i < 16; ++i) sum += sums[i];
   l = l * correction + sum;
   m = mx;
   return correction;
