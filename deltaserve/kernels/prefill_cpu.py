@@ -14,10 +14,11 @@ This kernel tiles the work the way a GEMM does, for each KV head and block of po
 - key blocks end where the tile's last row does (the first block takes the remainder), so only the last block of
   each tile is cut by the diagonal: ~5% of the square computed and masked at 528 rows, not ~18%.
 
-Measured on Zen 4, 2 threads (ms a layer; see tests/test_kernels_prefill_cpu.py for the float64 oracle): 528 rows
-3.3 -> 2.1, 2048 rows 39.5 -> 28.7, 512 rows after 4096 cached 35.6 -> 33, 16 query / 2 KV heads of 256 at 512
-rows 18.5 -> 12.8. float32 only, head sizes a multiple of 16; built by kernels/cpp_build.py like the others, and
-where it is not built the caller keeps torch's kernel.
+Measured on Zen 4, 2 threads, torch's kernel and ours alternated (ms a layer, 9 / 3 heads of 64 unless said; the
+float64 oracle is in tests/test_kernels_prefill_cpu.py): 528 rows 4.40 -> 2.37, 512 rows after 200 cached 7.50 ->
+3.76, after 4096 cached 43.1 -> 34.1, 2048 rows 40.3 -> 32.7, 16 / 2 heads of 256 at 512 rows 20.7 -> 14.9 (at
+7b34055); an earlier run of the same code read 3.3 -> 2.1 at 528 rows. float32 only, head sizes a multiple of 16;
+built by kernels/cpp_build.py like the others, and where it is not built the caller keeps torch's kernel.
 """
 
 from __future__ import annotations
