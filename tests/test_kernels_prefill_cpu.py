@@ -14,20 +14,11 @@ import pytest
 import torch
 
 from deltaserve.kernels import attention, prefill_cpu
+from test_kernels_attention import _reference as reference  # row i attends keys 0..cached + i, in float64
 from tolerance import LAMBDA, UNIT_ROUNDOFF
 
 # every test here runs on each build of the C++ kernels: native and AVX2-only (tests/conftest.py)
 pytestmark = pytest.mark.usefixtures("isa")
-
-
-def reference(q, k, v, cached, scale):
-    """Row i (position cached + i) attends keys 0..cached + i, in float64; KV head h serves query heads h*G..."""
-    qd, kd, vd = q.double(), k.double(), v.double()
-    group = q.shape[1] // k.shape[1]
-    kd, vd = kd.repeat_interleave(group, 1), vd.repeat_interleave(group, 1)
-    scores = torch.einsum("shd,thd->hst", qd, kd) * scale
-    allowed = torch.arange(k.shape[0]) <= torch.arange(cached, cached + q.shape[0])[:, None]
-    return torch.einsum("hst,thd->shd", scores.masked_fill(~allowed, float("-inf")).softmax(-1), vd)
 
 
 def bound(q, k, v, scale):

@@ -105,6 +105,24 @@ inline i16v widen_u16(const uint16_t* p) {
 #endif
 #endif
 
+// 2^n e^r for |r| <= ln 2 / 2, on any float vector V and its int32 twin I: Cephes' degree-6 polynomial for e^r
+// (~1 ulp), its exponent field moved by n. exp16 below and the prefill attention kernel's 2^x (its own width) use it.
+template <typename V, typename I>
+inline V exp_scaled(V r, I n) {
+  V p = V{} + 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * (r * r) + r + 1.0f;
+  I bits;
+  std::memcpy(&bits, &p, sizeof bits);
+  bits += n << 23;
+  std::memcpy(&p, &bits, sizeof bits);
+  return p;
+}
+
 // e^x on 16 floats: 2^n p(r), r = x - n ln 2 (Cody-Waite), p Cephes' degree-6 polynomial (~1 ulp); x is clamped to
 // [-87.3, 88.7], the normal range (below, ~1.2e-38 instead of a smaller number or 0). Written out because these
 // builds keep -fno-finite-math-only, under which GCC calls the scalar expf for every element of an `omp simd` loop
@@ -119,18 +137,7 @@ inline f16v exp16(f16v x) {
   const f16v nf = __builtin_convertvector(n, f16v);
   f16v r = x - nf * 0.693359375f;
   r = r - nf * -2.12194440e-4f;
-  f16v p = f16v{} + 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * (r * r) + r + 1.0f;
-  i16v bits;
-  std::memcpy(&bits, &p, sizeof bits);
-  bits += n << 23;
-  std::memcpy(&p, &bits, sizeof bits);
-  return p;
+  return exp_scaled(r, n);
 }
 
 // Lane i of the result is the sum of x[i]'s 16 lanes: a transpose-and-add tree, 15 adds for 16 dot products

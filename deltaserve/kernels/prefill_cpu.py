@@ -25,10 +25,9 @@ from __future__ import annotations
 
 import torch
 
-from deltaserve.kernels.cpp_build import CompiledKernels
+from deltaserve.kernels.cpp_build import VECTOR_PRELUDE, CompiledKernels
 
-_SOURCE = r"""
-#include <torch/extension.h>
+_SOURCE = VECTOR_PRELUDE + r"""
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -61,24 +60,12 @@ constexpr int MR = 6;         // query rows a register tile
 constexpr int ROWS = 96;      // query rows (positions x grouped heads) a tile of work aims at
 constexpr float LOWEST = -3.0e38f;  // a masked score (-ffast-math: no infinities)
 
-// 2^x for x <= 0 (scores minus their row's max, in log2 units): 2^n * p(r) with r = (x - n) ln 2 and p Cephes'
-// degree-6 polynomial for exp (~1 ulp). Below 2^-125 it stays 2^-125 (a weight 2e-38 of the largest), not 0.
+// 2^x for x <= 0 (scores minus their row's max, in log2 units): 2^n e^r with r = (x - n) ln 2 (the prelude's
+// exp_scaled, ~1 ulp). Below 2^-125 it stays 2^-125 (a weight 2e-38 of the largest), not 0.
 inline vf vexp2(vf x) {
   x = x < -125.0f ? vset(-125.0f) : x;
   const vi ni = __builtin_convertvector(x - 0.5f, vi);  // x <= 0: truncating x - 0.5 rounds x to nearest
-  const vf r = (x - __builtin_convertvector(ni, vf)) * 0.693147180559945f;
-  vf p = vset(1.9875691500e-4f);
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * (r * r) + r + 1.0f;
-  vi bits;
-  std::memcpy(&bits, &p, sizeof bits);
-  bits += ni << 23;  // times 2^n
-  std::memcpy(&p, &bits, sizeof bits);
-  return p;
+  return exp_scaled((x - __builtin_convertvector(ni, vf)) * 0.693147180559945f, ni);
 }
 
 #if defined(__AVX512F__)
