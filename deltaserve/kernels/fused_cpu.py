@@ -568,7 +568,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up, into gate where the kernel takes them (float32 rows on CPU), else by torch ops (in place too)."""
+    """silu(gate) * up into gate: by the kernel where it takes them (float32 rows on CPU), else by torch ops."""
     if serves(gate, up) and gate.dim() == 2 and gate.shape == up.shape and gate.stride(1) == up.stride(1) == 1:
         return KERNELS.module.silu_mul(gate, up)
     return F.silu(gate, inplace=True).mul_(up)

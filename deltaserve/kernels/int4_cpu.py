@@ -7,8 +7,8 @@ from memory once per step and no float32 copy of the weight is ever written (on 
 widens its NR weight rows once into an L1 buffer that all the rows then read: the widening is most of a tile's
 work). Prefill (more rows) runs `gemm`, a float32 GEMM of our own that reads the packed weight: each task widens a
 panel of 64 weight rows once (32 or 16 where 64-row panels would not spread evenly over the threads), transposes it
-into a K-major panel in registers (16 x 16 blocks), and multiplies every 6 input rows past it, 96 columns of K at a
-time, from a 6 x 64 register tile. Until then prefill widened the whole matrix into a float32 tensor and called
+into a K-major panel in registers (16 x 16 blocks, 8 x 8 on AVX2), and multiplies every 6 input rows past it, 96
+columns of K at a time, from a 6 x 64 register tile (6 x 16 on AVX2). Until then prefill widened the whole matrix into a float32 tensor and called
 oneDNN's linear, which packs a row-major [N, K] weight again on every call: SmolLM2's 210 matrices at 528 rows took
 549-568 ms that way, 530-534 this way, and 512-521 in oneDNN on weights prepacked once (what vLLM's CPU build holds:
 float32, 8x the bytes); the panel's widening and transposition are ~12 ms of it (alternated, Zen 4, 2 threads).
