@@ -123,7 +123,7 @@ class EngineConfig:
     served_model_name: str | None = None
     max_body_bytes: int = 8 * MiB  # a 100K-token prompt is ~0.5 MB of JSON; escaping can multiply it
     seed: int = 0
-    attention_backend: str = "auto"  # auto = paged: decode reads the KV pages in place (CPU: a kernel built at start)
+    attention_backend: str = "auto"  # auto = paged: decode in place, prefill tiled (CPU: kernels built at start)
     dequantize_weights: bool | None = None  # None: packed (on CPU the float32 kernel of kernels/int4.py)
     cuda_graph_reserve: int | None = None  # bytes; None: estimated from the decode batch
     tool_call_parser: str = "auto"  # auto: picked from the chat template's own tool-call format
@@ -303,8 +303,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--served-model-name", help="model name reported by the API")
     g.add_argument("--max-body-bytes", help="largest request body (8MiB)")
     g.add_argument("--seed", type=int, help="default sampling seed (0)")
-    g.add_argument("--attention-backend", help="auto (= paged: decode reads KV pages in place; on CPU a C++ kernel built at start), "
-                   "portable (gather + SDPA)")
+    g.add_argument("--attention-backend", help="auto (= paged: decode reads KV pages in place and prefill runs a "
+                   "tiled kernel; on CPU C++ kernels built at start), portable (gather + torch's SDPA for both)")
     g.add_argument("--dequantize-weights", action=argparse.BooleanOptionalAction, default=None,
                    help="hold 4-bit weights dequantized in the compute dtype (default: packed, multiplied in float32 on "
                         "CPU with the same result to float32 rounding)")
