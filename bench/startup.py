@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import httpx
+from vllm_peer import stop
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -44,12 +45,7 @@ def one_start(port: int, serve_args: list[str], timeout_s: float = 600) -> tuple
             rss = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
         return seconds, rss
     finally:
-        process.terminate()
-        try:
-            process.wait(60)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        stop(process)
 
 
 def main(argv=None) -> int:

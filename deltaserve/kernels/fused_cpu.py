@@ -577,11 +577,13 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor | None:
     """layers.apply_rotary's result for x [T, H, D] and cos, sin [T, 1, rd] in one pass, or None where the kernel
     does not take them (not float32 on CPU, heads not contiguous): the caller then uses torch ops."""
-    t, h, d = x.shape if x.dim() == 3 else (0, 0, 0)
-    if (not serves(x, cos, sin) or x.dim() != 3 or x.stride(2) != 1 or x.stride(1) != d or cos.dim() != 3
-            or cos.shape[:2] != (t, 1) or sin.shape != cos.shape or cos.shape[2] % 2 or cos.shape[2] > d):
+    if not serves(x, cos, sin) or x.dim() != 3 or cos.dim() != 3:
         return None
-    return KERNELS.module.rope(x, cos.reshape(t, cos.shape[2]), sin.reshape(t, cos.shape[2]))
+    (t, _, d), rd = x.shape, cos.shape[2]
+    if (x.stride(2) != 1 or x.stride(1) != d or cos.shape[:2] != (t, 1) or sin.shape != cos.shape or rd % 2
+            or rd > d):
+        return None
+    return KERNELS.module.rope(x, cos.reshape(t, rd), sin.reshape(t, rd))
 
 
 def argmax(x: torch.Tensor) -> torch.Tensor:
