@@ -105,6 +105,21 @@ inline i16v widen_u16(const uint16_t* p) {
 #endif
 #endif
 
+// One register of floats at the build's widest vectors: 16 (AVX-512) or 8 (AVX2 and narrower; GCC lowers it to two
+// SSE registers where there is no AVX). The GEMM-shaped register tiles (int4_cpu's prefill GEMM, the prefill
+// attention) are written on it: 16-float values would take two AVX2 registers each and spill there.
+#if defined(__AVX512F__)
+constexpr int RW = 16;
+#else
+constexpr int RW = 8;
+#endif
+typedef float rvec __attribute__((vector_size(RW * 4)));
+typedef float rvec_u __attribute__((vector_size(RW * 4), aligned(4)));
+typedef int32_t rvec_i __attribute__((vector_size(RW * 4)));
+inline rvec rload(const float* p) { return *reinterpret_cast<const rvec_u*>(p); }
+inline void rstore(float* p, rvec x) { *reinterpret_cast<rvec_u*>(p) = x; }
+inline rvec rset(float s) { return rvec{} + s; }
+
 // 2^n e^r for |r| <= ln 2 / 2, on any float vector V and its int32 twin I: Cephes' degree-6 polynomial for e^r
 // (~1 ulp), its exponent field moved by n. exp16 below and the prefill attention kernel's 2^x (its own width) use it.
 template <typename V, typename I>

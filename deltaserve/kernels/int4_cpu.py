@@ -8,10 +8,11 @@ widens its NR weight rows once into an L1 buffer that all the rows then read: th
 work). Prefill (more rows) runs `gemm`, a float32 GEMM of our own that reads the packed weight: each task widens a
 panel of 64 weight rows once (32 or 16 where 64-row panels would not spread evenly over the threads), transposes it
 into a K-major panel in registers (16 x 16 blocks, 8 x 8 on AVX2), and multiplies every 6 input rows past it, 96
-columns of K at a time, from a 6 x 64 register tile (6 x 16 on AVX2). Until then prefill widened the whole matrix into a float32 tensor and called
-oneDNN's linear, which packs a row-major [N, K] weight again on every call: SmolLM2's 210 matrices at 528 rows took
-549-568 ms that way, 530-534 this way, and 512-521 in oneDNN on weights prepacked once (what vLLM's CPU build holds:
-float32, 8x the bytes); the panel's widening and transposition are ~12 ms of it (alternated, Zen 4, 2 threads).
+columns of K at a time, from a 6 x 64 register tile (6 x 16 on AVX2). Until then prefill widened the whole matrix
+into a float32 tensor and called oneDNN's linear, which packs a row-major [N, K] weight again on every call:
+SmolLM2's 210 matrices at 528 rows took 549-568 ms that way, 530-534 this way, and 512-521 in oneDNN on weights
+prepacked once (what vLLM's CPU build holds: float32, 8x the bytes); the panel's widening and transposition are ~12
+ms of it (alternated, Zen 4, 2 threads).
 AVX-512 and AVX2 through the same GCC/Clang vector extensions as linear_cpu.py; the one-row tile is AVX2 code that
 AVX-512 builds take too.
 """
@@ -494,18 +495,9 @@ namespace {
 // The prefill GEMM: x [M, K] @ W.T with W packed. A task takes a panel of PW = NV vectors of weight rows, widens
 // them once (float32, row-major, L2) and transposes them into a K-major panel bp [K][PW]; then every MR input rows
 // multiply it in GKC-deep steps from a register tile of MR x NV vectors (the panel's step stays in L1 meanwhile).
-#if defined(__AVX512F__)
-constexpr int GW = 16;
-#else
-constexpr int GW = 8;
-#endif
-typedef float gvec __attribute__((vector_size(GW * 4)));
-typedef float gvec_u __attribute__((vector_size(GW * 4), aligned(4)));
-inline gvec gload(const float* p) { return *reinterpret_cast<const gvec_u*>(p); }
-inline void gstore(float* p, gvec x) { *reinterpret_cast<gvec_u*>(p) = x; }
 constexpr int64_t GKC = 96;
 
-// dst[c][r] = src[r][c] for a GW x GW block (row strides lds, ldd)
+// dst[c][r] = src[r][c] for a RW x RW block (row strides lds, ldd)
 inline void transpose_block(const float* src, int64_t lds, float* dst, int64_t ldd) {
 #if defined(__AVX512F__)
   __m512 r[16], t[16];
@@ -551,28 +543,28 @@ inline void transpose_block(const float* src, int64_t lds, float* dst, int64_t l
     _mm256_storeu_ps(dst + (4 + b) * ldd, _mm256_permute2f128_ps(r[b], r[4 + b], 0x31));
   }
 #else
-  for (int i = 0; i < GW; ++i)
-    for (int j = 0; j < GW; ++j) dst[j * ldd + i] = src[i * lds + j];
+  for (int i = 0; i < RW; ++i)
+    for (int j = 0; j < RW; ++j) dst[j * ldd + i] = src[i * lds + j];
 #endif
 }
 
-// rows ar[0..MR) (their k0..k0+kc slice) times bp [kc][NV * GW]: into cr[r][0..NV*GW), added to it when acc.
+// rows ar[0..MR) (their k0..k0+kc slice) times bp [kc][NV * RW]: into cr[r][0..NV*RW), added to it when acc.
 // MR x NV accumulators + NV panel vectors + 1 broadcast: 29 of AVX-512's 32 registers (6 x 4), 15 of AVX2's 16.
 template <int MR, int NV>
 inline void gemm_tile(const float* const* ar, const float* bp, int64_t kc, float* const* cr, bool acc) {
-  constexpr int PW = NV * GW;
-  gvec c[MR][NV];
+  constexpr int PW = NV * RW;
+  rvec c[MR][NV];
   #pragma GCC unroll 12
   for (int r = 0; r < MR; ++r)
     #pragma GCC unroll 4
-    for (int n = 0; n < NV; ++n) c[r][n] = gvec{};
+    for (int n = 0; n < NV; ++n) c[r][n] = rvec{};
   for (int64_t k = 0; k < kc; ++k) {
-    gvec b[NV];
+    rvec b[NV];
     #pragma GCC unroll 4
-    for (int n = 0; n < NV; ++n) b[n] = gload(bp + k * PW + n * GW);
+    for (int n = 0; n < NV; ++n) b[n] = rload(bp + k * PW + n * RW);
     #pragma GCC unroll 12
     for (int r = 0; r < MR; ++r) {
-      const gvec a = gvec{} + ar[r][k];
+      const rvec a = rset(ar[r][k]);
       #pragma GCC unroll 4
       for (int n = 0; n < NV; ++n) c[r][n] += a * b[n];
     }
@@ -580,12 +572,12 @@ inline void gemm_tile(const float* const* ar, const float* bp, int64_t kc, float
   #pragma GCC unroll 12
   for (int r = 0; r < MR; ++r)
     #pragma GCC unroll 4
-    for (int n = 0; n < NV; ++n) gstore(cr[r] + n * GW, acc ? gload(cr[r] + n * GW) + c[r][n] : c[r][n]);
+    for (int n = 0; n < NV; ++n) rstore(cr[r] + n * RW, acc ? rload(cr[r] + n * RW) + c[r][n] : c[r][n]);
 }
 
 template <int MR, int NV>
 void gemm_all(const float* x, int64_t M, const Weight& w, int64_t N, float* y) {
-  constexpr int PW = NV * GW;
+  constexpr int PW = NV * RW;
   const int64_t K = w.K, panels = (N + PW - 1) / PW;
   #pragma omp parallel
   {
@@ -597,8 +589,8 @@ void gemm_all(const float* x, int64_t M, const Weight& w, int64_t N, float* y) {
         if (j < width) widen_row(w, n0 + j, rows.data() + j * K);
         else std::fill(rows.data() + j * K, rows.data() + (j + 1) * K, 0.f);
       }
-      for (int j = 0; j < PW; j += GW)
-        for (int64_t k = 0; k < K; k += GW) transpose_block(rows.data() + j * K + k, K, bp.data() + k * PW + j, PW);
+      for (int j = 0; j < PW; j += RW)
+        for (int64_t k = 0; k < K; k += RW) transpose_block(rows.data() + j * K + k, K, bp.data() + k * PW + j, PW);
       // a last panel narrower than PW lands in `edge` [M][PW] first
       float* out = width == PW ? y + n0 : edge.data();
       const int64_t ldo = width == PW ? N : PW;
@@ -629,7 +621,7 @@ torch::Tensor int4_gemm(torch::Tensor x, torch::Tensor packed, torch::Tensor sca
   const Weight w = weight_of(packed, scales, offsets, lut, group);
   TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.is_contiguous() && x.dim() == 2 && x.size(1) == w.K,
               "int4_gemm: contiguous float32 x [M, K]");
-  TORCH_CHECK(w.K % GW == 0, "int4_gemm: K must be a multiple of ", GW);
+  TORCH_CHECK(w.K % RW == 0, "int4_gemm: K must be a multiple of ", RW);
   const int64_t M = x.size(0), N = packed.size(0);
   auto y = torch::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;
@@ -637,11 +629,11 @@ torch::Tensor int4_gemm(torch::Tensor x, torch::Tensor packed, torch::Tensor sca
   // the widest panel whose count spreads evenly over the threads (or is many times their number)
   auto even = [&](int64_t pw) { const int64_t p = (N + pw - 1) / pw; return p % threads == 0 || p >= 8 * threads; };
 #if defined(__AVX512F__)
-  if (even(4 * GW)) gemm_all<6, 4>(x.data_ptr<float>(), M, w, N, y.data_ptr<float>());
-  else if (even(2 * GW)) gemm_all<12, 2>(x.data_ptr<float>(), M, w, N, y.data_ptr<float>());
+  if (even(4 * RW)) gemm_all<6, 4>(x.data_ptr<float>(), M, w, N, y.data_ptr<float>());
+  else if (even(2 * RW)) gemm_all<12, 2>(x.data_ptr<float>(), M, w, N, y.data_ptr<float>());
   else gemm_all<24, 1>(x.data_ptr<float>(), M, w, N, y.data_ptr<float>());
 #else
-  if (even(2 * GW)) gemm_all<6, 2>(x.data_ptr<float>(), M, w, N, y.data_ptr<float>());
+  if (even(2 * RW)) gemm_all<6, 2>(x.data_ptr<float>(), M, w, N, y.data_ptr<float>());
   else gemm_all<12, 1>(x.data_ptr<float>(), M, w, N, y.data_ptr<float>());
 #endif
   return y;

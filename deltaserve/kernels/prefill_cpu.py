@@ -39,21 +39,8 @@ _SOURCE = VECTOR_PRELUDE + r"""
 
 namespace {
 
-// One register's worth of floats: 16 (AVX-512) or 8 (AVX2 and narrower; GCC lowers an 8-float vector to two SSE
-// registers where there is no AVX). The register tiles are sized for 32 (AVX-512) and 16 (AVX2) vector registers.
-#if defined(__AVX512F__)
-constexpr int VW = 16;
-constexpr int NV = 4;  // vectors across a score tile (64 keys) and an output tile (64 channels)
-#else
-constexpr int VW = 8;
-constexpr int NV = 2;
-#endif
-typedef float vf __attribute__((vector_size(VW * 4)));
-typedef float vf_u __attribute__((vector_size(VW * 4), aligned(4)));
-typedef int32_t vi __attribute__((vector_size(VW * 4)));
-inline vf vload(const float* p) { return *reinterpret_cast<const vf_u*>(p); }
-inline void vstore(float* p, vf x) { *reinterpret_cast<vf_u*>(p) = x; }
-inline vf vset(float s) { return vf{} + s; }
+// The register tiles are on the prelude's rvec (RW floats) and sized for 32 (AVX-512) and 16 (AVX2) registers.
+constexpr int NV = RW == 16 ? 4 : 2;  // vectors across a score tile (64 keys) and an output tile (64 channels)
 
 constexpr int BK = 64;        // keys a block
 constexpr int MR = 6;         // query rows a register tile
@@ -62,70 +49,70 @@ constexpr float LOWEST = -3.0e38f;  // a masked score (-ffast-math: no infinitie
 
 // 2^x for x <= 0 (scores minus their row's max, in log2 units): 2^n e^r with r = (x - n) ln 2 (the prelude's
 // exp_scaled, ~1 ulp). Below 2^-125 it stays 2^-125 (a weight 2e-38 of the largest), not 0.
-inline vf vexp2(vf x) {
-  x = x < -125.0f ? vset(-125.0f) : x;
-  const vi ni = __builtin_convertvector(x - 0.5f, vi);  // x <= 0: truncating x - 0.5 rounds x to nearest
-  return exp_scaled((x - __builtin_convertvector(ni, vf)) * 0.693147180559945f, ni);
+inline rvec vexp2(rvec x) {
+  x = x < -125.0f ? rset(-125.0f) : x;
+  const rvec_i ni = __builtin_convertvector(x - 0.5f, rvec_i);  // x <= 0: truncating x - 0.5 rounds x to nearest
+  return exp_scaled((x - __builtin_convertvector(ni, rvec)) * 0.693147180559945f, ni);
 }
 
 #if defined(__AVX512F__)
-inline float hmax(vf x) { __m512 y; std::memcpy(&y, &x, 64); return _mm512_reduce_max_ps(y); }
-inline float hsum(vf x) { __m512 y; std::memcpy(&y, &x, 64); return _mm512_reduce_add_ps(y); }
+inline float hmax(rvec x) { __m512 y; std::memcpy(&y, &x, 64); return _mm512_reduce_max_ps(y); }
+inline float hsum(rvec x) { __m512 y; std::memcpy(&y, &x, 64); return _mm512_reduce_add_ps(y); }
 #else
-inline float hmax(vf x) { float m = x[0]; for (int i = 1; i < VW; ++i) m = std::max(m, x[i]); return m; }
-inline float hsum(vf x) { float s = 0.f; for (int i = 0; i < VW; ++i) s += x[i]; return s; }
+inline float hmax(rvec x) { float m = x[0]; for (int i = 1; i < RW; ++i) m = std::max(m, x[i]); return m; }
+inline float hsum(rvec x) { float s = 0.f; for (int i = 0; i < RW; ++i) s += x[i]; return s; }
 #endif
 
-// Scores (times sc) of MR query rows against W * VW keys of a transposed key tile kt [D][BK], into p [MR][BK];
+// Scores (times sc) of MR query rows against W * RW keys of a transposed key tile kt [D][BK], into p [MR][BK];
 // each row's max joins mx[r] when mx is given.
 template <int W>
 inline void score_tile(const float* const* qr, const float* kt, int64_t D, float sc, float* p, float* mx) {
-  vf acc[MR][W];
+  rvec acc[MR][W];
   #pragma GCC unroll 8
   for (int r = 0; r < MR; ++r)
     #pragma GCC unroll 4
-    for (int n = 0; n < W; ++n) acc[r][n] = vf{};
+    for (int n = 0; n < W; ++n) acc[r][n] = rvec{};
   for (int64_t d = 0; d < D; ++d) {
-    vf kv[W];
+    rvec kv[W];
     #pragma GCC unroll 4
-    for (int n = 0; n < W; ++n) kv[n] = vload(kt + d * BK + n * VW);
+    for (int n = 0; n < W; ++n) kv[n] = rload(kt + d * BK + n * RW);
     #pragma GCC unroll 8
     for (int r = 0; r < MR; ++r) {
-      const vf qb = vset(qr[r][d]);
+      const rvec qb = rset(qr[r][d]);
       #pragma GCC unroll 4
       for (int n = 0; n < W; ++n) acc[r][n] += qb * kv[n];
     }
   }
   #pragma GCC unroll 8
   for (int r = 0; r < MR; ++r) {
-    vf m = vset(LOWEST);
+    rvec m = rset(LOWEST);
     #pragma GCC unroll 4
     for (int n = 0; n < W; ++n) {
       acc[r][n] *= sc;
-      vstore(p + r * BK + n * VW, acc[r][n]);
+      rstore(p + r * BK + n * RW, acc[r][n]);
       m = m > acc[r][n] ? m : acc[r][n];
     }
     if (mx) mx[r] = std::max(mx[r], hmax(m));
   }
 }
 
-// o [MR][W * VW] (row stride D) = o * c[r] + p [MR][nk] @ the nk value rows at v (row stride vs).
+// o [MR][W * RW] (row stride D) = o * c[r] + p [MR][nk] @ the nk value rows at v (row stride vs).
 template <int W>
 inline void value_tile(const float* p, const float* v, int64_t vs, int nk, float* o, int64_t D, const float* c) {
-  vf acc[MR][W];
+  rvec acc[MR][W];
   #pragma GCC unroll 8
   for (int r = 0; r < MR; ++r) {
-    const vf cv = vset(c[r]);
+    const rvec cv = rset(c[r]);
     #pragma GCC unroll 4
-    for (int n = 0; n < W; ++n) acc[r][n] = vload(o + r * D + n * VW) * cv;
+    for (int n = 0; n < W; ++n) acc[r][n] = rload(o + r * D + n * RW) * cv;
   }
   for (int j = 0; j < nk; ++j) {
-    vf vv[W];
+    rvec vv[W];
     #pragma GCC unroll 4
-    for (int n = 0; n < W; ++n) vv[n] = vload(v + j * vs + n * VW);
+    for (int n = 0; n < W; ++n) vv[n] = rload(v + j * vs + n * RW);
     #pragma GCC unroll 8
     for (int r = 0; r < MR; ++r) {
-      const vf pb = vset(p[r * BK + j]);
+      const rvec pb = rset(p[r * BK + j]);
       #pragma GCC unroll 4
       for (int n = 0; n < W; ++n) acc[r][n] += pb * vv[n];
     }
@@ -133,7 +120,7 @@ inline void value_tile(const float* p, const float* v, int64_t vs, int nk, float
   #pragma GCC unroll 8
   for (int r = 0; r < MR; ++r)
     #pragma GCC unroll 4
-    for (int n = 0; n < W; ++n) vstore(o + r * D + n * VW, acc[r][n]);
+    for (int n = 0; n < W; ++n) rstore(o + r * D + n * RW, acc[r][n]);
 }
 
 struct Scratch {  // one thread's, sized for the largest tile
@@ -169,18 +156,18 @@ void attend_tile(const Problem& P, int64_t h, int64_t a, int64_t b, Scratch& s) 
   float* kt = s.kt.data();
   float* p = s.p.data();
   float* mx = s.mx.data();
-  vi lane;
-  for (int i = 0; i < VW; ++i) lane[i] = i;
+  rvec_i lane;
+  for (int i = 0; i < RW; ++i) lane[i] = i;
   for (int64_t k0 = 0; k0 < kend; k0 += (k0 == 0 ? head : BK)) {
-    const int nk = static_cast<int>(k0 == 0 ? head : BK), nv = (nk + VW - 1) / VW;
+    const int nk = static_cast<int>(k0 == 0 ? head : BK), nv = (nk + RW - 1) / RW;
     for (int j = 0; j < nk; ++j) {
       const float* kr = P.k + (k0 + j) * P.ks + h * D;
       for (int64_t d = 0; d < D; ++d) kt[d * BK + j] = kr[d];
     }
-    if (nk < nv * VW)
-      for (int64_t d = 0; d < D; ++d) std::fill(kt + d * BK + nk, kt + d * BK + nv * VW, 0.f);
+    if (nk < nv * RW)
+      for (int64_t d = 0; d < D; ++d) std::fill(kt + d * BK + nk, kt + d * BK + nv * RW, 0.f);
     // masked: some row may not see every key of the block (the diagonal), or the block's last vector is padding
-    const bool masked = k0 + nk - 1 > first || nk < nv * VW;
+    const bool masked = k0 + nk - 1 > first || nk < nv * RW;
     for (int64_t r = 0; r < Rp; ++r) mx[r] = s.m[r];
     for (int64_t r0 = 0; r0 < Rp; r0 += MR) {
       const float* const* qr = s.qr.data() + r0;
@@ -195,28 +182,28 @@ void attend_tile(const Problem& P, int64_t h, int64_t a, int64_t b, Scratch& s) 
       }
 #else
       int c = 0;
-      for (; c + 2 <= nv; c += 2) score_tile<2>(qr, kt + c * VW, D, sc, pr + c * VW, mr);
-      if (c < nv) score_tile<1>(qr, kt + c * VW, D, sc, pr + c * VW, mr);
+      for (; c + 2 <= nv; c += 2) score_tile<2>(qr, kt + c * RW, D, sc, pr + c * RW, mr);
+      if (c < nv) score_tile<1>(qr, kt + c * RW, D, sc, pr + c * RW, mr);
 #endif
     }
     for (int64_t r = 0; r < Rp; ++r) {
       float* pr = p + r * BK;
       const int limit = static_cast<int>(std::min<int64_t>(nk, s.pos[r] - k0 + 1));  // row r sees keys j < limit
       if (masked) {
-        vf m = vset(LOWEST);
-        for (int j = 0; j < nv * VW; j += VW) {
-          const vf x = (lane + j) < limit ? vload(pr + j) : vset(LOWEST);
+        rvec m = rset(LOWEST);
+        for (int j = 0; j < nv * RW; j += RW) {
+          const rvec x = (lane + j) < limit ? rload(pr + j) : rset(LOWEST);
           m = m > x ? m : x;
         }
         mx[r] = std::max(s.m[r], hmax(m));
       }
       const float mnew = mx[r], corr = std::exp2(s.m[r] - mnew);
-      const vf mv = vset(mnew);
-      vf sum = vf{};
-      for (int j = 0; j < nv * VW; j += VW) {
-        vf e = vexp2(vload(pr + j) - mv);
-        if (masked) e = (lane + j) < limit ? e : vf{};
-        vstore(pr + j, e);
+      const rvec mv = rset(mnew);
+      rvec sum = rvec{};
+      for (int j = 0; j < nv * RW; j += RW) {
+        rvec e = vexp2(rload(pr + j) - mv);
+        if (masked) e = (lane + j) < limit ? e : rvec{};
+        rstore(pr + j, e);
         sum += e;
       }
       s.l[r] = s.l[r] * corr + hsum(sum);
@@ -226,9 +213,9 @@ void attend_tile(const Problem& P, int64_t h, int64_t a, int64_t b, Scratch& s) 
     const float* vb = P.v + k0 * P.vs + h * D;
     for (int64_t r0 = 0; r0 < Rp; r0 += MR) {
       int64_t d0 = 0;
-      for (; d0 + NV * VW <= D; d0 += NV * VW)
+      for (; d0 + NV * RW <= D; d0 += NV * RW)
         value_tile<NV>(p + r0 * BK, vb + d0, P.vs, nk, s.o.data() + r0 * D + d0, D, s.c.data() + r0);
-      for (; d0 < D; d0 += VW)
+      for (; d0 < D; d0 += RW)
         value_tile<1>(p + r0 * BK, vb + d0, P.vs, nk, s.o.data() + r0 * D + d0, D, s.c.data() + r0);
     }
   }
@@ -251,7 +238,7 @@ torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor k, torch::Tensor 
   const int64_t S = q.size(0), Hq = q.size(1), D = q.size(2), Hkv = k.size(1);
   TORCH_CHECK(Hkv > 0 && Hq % Hkv == 0 && v.size(1) == Hkv && k.size(2) == D && v.size(2) == D,
               "prefill_attention: head shapes do not match");
-  TORCH_CHECK(D % VW == 0, "prefill_attention: head size must be a multiple of ", VW);
+  TORCH_CHECK(D % RW == 0, "prefill_attention: head size must be a multiple of ", RW);
   TORCH_CHECK(cached >= 0 && k.size(0) == cached + S && v.size(0) == cached + S,
               "prefill_attention: keys must be the cached rows and the chunk's own");
   for (const auto& t : {q, k, v})
