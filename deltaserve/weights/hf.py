@@ -97,7 +97,7 @@ def read_hf_index(folder: Path) -> dict[str, tuple[str, tuple[int, ...], int]]:
 def load_hf(folder: Path, dtype: torch.dtype, skip_prefixes: tuple[str, ...], keep_int4: bool = False):
     """(config, tensors, tokenizer, generation_config, skipped) of an HF folder.
 
-    Floating-point tensors are converted to `dtype`; a quantized checkpoint's modules (weights/compressed_tensors.py,
+    Floating-point tensors are converted to `dtype` (not a quantized module's parts); a quantized checkpoint's modules (weights/compressed_tensors.py,
     weights/gptq.py) become one `<module>.weight` each, decoded (and packed, with `keep_int4`) as soon as a module's
     last part is read: its raw parts are then let go, so the loader never holds the checkpoint twice. Skipped groups
     are named with their bytes on disk.
@@ -126,8 +126,11 @@ def load_hf(folder: Path, dtype: torch.dtype, skip_prefixes: tuple[str, ...], ke
                         continue
                     tensor = shard.get_tensor(name)
                     progress.read(header[name][2])
-                    tensors[name] = tensor.to(dtype) if tensor.is_floating_point() else tensor
                     module = owner.get(name)
+                    # a quantized module's parts stay as stored: its decoder chooses (a symmetric 4-bit scale is
+                    # held as the checkpoint stores it, the price weights/held.py gives it)
+                    cast = tensor.is_floating_point() and module is None
+                    tensors[name] = tensor.to(dtype) if cast else tensor
                     if module is not None:
                         waiting[module].discard(name)
                         if not waiting[module]:
