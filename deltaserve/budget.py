@@ -14,7 +14,8 @@ import math
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from deltaserve.config import DEFAULT_MAX_NEW_TOKENS_CAP, DTYPE_BYTES, ConfigError, EngineConfig, GiB, MiB
+from deltaserve.config import (DEFAULT_MAX_NEW_TOKENS_CAP, DTYPE_BYTES, ConfigError, EngineConfig, GiB, MiB,
+                               torch_int4_layout)
 
 SAMPLER_PASSES = 6  # [batch, vocab] buffers: fp32 logits, penalised copy, probs, sorted values, int64 indices (2)
 GDN_CHUNK = 64  # chunk length of the chunked gated delta rule (intra-chunk [64, 64] matrices)
@@ -44,6 +45,9 @@ class WeightGroup:
     quantized_bytes: int  # bytes held when not dequantized: packed codes with their scales / offsets
     excluded: bool = False  # not in the language model's weights line (vision tower: its own line; mtp: unloaded)
     held_dequantized_bytes: int | None = None  # held with dequantize_weights when not params x dtype (INT8 embedding)
+    # quantized_bytes with the 4-bit matrices torch's int4 kernel takes held in its layout (CUDA, bfloat16:
+    # kernels/int4_torch.py); None: the same as quantized_bytes
+    torch_int4_bytes: int | None = None
 
 
 @dataclass
@@ -354,6 +358,11 @@ def _weights_line(spec: ModelMemorySpec, c: EngineConfig) -> tuple[int, str]:
     if c.dequantize_weights:
         held = sum(g.params * cb if g.held_dequantized_bytes is None else g.held_dequantized_bytes for g in loaded)
         how = f"held dequantized in {c.dtype}"
+    elif torch_int4_layout(c.device, c.dtype):
+        held = sum(g.float_params * cb + (g.quantized_bytes if g.torch_int4_bytes is None else g.torch_int4_bytes)
+                   for g in loaded)
+        how = f"4-bit matrices in torch's int4 layout (4-bit codes + a bfloat16 scale and zero per group) where its " \
+              f"CUDA kernel takes them, else packed, the rest in {c.dtype}"
     else:
         held = sum(g.float_params * cb + g.quantized_bytes for g in loaded)
         how = f"4-bit matrices packed (4-bit codes + per group the checkpoint's 16-bit scale, or a float32 scale and " \

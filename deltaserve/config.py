@@ -64,6 +64,12 @@ def cpu_kv_dtype(compute_dtype: str) -> str:
     return "float16" if compute_dtype == "float32" else compute_dtype
 
 
+def torch_int4_layout(device: str, dtype: str) -> bool:
+    """Whether a model's 4-bit matrices are held in torch's int4 layout and multiplied by its kernel
+    (kernels/int4_torch.py): on CUDA, computing in bfloat16. The loader and the ledger both ask this."""
+    return str(device).split(":")[0] == "cuda" and str(dtype).removeprefix("torch.") == "bfloat16"
+
+
 def parse_bytes(text: str | int) -> int:
     """'24GiB', '512MiB', '1.5GB', '8G' (binary), '4096' -> bytes. KB/MB/GB are decimal, K/M/G and KiB.. binary.
 

@@ -144,10 +144,15 @@ def test_compressed_tensors_header_parts(tmp_path):
     assert layers.params == out_f * in_f + 64 and layers.float_params == 64
     assert parse_quant("w4a16-g128").tensor_bytes(out_f, in_f) == out_f * in_f // 2 + out_f * 2 * 2 + 16
     assert layers.quantized_bytes == out_f * in_f // 2 + out_f * 2 * 2  # symmetric: the bf16 scale kept, no offset
+    # on CUDA in bfloat16, torch's int4 layout (kernels/int4_torch.py): a symmetric weight's bfloat16 scale alone
+    assert layers.torch_int4_bytes == out_f * in_f // 2 + out_f * 2 * 2
     gpu = plan_budget(spec, EngineConfig(max_total_tokens=64), device_total_bytes=4 * GiB, device_kind="cuda")
+    gpu32 = plan_budget(spec, EngineConfig(max_total_tokens=64, dtype="float32"), device_total_bytes=4 * GiB,
+                        device_kind="cuda")
     cpu = plan_budget(spec, EngineConfig(max_total_tokens=64, dequantize_weights=True), device_total_bytes=4 * GiB,
                       device_kind="cpu")
-    assert gpu.line("weights").bytes == layers.quantized_bytes + (64 + 320 * 64) * 2
+    assert gpu.line("weights").bytes == layers.torch_int4_bytes + (64 + 320 * 64) * 2
+    assert gpu32.line("weights").bytes == layers.quantized_bytes + (64 + 320 * 64) * 4  # packed: int4.py's path
     assert cpu.line("weights").bytes == (out_f * in_f + 64 + 320 * 64) * 4  # dequantized, float32
 
 

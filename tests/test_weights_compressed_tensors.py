@@ -250,27 +250,45 @@ def resident_bytes(model: torch.nn.Module) -> int:
     return sum({t.data_ptr(): t.numel() * t.element_size() for t in model.state_dict().values()}.values())
 
 
-@pytest.mark.parametrize("dequantize", [True, False], ids=["dequantized", "packed"])
-def test_ledger_weights_line_equals_resident_bytes(case, dequantize):
-    """The CPU ledger's weights line = the bytes the loaded model holds, within 1%: dequantized (the INT8 embedding
-    kept int8) and packed (the CPU default: 4-bit codes with a float32 scale and offset per group, where the
-    checkpoint stores a 16-bit scale: 6 bytes a group more than on disk), a tied lm_head over the INT8 embedding
-    multiplying its codes (no bytes of its own)."""
-    from deltaserve.budget import plan_budget
+LAYOUTS = ["dequantized", "packed", "torch_int4"]
+
+
+def load_as(path, layout: str, monkeypatch) -> tuple[torch.nn.Module, object, str]:
+    """The model loaded in `layout`, and the EngineConfig and device kind its ledger is planned with. dequantized and
+    packed: on the CPU, float32. torch_int4: what a bfloat16 model holds on CUDA (kernels/int4_torch.py), built here
+    from torch's CPU form of that layout, which holds the same bytes (codes half a byte a weight, the same scales and
+    zeros): the loader's choice is made to take the CPU, nothing else changes."""
     from deltaserve.config import EngineConfig
     from deltaserve.engine.loader import load_model
-    from deltaserve.models.layers import Int4Linear
+    from deltaserve.kernels import int4_torch
+
+    if layout == "torch_int4":
+        monkeypatch.setattr(int4_torch, "serves", lambda device, dtype: dtype == torch.bfloat16)
+        model = load_model(path, dtype=torch.bfloat16, dequantize=False).model
+        return model, EngineConfig(max_total_tokens=64, device="cuda", dtype="bfloat16"), "cuda"
+    model = load_model(path, dequantize=layout == "dequantized").model
+    return model, EngineConfig(max_total_tokens=64, dequantize_weights=layout == "dequantized"), "cpu"
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_ledger_weights_line_equals_resident_bytes(case, layout, monkeypatch):
+    """The ledger's weights line = the bytes the loaded model holds, within 1%: dequantized (the INT8 embedding
+    kept int8), packed (the CPU default: 4-bit codes with a float32 scale and offset per group, where the
+    checkpoint stores a 16-bit scale: 6 bytes a group more than on disk) and torch's int4 layout (CUDA, bfloat16), a
+    tied lm_head over the INT8 embedding multiplying its codes (no bytes of its own)."""
+    from deltaserve.budget import plan_budget
+    from deltaserve.models.layers import Int4Linear, TorchInt4Linear
     from deltaserve.models.spec import spec_from_checkpoint
 
     name, _, _, ckpt, state = case
-    model = load_model(ckpt.path, dequantize=dequantize).model
-    packed = [m for m in model.modules() if isinstance(m, Int4Linear)]
+    model, config, kind = load_as(ckpt.path, layout, monkeypatch)
+    packed = [m for m in model.modules() if isinstance(m, (Int4Linear, TorchInt4Linear))]
     four_bit = [k for k, t in state.items() if k.endswith("weight_packed") and t.numel() * 8 < 2 * state[
         k.replace("weight_packed", "weight_scale")].shape[0] * int(state[k.replace("packed", "shape")][1])]
-    assert bool(packed) == (not dequantize and bool(four_bit)), name
-    budget = plan_budget(spec_from_checkpoint(ckpt.path),
-                         EngineConfig(max_total_tokens=64, dequantize_weights=dequantize),
-                         device_total_bytes=4 * 2**30, device_kind="cpu")
+    assert bool(packed) == (layout != "dequantized" and bool(four_bit)), name
+    if layout == "torch_int4":
+        assert all(isinstance(m, TorchInt4Linear) for m in packed), name
+    budget = plan_budget(spec_from_checkpoint(ckpt.path), config, device_total_bytes=4 * 2**30, device_kind=kind)
     predicted, measured = budget.line("weights").bytes, resident_bytes(model)
     assert abs(predicted - measured) <= 0.01 * measured, (name, predicted, measured)
 
@@ -296,8 +314,8 @@ def test_multimodal_layout_skips_the_vision_tower_by_name_and_bytes(case):
     assert not any(k.startswith("model.visual.") for k in ckpt.tensors)
 
 
-@pytest.mark.parametrize("dequantize", [True, False], ids=["dequantized", "packed"])
-def test_plan_from_config_alone_prices_what_a_load_holds(case, dequantize):
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_plan_from_config_alone_prices_what_a_load_holds(case, layout):
     """`deltaserve plan` on the checkpoint's config.json alone (no tensors) prices each quantized module as the
     loader holds it (weights/held.py: packed with a float32 scale and offset, an INT8 embedding int8, a tied head
     its own weight), not at its checkpoint size: its weights line equals the header ledger's, which the test above
@@ -307,8 +325,49 @@ def test_plan_from_config_alone_prices_what_a_load_holds(case, dequantize):
     from deltaserve.models.spec import spec_from_checkpoint, spec_from_config
 
     name, _, _, ckpt, _ = case
-    config = EngineConfig(max_total_tokens=64, dequantize_weights=dequantize)
-    lines = [plan_budget(spec, config, device_total_bytes=4 * 2**30, device_kind="cpu").line("weights").bytes
+    kind = "cuda" if layout == "torch_int4" else "cpu"
+    config = EngineConfig(max_total_tokens=64, dequantize_weights=layout == "dequantized",
+                          dtype="bfloat16" if kind == "cuda" else "auto")
+    lines = [plan_budget(spec, config, device_total_bytes=4 * 2**30, device_kind=kind).line("weights").bytes
              for spec in (spec_from_config(json.loads((ckpt.path / "config.json").read_text())),
                           spec_from_checkpoint(ckpt.path))]
     assert lines[0] == lines[1], (name, *lines)
+
+
+@pytest.mark.parametrize("layout", ["packed", "torch_int4"])
+def test_sixteen_bit_scales_are_held_as_stored(tmp_path, layout, monkeypatch):
+    """The field's checkpoint stores its symmetric scales in bfloat16: a float32 load keeps them so (2 bytes a group,
+    the ledger's price), not widened with the floating-point tensors; the result equals the float32-scale load of the
+    same (bfloat16-representable) scales to float32 rounding, and the ledger's weights line equals the resident
+    bytes in the packed layout and in torch's int4 layout."""
+    from deltaserve.budget import plan_budget
+    from deltaserve.engine.loader import load_model
+    from deltaserve.models.layers import Int4Linear, TorchInt4Linear
+    from deltaserve.models.spec import spec_from_checkpoint
+    from safetensors.torch import load_file
+
+    wide = tmp_path / "f32"
+    wide.mkdir()
+    make_checkpoint("dense_w4_g32_int8embed_int4head", wide)
+    state = load_file(str(wide / "model.safetensors"))
+    scales = [k for k in state if k.endswith("weight_scale") and "embed" not in k]
+    for k in scales:
+        state[k] = state[k].bfloat16().float()  # representable in bfloat16: both folders hold the same weights
+    save_file(state, wide / "model.safetensors")
+    narrow = tmp_path / "bf16"
+    narrow.mkdir()
+    for f in ("config.json", "tokenizer.json"):
+        (narrow / f).write_bytes((wide / f).read_bytes())
+    save_file({k: v.bfloat16() if k in scales else v for k, v in state.items()}, narrow / "model.safetensors")
+
+    model, config, kind = load_as(narrow, layout, monkeypatch)
+    held = [m for m in model.modules() if isinstance(m, (Int4Linear, TorchInt4Linear))]
+    assert held and all((m.scales if isinstance(m, Int4Linear) else m.scales_and_zeros).dtype == torch.bfloat16
+                        for m in held)
+    budget = plan_budget(spec_from_checkpoint(narrow), config, device_total_bytes=4 * 2**30, device_kind=kind)
+    predicted, measured = budget.line("weights").bytes, resident_bytes(model)
+    assert abs(predicted - measured) <= 0.01 * measured, (predicted, measured)
+    if layout == "packed":
+        ids = prompt(33, seed=1)
+        expected = prefill_logits(load_model(wide, dequantize=False).model, ids)
+        assert rel_error(prefill_logits(model, ids), expected) <= 64 * EPS32

@@ -174,15 +174,15 @@ def test_packed_experts_equal_the_dequantized_model(four_bit):
     assert ((prefill_logits(packed, ids) - expected).abs().max() / expected.abs().max()).item() <= rtol
 
 
-@pytest.mark.parametrize("dequantize", [True, False], ids=["dequantized", "packed"])
-def test_ledger_weights_line_equals_resident_bytes(four_bit, dequantize):
+@pytest.mark.parametrize("layout", ["dequantized", "packed", "torch_int4"])
+def test_ledger_weights_line_equals_resident_bytes(four_bit, layout, monkeypatch):
+    """Stacked experts too: each expert's matrix priced as the loader holds it (torch's int4 layout on CUDA in
+    bfloat16 where its kernel takes it)."""
     from deltaserve.budget import plan_budget
-    from deltaserve.config import EngineConfig
     from deltaserve.models.spec import spec_from_checkpoint
-    from test_weights_compressed_tensors import resident_bytes
+    from test_weights_compressed_tensors import load_as, resident_bytes
 
-    model = load_model(four_bit, dequantize=dequantize).model
-    budget = plan_budget(spec_from_checkpoint(four_bit), EngineConfig(max_total_tokens=64, dequantize_weights=dequantize),
-                         device_total_bytes=4 * 2**30, device_kind="cpu")
+    model, config, kind = load_as(four_bit, layout, monkeypatch)
+    budget = plan_budget(spec_from_checkpoint(four_bit), config, device_total_bytes=4 * 2**30, device_kind=kind)
     predicted, measured = budget.line("weights").bytes, resident_bytes(model)
     assert abs(predicted - measured) <= 0.01 * measured, (predicted, measured)

@@ -152,21 +152,24 @@ def test_logits_equal_llama_cpp(fixture, dequantize):
     assert int(got.argmax()) == int(theirs.argmax())
 
 
-@pytest.mark.parametrize("dequantize", [True, False], ids=["dequantized", "packed"])
-def test_ledger_weights_line_equals_resident_bytes(fixture, dequantize):
-    """The CPU ledger's weights line = the bytes the loaded model holds (Engine.measured_bytes' count), within 1%:
+@pytest.mark.parametrize("layout", ["dequantized", "packed", "torch_int4"])
+def test_ledger_weights_line_equals_resident_bytes(fixture, layout, monkeypatch):
+    """The ledger's weights line = the bytes the loaded model holds (Engine.measured_bytes' count), within 1%:
     packed, every 4-bit matrix but the embedding at half a byte a weight with a float32 scale and offset per 32
-    (Q4_K; IQ4_XS a float32 scale and its 16 levels), out_proj's value-head column order included."""
+    (Q4_K; IQ4_XS a float32 scale and its 16 levels), out_proj's value-head column order included; in torch's int4
+    layout (CUDA, bfloat16) Q4_K's matrices with a bfloat16 scale and zero per 32, IQ4_XS's (level tables) packed."""
     from deltaserve.budget import plan_budget
-    from deltaserve.config import EngineConfig
+    from deltaserve.models.layers import TorchInt4Linear
     from deltaserve.models.spec import spec_from_checkpoint
-    from test_weights_compressed_tensors import resident_bytes
+    from test_weights_compressed_tensors import load_as, resident_bytes
 
-    _, path, _, _ = fixture
-    model = load_model(path, dequantize=dequantize).model
-    packed = [n for n, m in model.named_modules() if isinstance(m, Int4Linear)]
-    assert len(packed) == (0 if dequantize else 16) and (dequantize or "model.layers.0.linear_attn.out_proj" in packed)
-    budget = plan_budget(spec_from_checkpoint(path), EngineConfig(max_total_tokens=64, dequantize_weights=dequantize),
-                         device_total_bytes=4 * 2**30, device_kind="cpu")
+    name, path, _, _ = fixture
+    model, config, kind = load_as(path, layout, monkeypatch)
+    packed = [n for n, m in model.named_modules() if isinstance(m, (Int4Linear, TorchInt4Linear))]
+    assert len(packed) == (0 if layout == "dequantized" else 16)
+    assert layout == "dequantized" or "model.layers.0.linear_attn.out_proj" in packed
+    torch_held = [n for n, m in model.named_modules() if isinstance(m, TorchInt4Linear)]
+    assert bool(torch_held) == (layout == "torch_int4" and "iq4" not in str(name).lower()), torch_held
+    budget = plan_budget(spec_from_checkpoint(path), config, device_total_bytes=4 * 2**30, device_kind=kind)
     predicted, measured = budget.line("weights").bytes, resident_bytes(model)
     assert abs(predicted - measured) <= 0.01 * measured, (predicted, measured)

@@ -166,29 +166,26 @@ def test_tiny_qwen3_in_auto_round_layout_matches_transformers(tiny_qwen3, dequan
     assert rel_error(prefill_logits(ours, ids), expected) <= config_rtol(ref.config, context=len(ids)) + 8 * 2**-11
 
 
-@pytest.mark.parametrize("dequantize", [True, False], ids=["dequantized", "packed"])
-def test_ledger_weights_line_equals_resident_bytes(tiny_qwen3, dequantize):
-    """The CPU ledger's weights line = the bytes the loaded model holds (Engine.measured_bytes' count), within 1%:
+@pytest.mark.parametrize("layout", ["dequantized", "packed", "torch_int4"])
+def test_ledger_weights_line_equals_resident_bytes(tiny_qwen3, layout, monkeypatch):
+    """The ledger's weights line = the bytes the loaded model holds (Engine.measured_bytes' count), within 1%:
     packed, each module holds half a byte a weight and a float32 scale and offset per group, not the checkpoint's
-    float16 scale, packed zero and int32 g_idx."""
+    float16 scale, packed zero and int32 g_idx; in torch's int4 layout (CUDA, bfloat16), a bfloat16 scale and zero
+    per group and the same input permutation."""
     from deltaserve.budget import plan_budget
-    from deltaserve.config import EngineConfig
-    from deltaserve.engine.loader import load_model
-    from deltaserve.models.layers import Int4Linear
+    from deltaserve.models.layers import Int4Linear, TorchInt4Linear
     from deltaserve.models.spec import spec_from_checkpoint, spec_from_config
-    from tests.test_weights_compressed_tensors import resident_bytes
+    from tests.test_weights_compressed_tensors import load_as, resident_bytes
 
-    folder, _, layout = tiny_qwen3
-    model = load_model(folder, dequantize=dequantize).model
-    packed = [m for m in model.modules() if isinstance(m, Int4Linear)]
-    assert len(packed) == (0 if dequantize else 14)
-    assert dequantize or (packed[0].perm is not None) == (layout != "awq")
-    budget = plan_budget(spec_from_checkpoint(folder), EngineConfig(max_total_tokens=64, dequantize_weights=dequantize),
-                         device_total_bytes=4 * 2**30, device_kind="cpu")
+    folder, _, kind_of_file = tiny_qwen3
+    model, config, kind = load_as(folder, layout, monkeypatch)
+    packed = [m for m in model.modules() if isinstance(m, (Int4Linear, TorchInt4Linear))]
+    assert len(packed) == (0 if layout == "dequantized" else 14)
+    assert layout == "dequantized" or (packed[0].perm is not None) == (kind_of_file != "awq")
+    budget = plan_budget(spec_from_checkpoint(folder), config, device_total_bytes=4 * 2**30, device_kind=kind)
     predicted, measured = budget.line("weights").bytes, resident_bytes(model)
     assert abs(predicted - measured) <= 0.01 * measured, (predicted, measured)
     # `deltaserve plan` on config.json alone prices the same held bytes (weights/held.py), not the checkpoint's
-    alone = plan_budget(spec_from_config(json.loads((folder / "config.json").read_text())),
-                        EngineConfig(max_total_tokens=64, dequantize_weights=dequantize),
-                        device_total_bytes=4 * 2**30, device_kind="cpu")
+    alone = plan_budget(spec_from_config(json.loads((folder / "config.json").read_text())), config,
+                        device_total_bytes=4 * 2**30, device_kind=kind)
     assert alone.line("weights").bytes == predicted

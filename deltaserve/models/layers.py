@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from deltaserve.kernels import fused_cpu, linear_cpu
+from deltaserve.kernels import fused_cpu, int4_torch, linear_cpu
 from deltaserve.kernels.int4 import Int4Codes, PackedInt4, int4_linear, pack
 from deltaserve.kernels.int8 import Int8Rows
 
@@ -186,6 +186,26 @@ class Int4Linear(nn.Module):
         return int4_linear(x, w, self.bias)
 
 
+class TorchInt4Linear(nn.Module):
+    """A 4-bit linear layer on CUDA in a bfloat16 model: the packed weight converted once, at load, into torch's int4
+    layout and multiplied by torch's int4 kernel (kernels/int4_torch.py: bfloat16 inputs, scales and zeros, float32
+    sums)."""
+
+    def __init__(self, w: int4_torch.TorchInt4, bias: torch.Tensor | None):
+        super().__init__()
+        self.out_features, self.in_features = w.shape
+        self.group_size = w.group_size
+        self.register_buffer("weight_int4pack", w.weight)
+        self.register_buffer("scales_and_zeros", w.scales_and_zeros)
+        self.register_buffer("perm", w.perm, persistent=False)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = int4_torch.TorchInt4(self.weight_int4pack, self.scales_and_zeros, self.group_size,
+                                 (self.out_features, self.in_features), self.perm)
+        return int4_torch.int4_linear(x, w, self.bias)
+
+
 def projection_parts(layer: nn.Module) -> tuple[list[torch.Tensor], int] | None:
     """A projection as kernels/decode_cpu.py's blocks take it: [weight or packed codes, scales, offsets, level
     table, bias] (EMPTY where absent) and its group size (0: a float32 weight); None where they do not take it."""
@@ -287,7 +307,7 @@ def load_weights(module: nn.Module, tensors: dict[str, torch.Tensor], *, dtype: 
         source = tied.get(pname, pname) if pname not in tensors else pname
         tensor = tensors[source]
         if isinstance(tensor, (Int4Codes, PackedInt4)):
-            if _held_int4(module, pname, tensor, tensors, device):
+            if _held_int4(module, pname, tensor, tensors, device, dtype):
                 continue
             tensor = tensor.dequantize()
         if isinstance(tensor, Int8Rows):
@@ -308,12 +328,14 @@ def load_weights(module: nn.Module, tensors: dict[str, torch.Tensor], *, dtype: 
     module.to(device)
 
 
-def _held_int4(module: nn.Module, pname: str, codes: Int4Codes | PackedInt4, tensors: dict, device) -> bool:
+def _held_int4(module: nn.Module, pname: str, codes: Int4Codes | PackedInt4, tensors: dict, device,
+               dtype: torch.dtype) -> bool:
     """Swap the Linear owning `pname` for an Int4Linear when the weight is its own; False to dequantize.
 
-    On every device: the C++ kernel serves the CPU; elsewhere (CUDA) kernels/int4.py widens the packed weight a
-    tile at a time with torch ops, so a 4-bit checkpoint takes on the GPU the bytes the ledger prices, not its
-    dequantized size. A tied lm_head (the same tensor as the embedding) is packed too: the embedding is then
+    On every device: the C++ kernel serves the CPU; on CUDA a bfloat16 model's affine weights take torch's int4
+    kernel (TorchInt4Linear, kernels/int4_torch.py), and the rest (level tables, float32 models) kernels/int4.py's
+    path, which widens the packed weight a tile at a time with torch ops; so a 4-bit checkpoint takes on the GPU the
+    bytes the ledger prices, not its dequantized size. A tied lm_head (the same tensor as the embedding) is packed too: the embedding is then
     dequantized for its row lookups, the head multiplies the packed codes."""
     owner_name, _, leaf = pname.rpartition(".")
     owner = module.get_submodule(owner_name) if owner_name else module
@@ -324,7 +346,12 @@ def _held_int4(module: nn.Module, pname: str, codes: Int4Codes | PackedInt4, ten
     bias = tensors.get(owner_name + ".bias") if owner.bias is not None else None
     parent_name, _, child = owner_name.rpartition(".")
     parent = module.get_submodule(parent_name) if parent_name else module
-    setattr(parent, child, Int4Linear(codes, None if bias is None else bias.to(device=device, dtype=torch.float32)))
+    bias = None if bias is None else bias.to(device=device, dtype=torch.float32)
+    packed = codes if isinstance(codes, PackedInt4) else pack(codes)
+    if int4_torch.serves(device, dtype) and int4_torch.takes(packed.shape, packed.group_size, packed.lut is not None):
+        setattr(parent, child, TorchInt4Linear(int4_torch.convert(packed, device), bias))
+    else:
+        setattr(parent, child, Int4Linear(packed, bias))
     return True
 
 

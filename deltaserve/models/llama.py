@@ -12,8 +12,8 @@ import torch.nn as nn
 from deltaserve.kernels import decode_cpu, fused_cpu
 from deltaserve.kernels.attention import paged_attention, write_kv
 from deltaserve.models.batch import ATTENTION, CacheGeometry, ForwardBatch, ModelCaches, rows_as_decode
-from deltaserve.models.layers import (FusedParts, Int4Linear, Int8Linear, RMSNorm, Rotary, apply_rotary,
-                                     attention_parts, by_row_blocks, current_parts, embedding, linear,
+from deltaserve.models.layers import (FusedParts, Int4Linear, Int8Linear, RMSNorm, Rotary, TorchInt4Linear,
+                                     apply_rotary, attention_parts, by_row_blocks, current_parts, embedding, linear,
                                      mlp_parts, rope_parameters)
 
 
@@ -158,4 +158,5 @@ class LlamaForCausalLM(nn.Module):
         # Only the rows the sampler needs pass the final norm and the vocab projection.
         hidden = self.model.norm(self.model(batch, caches))
         head = self.lm_head
-        return head(hidden if isinstance(head, (Int4Linear, Int8Linear)) else hidden.to(head.weight.dtype)).float()
+        held = isinstance(head, (Int4Linear, Int8Linear, TorchInt4Linear))  # each takes any input dtype
+        return head(hidden if held else hidden.to(head.weight.dtype)).float()

@@ -53,21 +53,22 @@ class QuantScheme:
         zeros = 0 if self.symmetric else math.ceil(out_features * self.bits / 32) * 4 * groups
         return packed + scales + zeros + 16  # + the int64[2] weight_shape of compressed-tensors
 
-    def held_bytes(self, out_features: int, in_features: int, embedding: bool) -> int | None:
+    def held_bytes(self, out_features: int, in_features: int, embedding: bool, torch_int4: bool = False) -> int | None:
         """Bytes the loader holds this tensor in when not as floats (weights/held.py's price, the one the
-        checkpoint-header ledger uses); None: dequantized to the compute dtype."""
+        checkpoint-header ledger uses; `torch_int4`: on CUDA in bfloat16); None: dequantized to the compute dtype."""
         from deltaserve.weights.held import module_held_bytes
 
         group = in_features if self.group_size <= 0 else self.group_size
         return module_held_bytes(out_features, in_features, group, self.bits, embedding,
-                                 symmetric_scale_bytes=self._kept_scale_bytes())
+                                 symmetric_scale_bytes=self._kept_scale_bytes(), torch_int4=torch_int4)
 
-    def tied_head_held_bytes(self, out_features: int, in_features: int) -> int | None:
+    def tied_head_held_bytes(self, out_features: int, in_features: int, torch_int4: bool = False) -> int | None:
         """Bytes an lm_head tied to an embedding of this scheme is held in when not as floats; None: floats."""
         from deltaserve.weights.held import tied_head_held_bytes
 
         group = in_features if self.group_size <= 0 else self.group_size
-        return tied_head_held_bytes(out_features, in_features, group, self.bits, self._kept_scale_bytes())
+        return tied_head_held_bytes(out_features, in_features, group, self.bits, self._kept_scale_bytes(),
+                                    torch_int4=torch_int4)
 
     def _kept_scale_bytes(self) -> int | None:
         return self.kept_scale_bytes if self.symmetric else None
@@ -304,7 +305,7 @@ def _layer_tensors(spec: ModelMemorySpec, text: dict, prefix: str):
 def _estimate_group(name: str, items, dtype_bytes: int, excluded: bool = False) -> WeightGroup:
     """A group's bytes on disk (the scheme's checkpoint size) and held (what a load of that checkpoint keeps:
     weights/held.py, the price the checkpoint-header ledger uses, so a plan from config.json alone equals it)."""
-    params = stored = float_params = quantized = 0
+    params = stored = float_params = quantized = quantized_torch = 0
     held_dequantized = None
     for _, out_f, in_f, scheme in items:
         params += out_f * in_f
@@ -318,9 +319,10 @@ def _estimate_group(name: str, items, dtype_bytes: int, excluded: bool = False) 
             float_params += out_f * in_f
         else:
             quantized += held
+            quantized_torch += scheme.held_bytes(out_f, in_f, embedding=name == "embedding", torch_int4=True)
             if name == "embedding":  # an 8-bit table stays int8 with --dequantize-weights too
                 held_dequantized = held
-    return WeightGroup(name, params, stored, float_params, quantized, excluded, held_dequantized)
+    return WeightGroup(name, params, stored, float_params, quantized, excluded, held_dequantized, quantized_torch)
 
 
 def _tied_head_estimate(vocab: int, hidden: int, embedding: QuantScheme) -> WeightGroup:
@@ -329,7 +331,8 @@ def _tied_head_estimate(vocab: int, hidden: int, embedding: QuantScheme) -> Weig
     held = embedding.tied_head_held_bytes(vocab, hidden)
     if held is None:
         return WeightGroup("lm_head", vocab * hidden, 0, vocab * hidden, 0)
-    return WeightGroup("lm_head", vocab * hidden, 0, 0, held, held_dequantized_bytes=0)
+    return WeightGroup("lm_head", vocab * hidden, 0, 0, held, held_dequantized_bytes=0,
+                       torch_int4_bytes=embedding.tied_head_held_bytes(vocab, hidden, torch_int4=True))
 
 
 def _excluded_estimates(config: dict, text: dict, dtype_bytes: int) -> list[WeightGroup]:
@@ -514,17 +517,19 @@ def _group_of(name: str) -> str:
 
 
 def _groups_from_tensors(tensors) -> list[WeightGroup]:
-    """Groups from (name, params, stored bytes, held as floats?[, bytes held packed]) per tensor."""
+    """Groups from (name, params, stored bytes, held as floats?[, bytes held packed[, the same on CUDA in bfloat16]])
+    per tensor."""
     groups: dict[str, WeightGroup] = {}
     for name, params, nbytes, is_float, *held in tensors:
         key = _group_of(name)
-        g = groups.setdefault(key, WeightGroup(key, 0, 0, 0, 0, excluded=key in ("vision", "mtp")))
+        g = groups.setdefault(key, WeightGroup(key, 0, 0, 0, 0, excluded=key in ("vision", "mtp"), torch_int4_bytes=0))
         g.params += params
         g.stored_bytes += nbytes
         if is_float:
             g.float_params += params
         else:
             g.quantized_bytes += held[0] if held else nbytes
+            g.torch_int4_bytes += held[-1] if held else nbytes
     order = ("embedding", "lm_head", "layers", "vision", "mtp")
     return [groups[k] for k in order if k in groups]
 
@@ -552,19 +557,21 @@ def _spec_from_gguf(path: Path) -> ModelMemorySpec:
     return spec
 
 
-def _gguf_held(t) -> tuple[str, int, int, bool, int]:
-    """(name, params, stored bytes, held as floats?, bytes held packed) of one GGUF tensor.
+def _gguf_held(t) -> tuple:
+    """(name, params, stored bytes, held as floats?, bytes held packed[, on CUDA in bfloat16]) of one GGUF tensor.
 
     What weights/gguf.py keeps packed (kernels/int4.py: half a byte per weight, per 32 the block's float16 scale (and
     Q4_1's float16 offset) or float32 products of two scales (Q4_K, IQ4_XS), the level table of IQ4_NL / IQ4_XS; a
     Q8_0 embedding a byte per weight plus a float32 scale and offset per 32, shared by a tied lm_head) is counted at
-    that size; the rest in the compute dtype."""
-    from deltaserve.weights.gguf import int4_held_bytes, int8_held_bytes, kept_int4, kept_int8
+    that size; the rest in the compute dtype. On CUDA in bfloat16 the affine 4-bit matrices torch's int4 kernel takes
+    are held in its layout (gguf.int4_torch_held_bytes)."""
+    from deltaserve.weights.gguf import int4_held_bytes, int4_torch_held_bytes, int8_held_bytes, kept_int4, kept_int8
 
     params, shape = int(t.n_elements), tuple(int(d) for d in reversed(t.shape))
     if kept_int4(t.tensor_type, t.name, shape):
         matrices = shape[0] if len(shape) == 3 else 1  # stacked experts: one packed matrix each
-        return t.name, params, int(t.n_bytes), False, int4_held_bytes(params, t.tensor_type, matrices)
+        return (t.name, params, int(t.n_bytes), False, int4_held_bytes(params, t.tensor_type, matrices),
+                int4_torch_held_bytes(shape, t.tensor_type))
     if kept_int8(t.tensor_type, t.name, shape):
         return t.name, params, int(t.n_bytes), False, int8_held_bytes(params)
     return t.name, params, int(t.n_bytes), True

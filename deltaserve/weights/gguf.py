@@ -14,6 +14,7 @@ from gguf import GGMLQuantizationType as Q
 from gguf import GGUFReader, GGUFValueType
 from gguf.quants import dequantize
 
+from deltaserve.kernels import int4_torch
 from deltaserve.kernels.int4 import Int4Codes, held_bytes, pack, packable
 from deltaserve.kernels.int8 import Int8Rows
 from deltaserve.weights import gguf_hybrid
@@ -343,6 +344,17 @@ def q8_0_rows(data, shape: tuple[int, int]) -> Int8Rows:
     codes = blocks[:, 2:].copy().view(np.int8).reshape(n, k)
     scales = torch.from_numpy(scales)
     return Int8Rows(torch.from_numpy(codes), scales, torch.zeros_like(scales), Q8_BLOCK)
+
+
+def int4_torch_held_bytes(shape: tuple[int, ...], kind: Q) -> int:
+    """Bytes a kept INT4_TYPES tensor (HF-order `shape`; stacked experts [experts, out, in]) holds on CUDA in a
+    bfloat16 model: each matrix in torch's int4 layout where its kernel takes it (kernels/int4_torch.py: affine
+    types), else packed."""
+    matrices = shape[0] if len(shape) == 3 else 1
+    n, k = shape[-2:]
+    if int4_torch.takes((n, k), Q4_BLOCK, kind in LUT_TYPES):
+        return matrices * int4_torch.held_bytes(n, k, Q4_BLOCK, symmetric=not held_scales(kind)[1])
+    return int4_held_bytes(n * k * matrices, kind, matrices)
 
 
 def int4_held_bytes(params: int, kind: Q, matrices: int = 1) -> int:

@@ -18,13 +18,15 @@ from __future__ import annotations
 
 import math
 
+from deltaserve.kernels import int4_torch
 from deltaserve.kernels.int4 import held_bytes, packable
 from deltaserve.weights import compressed_tensors
 
 MAIN_PARTS = ("weight_packed", "qweight")  # a module's codes; its `weight` when stored unpacked (int-quantized)
 SIDE_PARTS = ("weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx", "qzeros", "scales", "g_idx")
 
-Row = tuple  # (name, params, stored bytes, held as floats?[, bytes held when not floats])
+# (name, params, stored bytes, held as floats?[, bytes held when not floats[, the same on CUDA in bfloat16]])
+Row = tuple
 
 
 def quantization_config(config: dict) -> dict:
@@ -44,14 +46,15 @@ def held_rows(config: dict, rows: list[Row], shapes: dict[str, tuple[int, ...]],
     counts = {module: sum(params.get(f"{module}.{part}", 0) for part in (main.rpartition(".")[2], *SIDE_PARTS))
               for module, main in mains.items()}
     stored = {row[0]: row[2] for row in rows}
-    forms = {module: (main, counts[module], _held_form(config, qc, module, counts[module], shapes, stored))
+    forms = {module: (main, counts[module], *(_held_form(config, qc, module, counts[module], shapes, stored, cuda)
+                                              for cuda in (False, True)))
              for module, main in mains.items()}
     out = []
     for name, p, nbytes, is_float, *held in rows:
         module, _, part = name.rpartition(".")
         if module in forms and forms[module][0] == name:
-            _, count, form = forms[module]
-            out.append((name, count, nbytes, form is None) + (() if form is None else (form,)))
+            _, count, form, torch_form = forms[module]
+            out.append((name, count, nbytes, form is None) + (() if form is None else (form, torch_form)))
         elif module in forms and part in SIDE_PARTS:
             out.append((name, 0, nbytes, False, 0))
         else:
@@ -96,37 +99,45 @@ def _bits(config: dict, qc: dict, module: str) -> int | None:
 
 
 def module_held_bytes(n: int, k: int, group: int, bits: int, embedding: bool, act_order: bool = False,
-                      symmetric_scale_bytes: int | None = None) -> int | None:
+                      symmetric_scale_bytes: int | None = None, torch_int4: bool = False) -> int | None:
     """Bytes one quantized [n, k] module (`group` inputs a scale; k: per channel) is held in when not as floats (the
     module docstring's rules); None: dequantized to the compute dtype. The one price the checkpoint-header ledger
     (held_rows) and the config-only estimate (models/spec.spec_from_config) both use. `symmetric_scale_bytes`: a
     symmetric compressed-tensors module's stored scale size (kept as stored, no offsets); None: float32 scale and
-    offset."""
+    offset. `torch_int4`: the price on CUDA in bfloat16, where torch's int4 layout holds the 4-bit matrices its
+    kernel takes (kernels/int4_torch.py)."""
     if bits == 4 and not embedding and packable((n, k), group):
-        return _packed_bytes(n * k, group, symmetric_scale_bytes)
+        return _packed_bytes(n, k, group, symmetric_scale_bytes, torch_int4)
     if bits == 8 and embedding and not act_order and group and k % group == 0:
         return n * k + n * (k // group) * 8
     return None
 
 
 def tied_head_held_bytes(n: int, k: int, group: int, bits: int, symmetric_scale_bytes: int | None = None,
-                         act_order: bool = False) -> int | None:
+                         act_order: bool = False, torch_int4: bool = False) -> int | None:
     """Bytes the lm_head tied to a quantized [n, k] embedding is held in when not as floats: nothing over a table
     held int8 (the head multiplies its codes, models/layers.Int8Linear), packed from a 4-bit table
     (models/layers._held_int4), None (floats) from any other."""
     if bits == 8 and module_held_bytes(n, k, group, bits, True, act_order) is not None:
         return 0
-    return _packed_bytes(n * k, group, symmetric_scale_bytes) if bits == 4 and packable((n, k), group) else None
+    if bits == 4 and packable((n, k), group):
+        return _packed_bytes(n, k, group, symmetric_scale_bytes, torch_int4)
+    return None
 
 
-def _packed_bytes(params: int, group: int, symmetric_scale_bytes: int | None) -> int:
+def _packed_bytes(n: int, k: int, group: int, symmetric_scale_bytes: int | None, torch_int4: bool = False) -> int:
+    """A packed 4-bit [n, k] matrix's bytes; with `torch_int4`, torch's int4 layout where its kernel takes it."""
+    if torch_int4 and int4_torch.takes((n, k), group):
+        return int4_torch.held_bytes(n, k, group, symmetric=symmetric_scale_bytes is not None)
     if symmetric_scale_bytes is None:
-        return held_bytes(params, group)
-    return held_bytes(params, group, scale_bytes=symmetric_scale_bytes, offsets=False)
+        return held_bytes(n * k, group)
+    return held_bytes(n * k, group, scale_bytes=symmetric_scale_bytes, offsets=False)
 
 
-def _held_form(config: dict, qc: dict, module: str, params: int, shapes: dict, stored: dict) -> int | None:
-    """Bytes the module is held in when not as floats; None: dequantized to the compute dtype."""
+def _held_form(config: dict, qc: dict, module: str, params: int, shapes: dict, stored: dict,
+               torch_int4: bool = False) -> int | None:
+    """Bytes the module is held in when not as floats (`torch_int4`: on CUDA in bfloat16); None: dequantized to the
+    compute dtype."""
     if module + ".weight_scale" not in shapes and module + ".scales" not in shapes:
         return None
     geometry = _geometry(module, params, shapes)
@@ -135,14 +146,15 @@ def _held_form(config: dict, qc: dict, module: str, params: int, shapes: dict, s
     n, k, group = geometry
     return module_held_bytes(n, k, group, _bits(config, qc, module), module.endswith("embed_tokens"),
                              act_order=module + ".weight_g_idx" in shapes,
-                             symmetric_scale_bytes=_symmetric_scale_bytes(config, qc, module, shapes, stored))
+                             symmetric_scale_bytes=_symmetric_scale_bytes(config, qc, module, shapes, stored),
+                             torch_int4=torch_int4)
 
 
 def _tied_head(config: dict, qc: dict, embedding: str, count: int, shapes: dict, stored: dict) -> Row:
     """The lm_head row of a tied quantized embedding: nothing over an embedding held int8 (it shares the codes),
-    packed when the embedding is 4-bit and packable, else float."""
+    packed when the embedding is 4-bit and packable, else float (the held bytes on CPU, then on CUDA in bfloat16)."""
     geometry = _geometry(embedding, count, shapes)
-    held = None if geometry is None else tied_head_held_bytes(
+    held = [None if geometry is None else tied_head_held_bytes(
         *geometry, _bits(config, qc, embedding), _symmetric_scale_bytes(config, qc, embedding, shapes, stored),
-        act_order=embedding + ".weight_g_idx" in shapes)
-    return ("lm_head.weight", count, 0, True) if held is None else ("lm_head.weight", count, 0, False, held)
+        act_order=embedding + ".weight_g_idx" in shapes, torch_int4=cuda) for cuda in (False, True)]
+    return ("lm_head.weight", count, 0, True) if held[0] is None else ("lm_head.weight", count, 0, False, *held)
