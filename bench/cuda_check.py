@@ -1,8 +1,9 @@
 """The CUDA path in one run, on a lent GPU: fla's GDN kernels against our portable chunk, the tiny hybrid's GPU
-forward against the CPU float32 path, the engine on the GPU (greedy output, ledger predicted vs measured), and a
-4-bit GGUF held packed on the GPU (llama-quantize's Q4_K fixture) against the same file packed on the CPU, 27B-shaped
-4-bit linears timed three ways (our packed layout, bf16 dense, torch's CUDA int4 kernel), and a prefix-cache hit on
-the GPU (cached tokens, output equal to an engine without the cache).
+forward against the CPU float32 path, the engine on the GPU (greedy output, ledger predicted vs measured), 4-bit
+checkpoints on the GPU (llama-quantize's Q4_K fixture, and compressed-tensors folders given by --int4-checkpoints) in
+float32 (packed layout) and bfloat16 (torch's int4 layout) against the same file packed on the CPU, 27B-shaped 4-bit
+linears timed four ways (our packed layout, TorchInt4Linear's path, bf16 dense, torch's int4 kernel with its operand
+prebuilt), and a prefix-cache hit on the GPU (cached tokens, output equal to an engine without the cache).
 
 Nothing here runs in CI (CI has no GPU). The oracles are independent of the fast path: the portable chunked
 gated delta rule in float32 on the same GPU (itself checked against a float64 token loop in the CPU tests), and
@@ -142,33 +143,49 @@ def cpu_engine_tokens(folder: Path, prompts: list[list[int]]) -> list[list[int]]
 
 
 def packed_int4(path: Path, prompt: list[int]) -> dict:
-    """A 4-bit GGUF held packed on the GPU (kernels/int4.py widens tiles with torch ops there) against the same file
-    packed on the CPU (the C++ kernel, which the CPU suite holds to transformers): logits, argmax, and the bytes the
-    packed layers hold on the GPU against the ledger's weights line."""
+    """A 4-bit checkpoint on the GPU against the same file packed on the CPU in float32 (the C++ kernel, which the CPU
+    suite holds to transformers / the formats' own decompression): in float32 (the packed layout, widened by torch
+    ops: kernels/int4.py) and in bfloat16, where the affine matrices take torch's int4 kernel (TorchInt4Linear,
+    kernels/int4_torch.py) and, for comparison, the same bfloat16 model with the packed layout. Logits, argmax, which
+    layers took which path, and the engine's ledger weights line against the bytes it measures on the GPU."""
     from deltaserve.config import EngineConfig
     from deltaserve.engine.engine import Engine
     from deltaserve.engine.loader import load_model
+    from deltaserve.kernels import int4_torch
     from deltaserve.models.batch import allocate_caches, single_sequence_batch
-    from deltaserve.models.layers import Int4Linear
+    from deltaserve.models.layers import Int4Linear, TorchInt4Linear
 
-    def last_logits(device: str) -> tuple[torch.Tensor, int, int]:
-        loaded = load_model(path, device=device, dequantize=False)
-        model = loaded.model
-        packed = [m for m in model.modules() if isinstance(m, Int4Linear)]
-        held = sum(t.numel() * t.element_size() for t in model.state_dict().values())
-        caches = allocate_caches(model.geometry, len(prompt), 1, torch.float32, device=device)
+    def last_logits(device: str, dtype: torch.dtype) -> tuple[torch.Tensor, dict]:
+        model = load_model(path, device=device, dtype=dtype, dequantize=False).model
+        kinds = {"packed": sum(isinstance(m, Int4Linear) for m in model.modules()),
+                 "torch_int4": sum(isinstance(m, TorchInt4Linear) for m in model.modules())}
+        caches = allocate_caches(model.geometry, len(prompt), 1, dtype, device=device)
         batch = single_sequence_batch(prompt, 0, torch.arange(len(prompt)))
         batch = dataclasses.replace(batch, **{f.name: getattr(batch, f.name).to(device) for f in dataclasses.fields(batch)
                                               if isinstance(getattr(batch, f.name), torch.Tensor)})
         with torch.no_grad():
-            return model(batch, caches)[-1].float().cpu(), len(packed), held
+            return model(batch, caches)[-1].float().cpu(), kinds
 
-    want, _, _ = last_logits("cpu")
-    got, packed_layers, held = last_logits(DEVICE)
-    eng = Engine(EngineConfig(model=str(path), device=DEVICE, max_total_tokens=4096), log=lambda _: None)
-    return {"file": path.name, "packed_layers_on_device": packed_layers, "logits_rel": rel_err(got, want),
-            "argmax_equal": bool(got.argmax() == want.argmax()), "state_dict_bytes": held,
-            "ledger_weights_bytes": eng.budget.line("weights").bytes}
+    want, _ = last_logits("cpu", torch.float32)
+    out = {"file": path.name}
+    for dtype in (torch.float32, torch.bfloat16):
+        name = str(dtype).removeprefix("torch.")
+        got, kinds = last_logits(DEVICE, dtype)
+        eng = Engine(EngineConfig(model=str(path), device=DEVICE, dtype=name, max_total_tokens=4096),
+                     log=lambda _: None)
+        out[name] = {"layers": kinds, "logits_rel": rel_err(got, want), "argmax_equal": bool(got.argmax() == want.argmax()),
+                     "ledger_weights_bytes": eng.budget.line("weights").bytes,
+                     "measured_weights_bytes": eng.measured_bytes()["weights"]}
+        del eng
+    serves = int4_torch.serves
+    int4_torch.serves = lambda device, dtype: False  # the same bfloat16 model on the packed layout's path
+    try:
+        got, kinds = last_logits(DEVICE, torch.bfloat16)
+    finally:
+        int4_torch.serves = serves
+    out["bfloat16_packed_path"] = {"layers": kinds, "logits_rel": rel_err(got, want),
+                                   "argmax_equal": bool(got.argmax() == want.argmax())}
+    return out
 
 
 def int4_speed(rows_list=(1, 16, 512)) -> dict:
@@ -177,6 +194,7 @@ def int4_speed(rows_list=(1, 16, 512)) -> dict:
     kernel (_weight_int4pack_mm, bf16, w = (q - 8) * scale + zero) fed from the same codes. Error against the float64
     product of the dequantized weight; time per call."""
     import torch.nn.functional as F
+    from deltaserve.kernels import int4_torch
     from deltaserve.kernels.int4 import Int4Codes, int4_linear, pack
 
     out = []
@@ -188,6 +206,7 @@ def int4_speed(rows_list=(1, 16, 512)) -> dict:
         scales = (torch.rand(n, k // group, generator=gen) * 0.01 + 0.001).bfloat16()
         c = Int4Codes(codes, scales, None, group)
         packed = pack(c)
+        layout = int4_torch.convert(packed, DEVICE)  # symmetric: its bf16 scales alone, as TorchInt4Linear holds it
         packed = dataclasses.replace(packed, packed=packed.packed.to(DEVICE), scales=packed.scales.to(DEVICE))
         w64 = c.dequantize(torch.float64).to(DEVICE)
         wbf = w64.to(torch.bfloat16)
@@ -209,6 +228,10 @@ def int4_speed(rows_list=(1, 16, 512)) -> dict:
             r["ours_f32_rel"] = rel_err(ours, want)
             r["ours_f32_ms"] = 1e3 * seconds(lambda: int4_linear(x, packed))
             xb = x.bfloat16()
+            # what TorchInt4Linear runs (kernels/int4_torch.py): the operand's zeros made per call
+            r["torch_layout_rel"] = rel_err(int4_torch.int4_linear(xb, layout), want)
+            r["torch_layout_ms"] = 1e3 * seconds(lambda: int4_torch.int4_linear(xb, layout))
+            r["bytes_torch_layout"] = layout.nbytes()
             r["dense_bf16_rel"] = rel_err(F.linear(xb, wbf), want)
             r["dense_bf16_ms"] = 1e3 * seconds(lambda: F.linear(xb, wbf))
             if tiny is not None:
@@ -221,7 +244,7 @@ def int4_speed(rows_list=(1, 16, 512)) -> dict:
             else:
                 r["torch_int4mm_error"] = tiny_error
             out.append(r)
-        del w64, wbf, packed, tiny
+        del w64, wbf, packed, tiny, layout
         if DEVICE != "cpu":
             torch.cuda.empty_cache()
     return {"layers": out}
@@ -271,6 +294,9 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for cuda_check.json")
     parser.add_argument("--lengths", type=int, nargs="+", default=[4096, 16384])
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    parser.add_argument("--int4-checkpoints", nargs="*", default=[], type=Path,
+                        help="more 4-bit checkpoints for the packed_int4 check (e.g. compressed-tensors folders made "
+                             "by tests/test_weights_compressed_tensors.make_checkpoint)")
     args = parser.parse_args(argv)
     global DEVICE
     DEVICE = args.device
@@ -287,12 +313,23 @@ def main(argv=None) -> int:
         except PackageNotFoundError:
             return None
 
-    report = {"device": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu", "torch": torch.__version__,
-              "fla": installed("flash-linear-attention"), "causal_conv1d": installed("causal-conv1d")}
-    report["gdn"] = section(lambda: [gdn_kernels(n) for n in args.lengths])
+    out = Path(args.out) / "cuda_check.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+    class Report(dict):
+        """Written out after every part: a run cut short by its time limit still leaves what it found."""
+
+        def __setitem__(self, key, value):
+            super().__setitem__(key, value)
+            out.write_text(json.dumps(self, indent=1))
+
+    report = Report(device=torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu", torch=torch.__version__,
+                    fla=installed("flash-linear-attention"), causal_conv1d=installed("causal-conv1d"))
     q4k = Path(__file__).resolve().parent.parent / "tests" / "data" / "gguf" / "tiny-qwen35-q4_k.gguf"
-    report["packed_int4"] = section(lambda: packed_int4(q4k, list(range(3, 200))))
+    report["packed_int4"] = [section(lambda p=p: packed_int4(p, [(7 * i + 3) % 157 for i in range(197)]))
+                             for p in [q4k, *args.int4_checkpoints]]
     report["int4_speed"] = section(lambda: int4_speed((1, 16, 512) if DEVICE == "cuda" else (1,)))
+    report["gdn"] = section(lambda: [gdn_kernels(n) for n in args.lengths])
     torch.manual_seed(0)
     config = tiny_hybrid_config()
     ref = Qwen3_5ForCausalLM(config).eval()
@@ -314,10 +351,7 @@ def main(argv=None) -> int:
                 run["first_divergence"] = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
                                            for a, b in zip(run["tokens"], cpu)]
             report[f"prefix_{dtype}"] = section(lambda: prefix_hit(folder, prompts[3], dtype))
-    text = json.dumps(report, indent=1)
-    print(text)
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    (Path(args.out) / "cuda_check.json").write_text(text)
+    print(json.dumps(report, indent=1))
     return 0
 
 
