@@ -257,3 +257,32 @@ def test_bfloat16_compute_on_cpu_runs_and_says_what_it_costs(eng, long_ids):
             assert tokens_of(run_all(bf16, [(long_ids[:n], params)])[0]) == tokens_of(ref)
             checked += 1
     assert checked, "no prompt with a clear float32 margin"
+
+
+def test_prefill_dtype_bfloat16_takes_the_bf16_gemm(long_ids, monkeypatch):
+    """--prefill-dtype bfloat16 on the packed default: every packed layer is flagged, a prefill chunk's projections
+    go through the bfloat16 GEMM where this CPU has AVX512-BF16 (tests/test_kernels_int4.py holds that kernel to its
+    derived bound; without the instructions the engine says so and stays float32), decode rows stay on the float32
+    kernel, and on English text SmolLM2's greedy tokens are those of the float32 engine."""
+    from deltaserve.kernels import int4_cpu
+    from deltaserve.models.layers import Int4Linear
+
+    logs: list[str] = []
+    settings = dict(max_total_tokens=4096, dequantize_weights=False, device="cpu", kv_dtype="float32",
+                    prefix_cache=False)
+    bf16 = Engine(EngineConfig(prefill_dtype="bfloat16", **settings), log=logs.append)
+    layers = [m for m in bf16.runner.model.modules() if isinstance(m, Int4Linear)]
+    if not int4_cpu.has_bf16():
+        assert any("needs AVX512-BF16" in line for line in logs) and not any(m.prefill_bf16 for m in layers)
+        pytest.skip("this CPU (or build) has no AVX512-BF16: prefill stays float32, as the log said")
+    assert layers and all(m.prefill_bf16 for m in layers)
+    assert any(f"{len(layers)} packed 4-bit layers multiply GEMM rows" in line for line in logs)
+    calls = []
+    real = int4_cpu.gemm_bf16
+    monkeypatch.setattr(int4_cpu, "gemm_bf16", lambda rows, *a: calls.append(rows.shape[0]) or real(rows, *a))
+    params = SamplingParams(max_tokens=8, **GREEDY)
+    prompt = long_ids[:300]
+    got = tokens_of(run_all(bf16, [(prompt, params)])[0])
+    assert calls and set(calls) == {len(prompt)}  # the prompt's rows; the 7 decode steps' single rows: float32
+    float32 = Engine(EngineConfig(**settings), log=None)
+    assert got == tokens_of(run_all(float32, [(prompt, params)])[0])

@@ -138,6 +138,45 @@ def test_prefill_rows_take_the_gemm(monkeypatch):
     assert calls == [(int4_cpu.MAX_ROWS + 1, 256)]
 
 
+def cpu_has_avx512_bf16() -> bool:
+    from pathlib import Path
+
+    return " avx512_bf16 " in f" {Path('/proc/cpuinfo').read_text()} "
+
+
+@pytest.mark.parametrize("n", [20, 50, 96, 576])
+@pytest.mark.parametrize("lut", [False, True], ids=["affine", "lut"])
+def test_bf16_gemm_within_the_bfloat16_bound(isa, n, lut):
+    """--prefill-dtype bfloat16: where the build has AVX512-BF16 (the native build on a CPU with it), every input and
+    weight is rounded to bfloat16 once (u = 2^-8 each; the float32 weight itself formed with at most two float32
+    roundings) and the exact products are summed in float32: |got - exact| <= (c + K u32 (1 + c)) sum |x| |w| with
+    c = (1 + 2^-8)^2 (1 + 2^-24)^2 - 1. A build without it (the AVX2 one, or a CPU without the instructions)
+    refuses by name, and int4_linear falls back to the float32 GEMM, float32-exact."""
+    k = 576
+    for rows in (17, 301):
+        codes = random_codes(n, k, 32, rows + n, lut, perm=False)
+        x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+        w = pack(codes)
+        if not int4_cpu.has_bf16():
+            assert isa == "avx2" or not cpu_has_avx512_bf16()
+            with pytest.raises(RuntimeError, match="AVX512-BF16"):
+                int4_cpu.gemm_bf16(x, w.packed, w.scales, _stored(w.offsets), w.lut, w.group_size)
+            assert_float32_exact(int4_linear(x, w, bf16_gemm=True), x, codes)
+            continue
+        got = int4_cpu.gemm_bf16(x, w.packed, w.scales, _stored(w.offsets), w.lut, w.group_size)
+        assert torch.equal(int4_linear(x, w, bf16_gemm=True), got)  # GEMM rows take it when asked
+        exact = x.double() @ codes.dequantize(torch.float64).T
+        magnitude = Int4Codes(codes.codes, codes.scales.float().abs(), codes.offset_values().abs(), 32,
+                              None if codes.lut is None else codes.lut.abs()).dequantize(torch.float64)
+        terms = x.double().abs() @ magnitude.T
+        c = (1 + 2.0**-8) ** 2 * (1 + 2.0**-24) ** 2 - 1
+        bound = (c + k * 2.0**-24 * (1 + c)) * terms
+        err = (got.double() - exact).abs()
+        assert bool((err <= bound).all()), f"max error {err.max().item():.3g} over a bound of {bound.min().item():.3g}"
+        # it really is the bfloat16 product: the float32 GEMM's bound is ~2^15 times tighter and this result fails it
+        assert not bool((err <= (k + 2) * 2.0**-24 * terms).all())
+
+
 FORMS = [(torch.float16, True), (torch.bfloat16, True), (torch.float16, False), (torch.bfloat16, False),
          (torch.float32, True)]
 

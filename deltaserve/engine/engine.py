@@ -130,6 +130,8 @@ class Engine:
             fused_cpu.load(self._log)  # each built once per machine (~1 min), then loaded from torch's cache
             linear_cpu.load(self._log)
             int4_cpu.load(self._log)
+            if c.prefill_dtype == "bfloat16":
+                self._bf16_prefill(loaded.model)
             if c.attention_backend == "paged":
                 paged_cpu.load(self._log)
                 prefill_cpu.load(self._log)
@@ -174,6 +176,24 @@ class Engine:
                 return "this server serves the language model only (--language-model-only): it takes no images"
             return f"the model {self.model_name} has no vision tower: it takes no images"
         return "this server takes no images (--max-images-per-request 0)"
+
+    def _bf16_prefill(self, model) -> None:
+        """--prefill-dtype bfloat16: every packed 4-bit layer's GEMM rows on AVX512-BF16 dot products, where this
+        CPU and build have them (else said, and float32 stays)."""
+        from deltaserve.models.layers import Int4Linear
+
+        layers = [m for m in model.modules() if isinstance(m, Int4Linear)]
+        if not int4_cpu.has_bf16():
+            self._log("note: --prefill-dtype bfloat16 needs AVX512-BF16 (and the native kernel build): not here, "
+                      "so prefill stays float32")
+        elif not layers:
+            self._log("note: --prefill-dtype bfloat16 applies to packed 4-bit weights: this model has none, so "
+                      "prefill stays float32")
+        else:
+            for layer in layers:
+                layer.prefill_bf16 = True
+            self._log(f"prefill: {len(layers)} packed 4-bit layers multiply GEMM rows (steps of more than "
+                      f"{int4_cpu.MAX_ROWS}) in bfloat16")
 
     def measured_bytes(self) -> dict[str, int]:
         """What the engine really holds per ledger line (torch tensor bytes)."""

@@ -164,12 +164,15 @@ def pack(w: Int4Codes) -> PackedInt4:
 WIDEN_FLOATS = 1 << 20
 
 
-def int4_linear(x: torch.Tensor, w: PackedInt4, bias: torch.Tensor | None = None) -> torch.Tensor:
+def int4_linear(x: torch.Tensor, w: PackedInt4, bias: torch.Tensor | None = None,
+                bf16_gemm: bool = False) -> torch.Tensor:
     """x [..., K] @ W.T in float32 arithmetic, W packed; the result in x's dtype.
 
     Up to int4_cpu.MAX_ROWS rows (decode) the C++ kernel reads the packed bytes; more rows (prefill) take its GEMM,
     which widens each panel of W as it multiplies it. Without a compiler, and on other devices (CUDA), a tile of W
-    at a time is widened (by torch ops where the kernel is not built) and multiplied by linear_cpu.gemm."""
+    at a time is widened (by torch ops where the kernel is not built) and multiplied by linear_cpu.gemm.
+    `bf16_gemm` (--prefill-dtype bfloat16): the GEMM's rows and weights rounded to bfloat16 and multiplied by
+    AVX512-BF16 dot products summed in float32, where the kernel has them."""
     from deltaserve.kernels import int4_cpu, linear_cpu
 
     n, k = w.shape
@@ -182,7 +185,8 @@ def int4_linear(x: torch.Tensor, w: PackedInt4, bias: torch.Tensor | None = None
     elif int4_cpu.serves(rows):
         y = int4_cpu.decode(rows, w.packed, w.scales, _stored(w.offsets), w.lut, w.group_size)
     elif int4_cpu.built() and rows.device.type == "cpu" and k % int4_cpu.GEMM_K_MULTIPLE == 0:
-        y = int4_cpu.gemm(rows, w.packed, w.scales, _stored(w.offsets), w.lut, w.group_size)
+        gemm = int4_cpu.gemm_bf16 if bf16_gemm and int4_cpu.has_bf16() else int4_cpu.gemm
+        y = gemm(rows, w.packed, w.scales, _stored(w.offsets), w.lut, w.group_size)
     else:
         step = max(16, WIDEN_FLOATS // k)
         tiles = [linear_cpu.gemm(rows, _widened_rows(w, start, min(start + step, n))) for start in range(0, n, step)]

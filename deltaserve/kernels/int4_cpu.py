@@ -613,7 +613,122 @@ void gemm_all(const float* x, int64_t M, const Weight& w, int64_t N, float* y) {
   }
 }
 
+#if defined(__AVX512BF16__)
+// The bfloat16 variant (opt-in: --prefill-dtype bfloat16): the same panels, each widened float32 weight rounded to
+// bfloat16 once and stored as K-pairs [K / 2][PW] (one 32-bit lane holds w[k], w[k + 1] of one output column), the
+// input rows rounded to bfloat16 by the caller; vdpbf16ps multiplies two pairs a lane exactly and sums into float32,
+// so a step of the 6 x 64 tile covers two columns of K for the FMA loop's one.
+template <int MR, int NV>
+inline void gemm_tile_bf16(const uint32_t* const* ar, const uint32_t* bp, int64_t kp, float* const* cr, bool acc) {
+  constexpr int PW = NV * 16;
+  __m512 c[MR][NV];
+  #pragma GCC unroll 12
+  for (int r = 0; r < MR; ++r)
+    #pragma GCC unroll 4
+    for (int n = 0; n < NV; ++n) c[r][n] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < kp; ++k) {
+    __m512bh b[NV];
+    #pragma GCC unroll 4
+    for (int n = 0; n < NV; ++n) b[n] = (__m512bh)_mm512_loadu_si512(bp + k * PW + n * 16);
+    #pragma GCC unroll 12
+    for (int r = 0; r < MR; ++r) {
+      const __m512bh a = (__m512bh)_mm512_set1_epi32((int)ar[r][k]);
+      #pragma GCC unroll 4
+      for (int n = 0; n < NV; ++n) c[r][n] = _mm512_dpbf16_ps(c[r][n], a, b[n]);
+    }
+  }
+  #pragma GCC unroll 12
+  for (int r = 0; r < MR; ++r)
+    #pragma GCC unroll 4
+    for (int n = 0; n < NV; ++n) {
+      float* o = cr[r] + n * 16;
+      _mm512_storeu_ps(o, acc ? _mm512_add_ps(_mm512_loadu_ps(o), c[r][n]) : c[r][n]);
+    }
+}
+
+// bp [K][PW] float32 (K-major) -> bq [K / 2][PW] pairs of bfloat16 (round to nearest even)
+inline void pair_panel(const float* bp, int64_t K, int PW, uint32_t* bq) {
+  for (int64_t k = 0; k < K; k += 2)
+    for (int j = 0; j < PW; j += 16) {
+      const __m512i lo = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(bp + k * PW + j)));
+      const __m512i hi = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(bp + (k + 1) * PW + j)));
+      _mm512_storeu_si512(bq + (k / 2) * PW + j, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+    }
+}
+
+template <int MR, int NV>
+void gemm_all_bf16(const uint32_t* x, int64_t M, const Weight& w, int64_t N, float* y) {
+  constexpr int PW = NV * 16;
+  const int64_t K = w.K, KP = K / 2, panels = (N + PW - 1) / PW;
+  #pragma omp parallel
+  {
+    std::vector<float> rows(PW * K), bp(K * PW), edge(N % PW ? M * PW : 0), dummy(PW);
+    std::vector<uint32_t> bq(KP * PW), zero(KP, 0);
+    #pragma omp for schedule(static)
+    for (int64_t p = 0; p < panels; ++p) {
+      const int64_t n0 = p * PW, width = std::min<int64_t>(PW, N - n0);
+      for (int j = 0; j < PW; ++j) {
+        if (j < width) widen_row(w, n0 + j, rows.data() + j * K);
+        else std::fill(rows.data() + j * K, rows.data() + (j + 1) * K, 0.f);
+      }
+      for (int j = 0; j < PW; j += 16)
+        for (int64_t k = 0; k < K; k += 16) transpose_block(rows.data() + j * K + k, K, bp.data() + k * PW + j, PW);
+      pair_panel(bp.data(), K, PW, bq.data());
+      float* out = width == PW ? y + n0 : edge.data();
+      const int64_t ldo = width == PW ? N : PW;
+      for (int64_t k0 = 0; k0 < KP; k0 += GKC) {  // GKC pairs: twice the float loop's columns, the same bytes
+        const int64_t kc = std::min(GKC, KP - k0);
+        const uint32_t* ar[MR];
+        float* cr[MR];
+        for (int64_t m0 = 0; m0 < M; m0 += MR) {
+          for (int r = 0; r < MR; ++r) {
+            const bool in = m0 + r < M;
+            ar[r] = in ? x + (m0 + r) * KP + k0 : zero.data();
+            cr[r] = in ? out + (m0 + r) * ldo : dummy.data();
+          }
+          gemm_tile_bf16<MR, NV>(ar, bq.data() + k0 * PW, kc, cr, k0 > 0);
+        }
+      }
+      if (width < PW)
+        for (int64_t m = 0; m < M; ++m) std::memcpy(y + m * N + n0, edge.data() + m * PW, width * sizeof(float));
+    }
+  }
+}
+#endif
+
 }  // namespace
+
+// Whether this build has the bfloat16 GEMM (AVX512-BF16: Zen 4, Sapphire Rapids and later)
+bool int4_has_bf16() {
+#if defined(__AVX512BF16__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+// x [M, K] bfloat16 contiguous -> x @ W.T [M, N] float32, W rounded to bfloat16 (prefill, opt-in)
+torch::Tensor int4_gemm_bf16(torch::Tensor x, torch::Tensor packed, torch::Tensor scales, torch::Tensor offsets,
+                             c10::optional<torch::Tensor> lut, int64_t group) {
+  const Weight w = weight_of(packed, scales, offsets, lut, group);
+  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && x.is_contiguous() && x.dim() == 2 && x.size(1) == w.K,
+              "int4_gemm_bf16: contiguous bfloat16 x [M, K]");
+  TORCH_CHECK(w.K % 16 == 0, "int4_gemm_bf16: K must be a multiple of 16");
+  const int64_t M = x.size(0), N = packed.size(0);
+  auto y = torch::empty({M, N}, x.options().dtype(torch::kFloat32));
+  if (M == 0 || N == 0) return y;
+#if defined(__AVX512BF16__)
+  const int64_t threads = at::get_num_threads();
+  auto even = [&](int64_t pw) { const int64_t p = (N + pw - 1) / pw; return p % threads == 0 || p >= 8 * threads; };
+  const auto* xp = reinterpret_cast<const uint32_t*>(x.data_ptr<at::BFloat16>());
+  if (even(64)) gemm_all_bf16<6, 4>(xp, M, w, N, y.data_ptr<float>());
+  else if (even(32)) gemm_all_bf16<12, 2>(xp, M, w, N, y.data_ptr<float>());
+  else gemm_all_bf16<24, 1>(xp, M, w, N, y.data_ptr<float>());
+#else
+  TORCH_CHECK(false, "int4_gemm_bf16: this build has no AVX512-BF16 instructions");
+#endif
+  return y;
+}
 
 // x [M, K] float32 contiguous -> x @ W.T [M, N] float32 (prefill; K a multiple of the vector width)
 torch::Tensor int4_gemm(torch::Tensor x, torch::Tensor packed, torch::Tensor scales, torch::Tensor offsets,
@@ -640,7 +755,8 @@ torch::Tensor int4_gemm(torch::Tensor x, torch::Tensor packed, torch::Tensor sca
 }
 """
 
-KERNELS = CompiledKernels("deltaserve_int4_cpu", _SOURCE, ["int4_decode", "int4_widen", "int4_gemm"],
+KERNELS = CompiledKernels("deltaserve_int4_cpu", _SOURCE, ["int4_decode", "int4_widen", "int4_gemm", "int4_gemm_bf16",
+                                                          "int4_has_bf16"],
                            "CPU packed 4-bit kernel", "torch (widened weights)")
 
 
@@ -677,3 +793,14 @@ def gemm(rows, packed, scales, offsets, lut, group_size: int) -> torch.Tensor:
 def widen(packed, scales, offsets, lut, group_size: int, start: int, stop: int) -> torch.Tensor:
     """Rows start:stop of W widened to float32."""
     return KERNELS.module.int4_widen(packed, scales, offsets, lut, group_size, start, stop)
+
+
+def has_bf16() -> bool:
+    """Whether the built kernel has the bfloat16 prefill GEMM (compiled for a CPU with AVX512-BF16)."""
+    return built() and KERNELS.module.int4_has_bf16()
+
+
+def gemm_bf16(rows, packed, scales, offsets, lut, group_size: int) -> torch.Tensor:
+    """rows [M, K] (any float dtype; rounded to bfloat16 here) @ W.T with W rounded to bfloat16, summed in float32."""
+    return KERNELS.module.int4_gemm_bf16(rows.to(torch.bfloat16).contiguous(), packed, scales, offsets, lut,
+                                         group_size)

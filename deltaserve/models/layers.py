@@ -180,10 +180,11 @@ class Int4Linear(nn.Module):
         self.register_buffer("lut", w.lut)
         self.register_buffer("perm", w.perm, persistent=False)  # an index into the input, not weight bytes
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        self.prefill_bf16 = False  # --prefill-dtype bfloat16 (set by the engine): GEMM rows in bfloat16
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = PackedInt4(self.packed, self.scales, self.offsets, self.group_size, self.lut, self.perm)
-        return int4_linear(x, w, self.bias)
+        return int4_linear(x, w, self.bias, bf16_gemm=self.prefill_bf16)
 
 
 class TorchInt4Linear(nn.Module):
