@@ -47,12 +47,12 @@ def prompt(tokens: int, seed: int) -> list[int]:
 
 
 class Ours:
-    def __init__(self, path: str, longest: int, dequantize: bool):
+    def __init__(self, path: str, longest: int, dequantize: bool, prefill_dtype: str = "float32"):
         from deltaserve.config import EngineConfig
         from deltaserve.engine.engine import Engine
 
         config = EngineConfig(model=path, device="cpu", max_total_tokens=4 * longest, dequantize_weights=dequantize,
-                              prefill_chunk_tokens=longest, max_running_requests=4,
+                              prefill_chunk_tokens=longest, max_running_requests=4, prefill_dtype=prefill_dtype,
                               prefix_cache=False)  # each repeat reads its prompt again, as llama-bench does
         self.engine = Engine(config, log=None)
         self.weight_bytes = self.engine.measured_bytes()["weights"]
@@ -131,6 +131,8 @@ def main(argv=None) -> int:
                         help="tables to run: gguf (SmolLM2's Q4_1 file), w4a16 (compressed-tensors) [gguf,w4a16]")
     parser.add_argument("--w4a16-group", type=int, default=128, help="the W4A16 checkpoint's group size [128]")
     parser.add_argument("--llama-cpp", help="a llama.cpp tree with build/bin/llama-bench (or LLAMA_CPP_DIR)")
+    parser.add_argument("--bf16-prefill", action="store_true",
+                        help="add a deltaserve column with --prefill-dtype bfloat16 (opt-in; CPUs with AVX512-BF16)")
     args = parser.parse_args(argv)
     formats = args.formats.split(",")
     try:
@@ -168,6 +170,8 @@ def gguf_table(args, lengths: list[int], longest: int, cells: list) -> None:
     peer_run = (lambda test: llamacpp.run_one(peer, path, test, args.threads)) if peer else None
     sides = {"transformers": Theirs(path), "deltaserve packed": Ours(str(path), longest, False),
              "deltaserve fp32": Ours(str(path), longest, True)}
+    if args.bf16_prefill:
+        sides["deltaserve packed, bf16 prefill"] = Ours(str(path), longest, False, "bfloat16")
     print(f"{path.name}, {torch.get_num_threads()} threads, best of {args.repeats} (llama.cpp's runs alternated with "
           f"ours); tok/s, the ratio to transformers, and deltaserve packed / llama.cpp")
     decode_rates = run_table(sides, cells, args.repeats, peer_run)

@@ -257,8 +257,10 @@ def main(argv=None) -> int:
     rows = [("batch-1 decode, tok/s", "decode_tok_s", True),
             (f"TTFT, {args.ttft_prompt}-token prompt, s", "ttft_s", False),
             (f"{args.requests} requests at concurrency {args.concurrency}, output tok/s", "load_tok_s", True)]
-    print(f"SmolLM2-135M float32, {args.threads} threads; both servers up, the sides alternated request by request "
-          f"(load by load): best of {args.repeats} ({args.load_repeats} for the load), the median in brackets")
+    extra = "".join(f"; {side} flags {' '.join(flags)}" for side, flags in (("deltaserve", args.deltaserve_args),
+                                                                           ("vLLM", args.vllm_args)) if flags)
+    print(f"SmolLM2-135M float32{extra}, {args.threads} threads; both servers up, the sides alternated request by "
+          f"request (load by load): best of {args.repeats} ({args.load_repeats} for the load), the median in brackets")
     print("| what | deltaserve | vLLM CPU | ratio (ours better > 1) |")
     print("|---|---|---|---|")
     for name, key, higher in rows:
