@@ -575,44 +575,6 @@ inline void gemm_tile(const float* const* ar, const float* bp, int64_t kc, float
     for (int n = 0; n < NV; ++n) rstore(cr[r] + n * RW, acc ? rload(cr[r] + n * RW) + c[r][n] : c[r][n]);
 }
 
-template <int MR, int NV>
-void gemm_all(const float* x, int64_t M, const Weight& w, int64_t N, float* y) {
-  constexpr int PW = NV * RW;
-  const int64_t K = w.K, panels = (N + PW - 1) / PW;
-  #pragma omp parallel
-  {
-    std::vector<float> rows(PW * K), bp(K * PW), zero(K, 0.f), edge(N % PW ? M * PW : 0), dummy(PW);
-    #pragma omp for schedule(static)
-    for (int64_t p = 0; p < panels; ++p) {
-      const int64_t n0 = p * PW, width = std::min<int64_t>(PW, N - n0);
-      for (int j = 0; j < PW; ++j) {
-        if (j < width) widen_row(w, n0 + j, rows.data() + j * K);
-        else std::fill(rows.data() + j * K, rows.data() + (j + 1) * K, 0.f);
-      }
-      for (int j = 0; j < PW; j += RW)
-        for (int64_t k = 0; k < K; k += RW) transpose_block(rows.data() + j * K + k, K, bp.data() + k * PW + j, PW);
-      // a last panel narrower than PW lands in `edge` [M][PW] first
-      float* out = width == PW ? y + n0 : edge.data();
-      const int64_t ldo = width == PW ? N : PW;
-      for (int64_t k0 = 0; k0 < K; k0 += GKC) {
-        const int64_t kc = std::min(GKC, K - k0);
-        const float* ar[MR];
-        float* cr[MR];
-        for (int64_t m0 = 0; m0 < M; m0 += MR) {
-          for (int r = 0; r < MR; ++r) {
-            const bool in = m0 + r < M;
-            ar[r] = in ? x + (m0 + r) * K + k0 : zero.data();
-            cr[r] = in ? out + (m0 + r) * ldo : dummy.data();
-          }
-          gemm_tile<MR, NV>(ar, bp.data() + k0 * PW, kc, cr, k0 > 0);
-        }
-      }
-      if (width < PW)
-        for (int64_t m = 0; m < M; ++m) std::memcpy(y + m * N + n0, edge.data() + m * PW, width * sizeof(float));
-    }
-  }
-}
-
 #if defined(__AVX512BF16__)
 // The bfloat16 variant (opt-in: --prefill-dtype bfloat16): the same panels, each widened float32 weight rounded to
 // bfloat16 once and stored as K-pairs [K / 2][PW] (one 32-bit lane holds w[k], w[k + 1] of one output column), the
@@ -656,14 +618,22 @@ inline void pair_panel(const float* bp, int64_t K, int PW, uint32_t* bq) {
     }
 }
 
-template <int MR, int NV>
-void gemm_all_bf16(const uint32_t* x, int64_t M, const Weight& w, int64_t N, float* y) {
-  constexpr int PW = NV * 16;
-  const int64_t K = w.K, KP = K / 2, panels = (N + PW - 1) / PW;
+#endif
+
+// Both GEMMs, panel by panel: a task widens PW weight rows (float32, row-major, L2) and transposes them K-major into
+// bp [K][PW] (BF16: then into bfloat16 K-pairs bq [K / 2][PW]); every MR input rows (float32, or BF16 pairs of
+// bfloat16) multiply the panel GKC steps at a time (a float32 column or a bfloat16 pair a step).
+template <int MR, int NV, bool BF16>
+void gemm_all(const void* xv, int64_t M, const Weight& w, int64_t N, float* y) {
+  using A = std::conditional_t<BF16, uint32_t, float>;
+  constexpr int PW = NV * RW;
+  const int64_t K = w.K, steps = BF16 ? K / 2 : K, panels = (N + PW - 1) / PW;
+  const A* x = static_cast<const A*>(xv);
   #pragma omp parallel
   {
     std::vector<float> rows(PW * K), bp(K * PW), edge(N % PW ? M * PW : 0), dummy(PW);
-    std::vector<uint32_t> bq(KP * PW), zero(KP, 0);
+    std::vector<uint32_t> bq(BF16 ? steps * PW : 0);
+    std::vector<A> zero(steps, A{});
     #pragma omp for schedule(static)
     for (int64_t p = 0; p < panels; ++p) {
       const int64_t n0 = p * PW, width = std::min<int64_t>(PW, N - n0);
@@ -671,22 +641,29 @@ void gemm_all_bf16(const uint32_t* x, int64_t M, const Weight& w, int64_t N, flo
         if (j < width) widen_row(w, n0 + j, rows.data() + j * K);
         else std::fill(rows.data() + j * K, rows.data() + (j + 1) * K, 0.f);
       }
-      for (int j = 0; j < PW; j += 16)
-        for (int64_t k = 0; k < K; k += 16) transpose_block(rows.data() + j * K + k, K, bp.data() + k * PW + j, PW);
-      pair_panel(bp.data(), K, PW, bq.data());
+      for (int j = 0; j < PW; j += RW)
+        for (int64_t k = 0; k < K; k += RW) transpose_block(rows.data() + j * K + k, K, bp.data() + k * PW + j, PW);
+#if defined(__AVX512BF16__)
+      if constexpr (BF16) pair_panel(bp.data(), K, PW, bq.data());
+#endif
+      // a last panel narrower than PW lands in `edge` [M][PW] first
       float* out = width == PW ? y + n0 : edge.data();
       const int64_t ldo = width == PW ? N : PW;
-      for (int64_t k0 = 0; k0 < KP; k0 += GKC) {  // GKC pairs: twice the float loop's columns, the same bytes
-        const int64_t kc = std::min(GKC, KP - k0);
-        const uint32_t* ar[MR];
+      for (int64_t k0 = 0; k0 < steps; k0 += GKC) {  // GKC pairs: twice the columns of a float step, the same bytes
+        const int64_t kc = std::min(GKC, steps - k0);
+        const A* ar[MR];
         float* cr[MR];
         for (int64_t m0 = 0; m0 < M; m0 += MR) {
           for (int r = 0; r < MR; ++r) {
             const bool in = m0 + r < M;
-            ar[r] = in ? x + (m0 + r) * KP + k0 : zero.data();
+            ar[r] = in ? x + (m0 + r) * steps + k0 : zero.data();
             cr[r] = in ? out + (m0 + r) * ldo : dummy.data();
           }
-          gemm_tile_bf16<MR, NV>(ar, bq.data() + k0 * PW, kc, cr, k0 > 0);
+#if defined(__AVX512BF16__)
+          if constexpr (BF16) gemm_tile_bf16<MR, NV>(ar, bq.data() + k0 * PW, kc, cr, k0 > 0);
+          else
+#endif
+          gemm_tile<MR, NV>(ar, bp.data() + k0 * PW, kc, cr, k0 > 0);
         }
       }
       if (width < PW)
@@ -694,7 +671,6 @@ void gemm_all_bf16(const uint32_t* x, int64_t M, const Weight& w, int64_t N, flo
     }
   }
 }
-#endif
 
 }  // namespace
 
@@ -721,9 +697,9 @@ torch::Tensor int4_gemm_bf16(torch::Tensor x, torch::Tensor packed, torch::Tenso
   const int64_t threads = at::get_num_threads();
   auto even = [&](int64_t pw) { const int64_t p = (N + pw - 1) / pw; return p % threads == 0 || p >= 8 * threads; };
   const auto* xp = reinterpret_cast<const uint32_t*>(x.data_ptr<at::BFloat16>());
-  if (even(64)) gemm_all_bf16<6, 4>(xp, M, w, N, y.data_ptr<float>());
-  else if (even(32)) gemm_all_bf16<12, 2>(xp, M, w, N, y.data_ptr<float>());
-  else gemm_all_bf16<24, 1>(xp, M, w, N, y.data_ptr<float>());
+  if (even(64)) gemm_all<6, 4, true>(xp, M, w, N, y.data_ptr<float>());
+  else if (even(32)) gemm_all<12, 2, true>(xp, M, w, N, y.data_ptr<float>());
+  else gemm_all<24, 1, true>(xp, M, w, N, y.data_ptr<float>());
 #else
   TORCH_CHECK(false, "int4_gemm_bf16: this build has no AVX512-BF16 instructions");
 #endif
@@ -744,12 +720,12 @@ torch::Tensor int4_gemm(torch::Tensor x, torch::Tensor packed, torch::Tensor sca
   // the widest panel whose count spreads evenly over the threads (or is many times their number)
   auto even = [&](int64_t pw) { const int64_t p = (N + pw - 1) / pw; return p % threads == 0 || p >= 8 * threads; };
 #if defined(__AVX512F__)
-  if (even(4 * RW)) gemm_all<6, 4>(x.data_ptr<float>(), M, w, N, y.data_ptr<float>());
-  else if (even(2 * RW)) gemm_all<12, 2>(x.data_ptr<float>(), M, w, N, y.data_ptr<float>());
-  else gemm_all<24, 1>(x.data_ptr<float>(), M, w, N, y.data_ptr<float>());
+  if (even(4 * RW)) gemm_all<6, 4, false>(x.data_ptr<float>(), M, w, N, y.data_ptr<float>());
+  else if (even(2 * RW)) gemm_all<12, 2, false>(x.data_ptr<float>(), M, w, N, y.data_ptr<float>());
+  else gemm_all<24, 1, false>(x.data_ptr<float>(), M, w, N, y.data_ptr<float>());
 #else
-  if (even(2 * RW)) gemm_all<6, 2>(x.data_ptr<float>(), M, w, N, y.data_ptr<float>());
-  else gemm_all<12, 1>(x.data_ptr<float>(), M, w, N, y.data_ptr<float>());
+  if (even(2 * RW)) gemm_all<6, 2, false>(x.data_ptr<float>(), M, w, N, y.data_ptr<float>());
+  else gemm_all<12, 1, false>(x.data_ptr<float>(), M, w, N, y.data_ptr<float>());
 #endif
   return y;
 }
