@@ -173,7 +173,8 @@ def packed_int4(path: Path, prompt: list[int]) -> dict:
         got, kinds = last_logits(DEVICE, dtype)
         eng = Engine(EngineConfig(model=str(path), device=DEVICE, dtype=name, max_total_tokens=4096),
                      log=lambda _: None)
-        out[name] = {"layers": kinds, "logits_rel": rel_err(got, want), "argmax_equal": bool(got.argmax() == want.argmax()),
+        out[name] = {"layers": kinds, "logits_rel": rel_err(got, want),
+                     "argmax_equal": bool(got.argmax() == want.argmax()),
                      "ledger_weights_bytes": eng.budget.line("weights").bytes,
                      "measured_weights_bytes": eng.measured_bytes()["weights"]}
         del eng

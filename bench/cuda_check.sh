@@ -38,7 +38,7 @@ run)
         .whl/*.whl || exit 3
     export PYTHONPATH="/tmp/site:$PWD" PYTHONUNBUFFERED=1 DELTASERVE_KERNEL_CACHE=/tmp/deltaserve-kernels
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-    python3 -c "import sys, torch, transformers; print(sys.version.split()[0], torch.__version__, transformers.__version__)"
+    python3 -c "import sys, torch, transformers as t; print(sys.version.split()[0], torch.__version__, t.__version__)"
     timeout 240 python3 -c "
 from concurrent.futures import ThreadPoolExecutor
 from deltaserve.kernels.build import MODULES

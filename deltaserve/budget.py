@@ -361,8 +361,8 @@ def _weights_line(spec: ModelMemorySpec, c: EngineConfig) -> tuple[int, str]:
     elif torch_int4_layout(c.device, c.dtype):
         held = sum(g.float_params * cb + (g.quantized_bytes if g.torch_int4_bytes is None else g.torch_int4_bytes)
                    for g in loaded)
-        how = f"4-bit matrices in torch's int4 layout (4-bit codes + a bfloat16 scale and zero per group) where its " \
-              f"CUDA kernel takes them, else packed, the rest in {c.dtype}"
+        how = f"4-bit matrices in torch's int4 layout (4-bit codes + per group a bfloat16 scale, and a zero unless " \
+              f"symmetric) where its CUDA kernel takes them, else packed, the rest in {c.dtype}"
     else:
         held = sum(g.float_params * cb + g.quantized_bytes for g in loaded)
         how = f"4-bit matrices packed (4-bit codes + per group the checkpoint's 16-bit scale, or a float32 scale and " \

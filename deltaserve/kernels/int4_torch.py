@@ -9,12 +9,13 @@ dequantized weight's product to bfloat16 rounding of the inputs, scales and zero
 CPU kernel's: the precision of the bfloat16 model it serves. float32 models (and float16 ones: the CUDA kernel takes
 bfloat16 only) keep kernels/int4.py's path, which widens tiles to float32.
 
-Taken: affine weights (no level table: IQ4_NL / IQ4_XS keep the packed layout), groups of 32, 64, 128 or 256 (not
-per channel), N a multiple of 16 (the CUDA kernel's tile is 8 rows, its CPU form's 16: one rule for both). Held: the codes, half a byte a weight, and per group a bfloat16
-scale and zero (4 bytes, the kernel's [K / group, N, 2] operand), or for a symmetric weight the bfloat16 scale alone
-(2 bytes, as the field's W4A16 checkpoint stores it: its zeros are all 0, and the operand is made per call, one
-small kernel and a transient 4 bytes a group, so torch's layout costs the card no byte more than the packed one).
-`held_bytes` is the price the ledger uses (weights/held.py, models/spec.py).
+Taken: affine weights (no level table: IQ4_NL / IQ4_XS keep the packed layout), groups of 32, 64, 128 or 256 (not per
+channel), N a multiple of 16 (the CUDA kernel's tile is 8 rows, its CPU form's 16: one rule for both). Held: the
+codes, half a byte a weight, and per group a bfloat16 scale and zero (4 bytes, the kernel's [K / group, N, 2]
+operand), or for a symmetric weight the bfloat16 scale alone (2 bytes, as the field's W4A16 checkpoint stores it: its
+zeros are all 0, and the operand is made per call, one small kernel and a transient 4 bytes a group, so torch's layout
+costs the card no byte more than the packed one). `held_bytes` is the price the ledger uses (weights/held.py,
+models/spec.py).
 """
 
 from __future__ import annotations

@@ -336,8 +336,8 @@ def _held_int4(module: nn.Module, pname: str, codes: Int4Codes | PackedInt4, ten
     On every device: the C++ kernel serves the CPU; on CUDA a bfloat16 model's affine weights take torch's int4
     kernel (TorchInt4Linear, kernels/int4_torch.py), and the rest (level tables, float32 models) kernels/int4.py's
     path, which widens the packed weight a tile at a time with torch ops; so a 4-bit checkpoint takes on the GPU the
-    bytes the ledger prices, not its dequantized size. A tied lm_head (the same tensor as the embedding) is packed too: the embedding is then
-    dequantized for its row lookups, the head multiplies the packed codes."""
+    bytes the ledger prices, not its dequantized size. A tied lm_head (the same tensor as the embedding) is packed
+    too: the embedding is then dequantized for its row lookups, the head multiplies the packed codes."""
     owner_name, _, leaf = pname.rpartition(".")
     owner = module.get_submodule(owner_name) if owner_name else module
     if leaf != "weight" or type(owner) is not Linear:

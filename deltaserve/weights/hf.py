@@ -97,10 +97,10 @@ def read_hf_index(folder: Path) -> dict[str, tuple[str, tuple[int, ...], int]]:
 def load_hf(folder: Path, dtype: torch.dtype, skip_prefixes: tuple[str, ...], keep_int4: bool = False):
     """(config, tensors, tokenizer, generation_config, skipped) of an HF folder.
 
-    Floating-point tensors are converted to `dtype` (not a quantized module's parts); a quantized checkpoint's modules (weights/compressed_tensors.py,
-    weights/gptq.py) become one `<module>.weight` each, decoded (and packed, with `keep_int4`) as soon as a module's
-    last part is read: its raw parts are then let go, so the loader never holds the checkpoint twice. Skipped groups
-    are named with their bytes on disk.
+    Floating-point tensors are converted to `dtype` (not a quantized module's parts); a quantized checkpoint's modules
+    (weights/compressed_tensors.py, weights/gptq.py) become one `<module>.weight` each, decoded (and packed, with
+    `keep_int4`) as soon as a module's last part is read: its raw parts are then let go, so the loader never holds the
+    checkpoint twice. Skipped groups are named with their bytes on disk.
     """
     config = read_hf_config(folder)
     check_quant_method(config, folder)
