@@ -74,6 +74,7 @@ def test_device_defaults():
     (["--max-running-requests", "0"], ["--max-running-requests 0", "positive"]),
     (["--default-max-tokens", "32000"], ["--default-max-tokens 32000", "16384"]),
     (["--kv-dtype", "int3"], ["--kv-dtype 'int3'", "float32"]),
+    (["--prefill-dtype", "fp8"], ["--prefill-dtype 'fp8'", "float32, bfloat16"]),
     (["--device", "tpu"], ["--device 'tpu'", "24GiB"]),
 ])
 def test_bad_settings_name_the_setting_and_limit(argv, words):
