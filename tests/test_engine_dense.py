@@ -286,3 +286,13 @@ def test_prefill_dtype_bfloat16_takes_the_bf16_gemm(long_ids, monkeypatch):
     assert calls and set(calls) == {len(prompt)}  # the prompt's rows; the 7 decode steps' single rows: float32
     float32 = Engine(EngineConfig(**settings), log=None)
     assert got == tokens_of(run_all(float32, [(prompt, params)])[0])
+    # a prompt read in a step beside a decode: its rows alone are rounded, the decode row stays float32
+    first = bf16.submit(long_ids[:20], SamplingParams(max_tokens=4, **GREEDY))
+    while not any(o.token_ids for o in first.drain()):
+        bf16.step()
+    calls.clear()
+    second = bf16.submit(prompt, params)
+    bf16.step()
+    assert calls and set(calls) == {len(prompt)}, calls
+    while not (first.finished and second.finished):
+        bf16.step()

@@ -177,6 +177,27 @@ def test_bf16_gemm_within_the_bfloat16_bound(isa, n, lut):
         assert not bool((err <= (k + 2) * 2.0**-24 * terms).all())
 
 
+def test_bf16_gemm_leaves_the_decode_rows_at_the_head_in_float32():
+    """In a step that mixes decode rows (first, models/batch.py's order) with a prefill chunk, --prefill-dtype
+    bfloat16 rounds the chunk's rows only: the decode rows get exactly what they get alone (the float32 kernel), the
+    chunk's rows exactly the bfloat16 GEMM's, so neither depends on the other being in the step."""
+    from deltaserve.kernels.int4 import decode_rows_first
+
+    codes = random_codes(96, 576, 32, 7)
+    w = pack(codes)
+    x = torch.randn(3 + 40, 576, generator=torch.Generator().manual_seed(5))
+    with decode_rows_first(3):
+        got = int4_linear(x, w, bf16_gemm=True)
+    if int4_cpu.has_bf16():
+        assert torch.equal(got[:3], int4_linear(x[:3], w))
+        assert torch.equal(got[3:], int4_cpu.gemm_bf16(x[3:].contiguous(), w.packed, w.scales, _stored(w.offsets),
+                                                       w.lut, 32))
+    else:  # no bfloat16 GEMM in this build: the whole step as without the flag
+        assert torch.equal(got, int4_linear(x, w))
+    with decode_rows_first(30):  # the chunk's 13 rows: too few for the GEMM, so float32 like the rest
+        assert torch.equal(int4_linear(x, w, bf16_gemm=True), int4_linear(x, w))
+
+
 FORMS = [(torch.float16, True), (torch.bfloat16, True), (torch.float16, False), (torch.bfloat16, False),
          (torch.float32, True)]
 

@@ -11,6 +11,7 @@ import torch
 from deltaserve.cache.kv_pool import KVPool
 from deltaserve.cache.state_pool import StatePool
 from deltaserve.engine.scheduler import StepPlan
+from deltaserve.kernels.int4 import decode_rows_first
 from deltaserve.models.batch import ForwardBatch, ModelCaches
 
 
@@ -129,4 +130,6 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, plan: StepPlan) -> torch.Tensor:
         """Logits [len(plan.sampling), vocab] float32, in the order of plan.sampling."""
-        return self.model(self.build_batch(plan), self.caches)
+        batch = self.build_batch(plan)
+        with decode_rows_first(batch.num_decode):  # --prefill-dtype bfloat16 rounds the prefill rows only
+            return self.model(batch, self.caches)

@@ -20,6 +20,7 @@ dequantized float32 weight's product to float32 rounding (only the summation ord
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -164,6 +165,22 @@ def pack(w: Int4Codes) -> PackedInt4:
 WIDEN_FLOATS = 1 << 20
 
 
+_DECODE_LEAD = 0  # rows at the head of every input that are decode rows (decode_rows_first); 0 outside a step
+
+
+@contextlib.contextmanager
+def decode_rows_first(count: int):
+    """Inside the block the first `count` rows of each int4_linear input are decode rows (the runner's decode-first
+    order, models/batch.py): with `bf16_gemm` they stay in float32, so a request's tokens do not depend on whether a
+    prefill chunk shared its step, and a prompt's rows are rounded the same way whatever decodes ran beside it."""
+    global _DECODE_LEAD
+    kept, _DECODE_LEAD = _DECODE_LEAD, count
+    try:
+        yield
+    finally:
+        _DECODE_LEAD = kept
+
+
 def int4_linear(x: torch.Tensor, w: PackedInt4, bias: torch.Tensor | None = None,
                 bf16_gemm: bool = False) -> torch.Tensor:
     """x [..., K] @ W.T in float32 arithmetic, W packed; the result in x's dtype.
@@ -171,29 +188,44 @@ def int4_linear(x: torch.Tensor, w: PackedInt4, bias: torch.Tensor | None = None
     Up to int4_cpu.MAX_ROWS rows (decode) the C++ kernel reads the packed bytes; more rows (prefill) take its GEMM,
     which widens each panel of W as it multiplies it. Without a compiler, and on other devices (CUDA), a tile of W
     at a time is widened (by torch ops where the kernel is not built) and multiplied by linear_cpu.gemm.
-    `bf16_gemm` (--prefill-dtype bfloat16): the GEMM's rows and weights rounded to bfloat16 and multiplied by
-    AVX512-BF16 dot products summed in float32, where the kernel has them."""
-    from deltaserve.kernels import int4_cpu, linear_cpu
+    `bf16_gemm` (--prefill-dtype bfloat16): the GEMM's rows (not the decode rows at their head: decode_rows_first)
+    and weights rounded to bfloat16 and multiplied by AVX512-BF16 dot products summed in float32, where the kernel
+    has them."""
+    from deltaserve.kernels import int4_cpu
 
     n, k = w.shape
     rows = x.reshape(-1, k).to(torch.float32)
     if w.perm is not None:
         rows = rows[:, w.perm]
     rows = rows.contiguous()
-    if rows.shape[0] == 0:  # e.g. the head of a prefill chunk that ends no prompt: nothing to widen W for
-        y = rows.new_empty((0, n))
-    elif int4_cpu.serves(rows):
-        y = int4_cpu.decode(rows, w.packed, w.scales, _stored(w.offsets), w.lut, w.group_size)
-    elif int4_cpu.built() and rows.device.type == "cpu" and k % int4_cpu.GEMM_K_MULTIPLE == 0:
-        gemm = int4_cpu.gemm_bf16 if bf16_gemm and int4_cpu.has_bf16() else int4_cpu.gemm
-        y = gemm(rows, w.packed, w.scales, _stored(w.offsets), w.lut, w.group_size)
+    lead = min(_DECODE_LEAD, rows.shape[0])
+    if bf16_gemm and int4_cpu.has_bf16() and rows.device.type == "cpu" and rows.shape[0] - lead > int4_cpu.MAX_ROWS:
+        y = _product(rows[lead:], w, bf16=True)
+        if lead:
+            y = torch.cat([_product(rows[:lead], w), y])
     else:
-        step = max(16, WIDEN_FLOATS // k)
-        tiles = [linear_cpu.gemm(rows, _widened_rows(w, start, min(start + step, n))) for start in range(0, n, step)]
-        y = tiles[0] if len(tiles) == 1 else torch.cat(tiles, dim=1)  # one tile (all of SmolLM2's): no copy
+        y = _product(rows, w)
     if bias is not None:
         y += bias
     return y.to(x.dtype).view(*x.shape[:-1], n)
+
+
+def _product(rows: torch.Tensor, w: PackedInt4, bf16: bool = False) -> torch.Tensor:
+    """rows [M, K] float32 contiguous @ W.T (int4_linear's paths; bf16: the bfloat16 GEMM, which the caller checked)."""
+    from deltaserve.kernels import int4_cpu, linear_cpu
+
+    n, k = w.shape
+    if rows.shape[0] == 0:  # e.g. the head of a prefill chunk that ends no prompt: nothing to widen W for
+        return rows.new_empty((0, n))
+    if bf16:
+        return int4_cpu.gemm_bf16(rows, w.packed, w.scales, _stored(w.offsets), w.lut, w.group_size)
+    if int4_cpu.serves(rows):
+        return int4_cpu.decode(rows, w.packed, w.scales, _stored(w.offsets), w.lut, w.group_size)
+    if int4_cpu.built() and rows.device.type == "cpu" and k % int4_cpu.GEMM_K_MULTIPLE == 0:
+        return int4_cpu.gemm(rows, w.packed, w.scales, _stored(w.offsets), w.lut, w.group_size)
+    step = max(16, WIDEN_FLOATS // k)
+    tiles = [linear_cpu.gemm(rows, _widened_rows(w, start, min(start + step, n))) for start in range(0, n, step)]
+    return tiles[0] if len(tiles) == 1 else torch.cat(tiles, dim=1)  # one tile (all of SmolLM2's): no copy
 
 
 def _widened_rows(w: PackedInt4, start: int, stop: int) -> torch.Tensor:
