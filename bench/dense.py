@@ -171,7 +171,7 @@ def gguf_table(args, lengths: list[int], longest: int, cells: list) -> None:
     sides = {"transformers": Theirs(path), "deltaserve packed": Ours(str(path), longest, False),
              "deltaserve fp32": Ours(str(path), longest, True)}
     if args.bf16_prefill:
-        sides["deltaserve packed, bf16 prefill"] = Ours(str(path), longest, False, "bfloat16")
+        sides["deltaserve bf16-prefill"] = Ours(str(path), longest, False, "bfloat16")
     print(f"{path.name}, {torch.get_num_threads()} threads, best of {args.repeats} (llama.cpp's runs alternated with "
           f"ours); tok/s, the ratio to transformers, and deltaserve packed / llama.cpp")
     decode_rates = run_table(sides, cells, args.repeats, peer_run)
@@ -196,8 +196,10 @@ def w4a16_table(args, folder: Path, longest: int, cells: list) -> bool:
 def run_table(sides: dict, cells: list, repeats: int, peer_run, peer_column: bool = True) -> dict:
     """Print one row per cell (tok/s per side, the ratio of each to the first side, llama.cpp's best and our first
     packed side's ratio to it); the decode rates by side. peer_run(test) -> llama.cpp's tok/s of one run, or None."""
-    print(f"{'what':<22}" + "".join(f"{name:>20}" for name in sides) + "".join(f"{'x ' + n.split()[-1]:>11}"
-                                                                                for n in list(sides)[1:])
+    width = max(20, *(len(name) + 2 for name in sides))
+    ratio_width = max(11, *(len(name.split()[-1]) + 3 for name in sides))
+    print(f"{'what':<22}" + "".join(f"{name:>{width}}" for name in sides)
+          + "".join(f"{'x ' + n.split()[-1]:>{ratio_width}}" for n in list(sides)[1:])
           + (f"{'llama.cpp':>11}{'x llama':>9}" if peer_column else ""))
     warm = prompt(min(64, *(len(ids) for *_, ids, _ in cells)), 0)
     for side in sides.values():
@@ -220,8 +222,8 @@ def run_table(sides: dict, cells: list, repeats: int, peer_run, peer_column: boo
             ratio = tokens / best[ours] / peer_best if peer_best and ours else None
             peer = ((f"{peer_best:>11.1f}" if peer_best else f"{'-':>11}")
                     + (f"{ratio:>8.2f}x" if ratio else f"{'-':>9}"))
-        print(f"{label:<22}" + "".join(f"{r:>20.1f}" for r in rates)
-              + "".join(f"{r / rates[0]:>10.2f}x" for r in rates[1:]) + peer, flush=True)
+        print(f"{label:<22}" + "".join(f"{r:>{width}.1f}" for r in rates)
+              + "".join(f"{r / rates[0]:>{ratio_width - 1}.2f}x" for r in rates[1:]) + peer, flush=True)
     return decode_rates
 
 
