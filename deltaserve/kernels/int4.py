@@ -194,10 +194,7 @@ def int4_linear(x: torch.Tensor, w: PackedInt4, bias: torch.Tensor | None = None
     from deltaserve.kernels import int4_cpu
 
     n, k = w.shape
-    rows = x.reshape(-1, k).to(torch.float32)
-    if w.perm is not None:
-        rows = rows[:, w.perm]
-    rows = rows.contiguous()
+    rows = input_rows(x, k, w.perm, torch.float32)
     lead = min(_DECODE_LEAD, rows.shape[0])
     if bf16_gemm and int4_cpu.has_bf16() and rows.device.type == "cpu" and rows.shape[0] - lead > int4_cpu.MAX_ROWS:
         y = _product(rows[lead:], w, bf16=True)
@@ -208,6 +205,12 @@ def int4_linear(x: torch.Tensor, w: PackedInt4, bias: torch.Tensor | None = None
     if bias is not None:
         y += bias
     return y.to(x.dtype).view(*x.shape[:-1], n)
+
+
+def input_rows(x: torch.Tensor, k: int, perm: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """x [..., K] as contiguous rows [M, K] in `dtype`, its columns in the weight's stored order (`perm`)."""
+    rows = x.reshape(-1, k).to(dtype)
+    return (rows if perm is None else rows[:, perm]).contiguous()
 
 
 def _product(rows: torch.Tensor, w: PackedInt4, bf16: bool = False) -> torch.Tensor:

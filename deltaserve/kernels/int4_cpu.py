@@ -672,6 +672,21 @@ void gemm_all(const void* xv, int64_t M, const Weight& w, int64_t N, float* y) {
   }
 }
 
+// Either GEMM with the widest panel whose count spreads evenly over the threads (or is many times their number)
+template <bool BF16>
+void gemm_panels(const void* x, int64_t M, const Weight& w, int64_t N, float* y) {
+  const int64_t threads = at::get_num_threads();
+  auto even = [&](int64_t pw) { const int64_t p = (N + pw - 1) / pw; return p % threads == 0 || p >= 8 * threads; };
+#if defined(__AVX512F__)
+  if (even(4 * RW)) gemm_all<6, 4, BF16>(x, M, w, N, y);
+  else if (even(2 * RW)) gemm_all<12, 2, BF16>(x, M, w, N, y);
+  else gemm_all<24, 1, BF16>(x, M, w, N, y);
+#else
+  if (even(2 * RW)) gemm_all<6, 2, BF16>(x, M, w, N, y);
+  else gemm_all<12, 1, BF16>(x, M, w, N, y);
+#endif
+}
+
 }  // namespace
 
 // Whether this build has the bfloat16 GEMM (AVX512-BF16: Zen 4, Sapphire Rapids and later)
@@ -694,12 +709,7 @@ torch::Tensor int4_gemm_bf16(torch::Tensor x, torch::Tensor packed, torch::Tenso
   auto y = torch::empty({M, N}, x.options().dtype(torch::kFloat32));
   if (M == 0 || N == 0) return y;
 #if defined(__AVX512BF16__)
-  const int64_t threads = at::get_num_threads();
-  auto even = [&](int64_t pw) { const int64_t p = (N + pw - 1) / pw; return p % threads == 0 || p >= 8 * threads; };
-  const auto* xp = reinterpret_cast<const uint32_t*>(x.data_ptr<at::BFloat16>());
-  if (even(64)) gemm_all<6, 4, true>(xp, M, w, N, y.data_ptr<float>());
-  else if (even(32)) gemm_all<12, 2, true>(xp, M, w, N, y.data_ptr<float>());
-  else gemm_all<24, 1, true>(xp, M, w, N, y.data_ptr<float>());
+  gemm_panels<true>(x.data_ptr<at::BFloat16>(), M, w, N, y.data_ptr<float>());  // read as pairs of bfloat16
 #else
   TORCH_CHECK(false, "int4_gemm_bf16: this build has no AVX512-BF16 instructions");
 #endif
@@ -716,17 +726,7 @@ torch::Tensor int4_gemm(torch::Tensor x, torch::Tensor packed, torch::Tensor sca
   const int64_t M = x.size(0), N = packed.size(0);
   auto y = torch::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;
-  const int64_t threads = at::get_num_threads();
-  // the widest panel whose count spreads evenly over the threads (or is many times their number)
-  auto even = [&](int64_t pw) { const int64_t p = (N + pw - 1) / pw; return p % threads == 0 || p >= 8 * threads; };
-#if defined(__AVX512F__)
-  if (even(4 * RW)) gemm_all<6, 4, false>(x.data_ptr<float>(), M, w, N, y.data_ptr<float>());
-  else if (even(2 * RW)) gemm_all<12, 2, false>(x.data_ptr<float>(), M, w, N, y.data_ptr<float>());
-  else gemm_all<24, 1, false>(x.data_ptr<float>(), M, w, N, y.data_ptr<float>());
-#else
-  if (even(2 * RW)) gemm_all<6, 2, false>(x.data_ptr<float>(), M, w, N, y.data_ptr<float>());
-  else gemm_all<12, 1, false>(x.data_ptr<float>(), M, w, N, y.data_ptr<float>());
-#endif
+  gemm_panels<false>(x.data_ptr<float>(), M, w, N, y.data_ptr<float>());
   return y;
 }
 """

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from deltaserve.config import torch_int4_layout
-from deltaserve.kernels.int4 import PackedInt4, _offsets
+from deltaserve.kernels.int4 import PackedInt4, _offsets, input_rows
 
 GROUPS = (32, 64, 128, 256)
 
@@ -98,10 +98,7 @@ def convert(w: PackedInt4, device: torch.device | str) -> TorchInt4:
 def int4_linear(x: torch.Tensor, w: TorchInt4, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] @ W.T by torch's int4 kernel, in bfloat16 (module docstring); the result in x's dtype."""
     n, k = w.shape
-    rows = x.reshape(-1, k).to(torch.bfloat16)
-    if w.perm is not None:
-        rows = rows[:, w.perm]
-    rows = rows.contiguous()
+    rows = input_rows(x, k, w.perm, torch.bfloat16)
     if rows.shape[0] == 0:
         y = rows.new_empty((0, n))
     elif rows.device.type == "cpu":
