@@ -4,12 +4,12 @@ hypothesis profile."""
 import contextlib
 import os
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, settings
 
 from deltaserve.kernels import decode_cpu, fused_cpu, int4_cpu, linear_cpu, paged_cpu, prefill_cpu
+from deltaserve.kernels.cpp_build import cpu_features
 
 # Property tests are derandomized: a newcomer's `make test` runs the same examples every time, so it never fails at
 # random; what a property finds is fixed, not skipped. HYPOTHESIS_PROFILE=explore searches afresh.
@@ -36,11 +36,8 @@ def cpu_kernels(request):
 
 
 def _has_avx2() -> bool:
-    try:
-        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
-    except (OSError, StopIteration):
-        return False
-    return " avx2 " in f" {flags} " and " fma " in f" {flags} "
+    flags = cpu_features().split()
+    return "avx2" in flags and "fma" in flags
 
 
 @pytest.fixture(scope="session")
