@@ -15,7 +15,8 @@ def _add_generate(sub) -> None:
     p.add_argument("prompt", help="the prompt text (with --chat: the user message)")
     p.add_argument("--max-tokens", type=int, default=128, help="new tokens to generate at most [128]")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy [0]")
-    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: draw from the smallest set of "
+                   "tokens whose probabilities reach this fraction (1 = off) [1.0]")
     p.add_argument("--chat", action="store_true", help="apply the model's chat template to the prompt")
     p.add_argument("--system", default=None, help="system message (with --chat)")
     from deltaserve.config import add_engine_arguments

@@ -287,7 +287,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("engine")
     g.add_argument("--model", help="checkpoint folder, .gguf file or config.json (default: built-in SmolLM2)")
     g.add_argument("--device", help="auto, cpu, cuda, cuda:N, or a size such as 24GiB to plan for a GPU of it")
-    g.add_argument("--device-memory", help="override the device's total memory, e.g. 24GiB")
+    g.add_argument("--device-memory", help="the device's total memory to plan with, e.g. 24GiB "
+                   "(default: what the device reports: MemTotal on CPU, the card's total on CUDA)")
     g.add_argument("--dtype", help="compute dtype: auto (float32 CPU, bfloat16 CUDA), float32, bfloat16, float16 "
                    "(on CPU the native kernels are float32 only: others go op by op, decode ~3x slower)")
     g.add_argument("--page-size", type=int, help="KV tokens per page (16)")
@@ -310,9 +311,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-queue", type=int, help="waiting requests before the server answers 429 (64)")
     g.add_argument("--host", help="listen address (127.0.0.1)")
     g.add_argument("--port", type=int, help="listen port (8000)")
-    g.add_argument("--served-model-name", help="model name reported by the API")
-    g.add_argument("--max-body-bytes", help="largest request body (8MiB)")
-    g.add_argument("--seed", type=int, help="default sampling seed (0)")
+    g.add_argument("--served-model-name", help="the model name the API reports and accepts "
+                   "(default: the checkpoint's name)")
+    g.add_argument("--max-body-bytes", help="largest request body; a larger one gets 413 (8MiB)")
+    g.add_argument("--seed", type=int, help="seed of the engine's seed stream: a request that names no seed "
+                   "draws one from it, so runs repeat from start to start (0)")
     g.add_argument("--attention-backend", help="auto (= paged: decode reads KV pages in place and prefill runs a "
                    "tiled kernel; on CPU C++ kernels built at start), portable (gather + torch's SDPA for both)")
     g.add_argument("--prefill-dtype", help="float32 (default): packed 4-bit weights multiply prefill rows in float32, "
@@ -322,7 +325,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--dequantize-weights", action=argparse.BooleanOptionalAction, default=None,
                    help="hold 4-bit weights dequantized in the compute dtype (default: packed, multiplied in float32 on "
                         "CPU with the same result to float32 rounding)")
-    g.add_argument("--cuda-graph-reserve", help="bytes reserved for CUDA graphs (default: estimated)")
+    g.add_argument("--cuda-graph-reserve", help="bytes reserved for CUDA graphs, GPU only (default: estimated "
+                   "from the decode batch)")
     g.add_argument("--tool-call-parser", help=f"how tool calls are read from the output: "
                    f"{', '.join(TOOL_CALL_PARSERS)} (auto: from the chat template)")
     g.add_argument("--reasoning-parser", help=f"{', '.join(REASONING_PARSERS)}: split <think> reasoning from "
