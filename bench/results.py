@@ -16,7 +16,7 @@ One record (schema 1):
     machine  {"cpu": model name, "isa": the instruction-set flags that matter here, "cores": logical CPUs}
     command  the exact command line (with OMP_NUM_THREADS when set)
     tables   [{"title", "columns", "rows"}]: the figures; numbers as numbers, text where a cell says more
-    notes    [paragraph, ...]: what the figures mean, as measured (optional)
+    notes    [paragraph, ...]: what the figures mean, as measured (optional; links relative to the repository)
     source   "measured" (written by a Run), or "transcribed from README at <commit>" for the history kept in the
              README before bench/results/ existed
     output   what the script printed (measured records)
@@ -32,6 +32,7 @@ import argparse
 import io
 import json
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -189,8 +190,13 @@ def record_markdown(record: dict, level: int = 3) -> list[str]:
             out += [f"**{table['title']}**", ""]
         out += table_markdown(table) + [""]
     for note in record.get("notes") or []:
-        out += [note, ""]
+        out += [_from_docs(note), ""]
     return out
+
+
+def _from_docs(text: str) -> str:
+    """A note's relative links (written from the repository root) as seen from docs/."""
+    return re.sub(r"\]\((?![a-z]+:|#)([^)\s]+)\)", r"](../\1)", text)
 
 
 def render_docs(records: list[dict]) -> str:
