@@ -163,7 +163,7 @@ def gguf_table(args, lengths: list[int], longest: int, cells: list) -> None:
     """SmolLM2's Q4_1 GGUF: transformers, deltaserve packed and fp32, and llama.cpp when given."""
     import llamacpp
 
-    from deltaserve.engine.loader import default_model_path
+    from deltaserve.budget import default_model_path
 
     path = default_model_path()
     peer = llamacpp.tree(args.llama_cpp)
@@ -243,7 +243,7 @@ def write_w4a16_checkpoint(folder: Path, group: int) -> str:
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import QuantizationConfig, apply_quantization_config
 
-    from deltaserve.engine.loader import default_model_path
+    from deltaserve.budget import default_model_path
 
     gguf = default_model_path()
     config = transformers.AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name)

@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from deltaserve.engine.loader import default_model_path
+from deltaserve.budget import default_model_path
 from deltaserve.weights import read_tokenizer
 
 BATCH = 16

@@ -28,7 +28,7 @@ def save_checkpoint(folder: Path) -> Path:
     """The tiny hybrid (seed 0, as hybrid_prefill.py builds it) saved with SmolLM2's tokenizer."""
     from transformers import AutoTokenizer, Qwen3_5ForCausalLM
 
-    from deltaserve.engine.loader import default_model_path
+    from deltaserve.budget import default_model_path
 
     torch.manual_seed(0)
     Qwen3_5ForCausalLM(tiny_hybrid_config()).eval().save_pretrained(folder)

@@ -110,7 +110,7 @@ def llama_cpp_rates(args, ref) -> dict[int, float]:
         return {}
     from transformers import AutoTokenizer
 
-    from deltaserve.engine.loader import default_model_path
+    from deltaserve.budget import default_model_path
 
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp) / "hybrid"

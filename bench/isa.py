@@ -42,7 +42,7 @@ def main(argv=None) -> int:
 
             path = str(save_checkpoint(Path(tmp) / "hybrid"))
         else:
-            from deltaserve.plan import default_model_path
+            from deltaserve.budget import default_model_path
 
             path = str(default_model_path())
         ours = Ours(path, 64, dequantize=False)

@@ -137,7 +137,7 @@ def smollm2():
     """(deltaserve model path, transformers model) for the built-in GGUF."""
     from transformers import AutoModelForCausalLM
 
-    from deltaserve.engine.loader import default_model_path
+    from deltaserve.budget import default_model_path
 
     path = default_model_path()
     ref = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
@@ -149,7 +149,7 @@ def tiny_hybrid(folder: Path):
     from hybrid_prefill import tiny_hybrid_config
     from transformers import Qwen3_5ForCausalLM
 
-    from deltaserve.engine.loader import default_model_path
+    from deltaserve.budget import default_model_path
     from deltaserve.weights import read_tokenizer
 
     torch.manual_seed(0)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from deltaserve.models.spec import spec_from_config
+from deltaserve.budget import spec_from_config
 from deltaserve.models.vision import ImageGrid, VisionTower
 
 CONFIG = Path(__file__).parent.parent / "tests" / "data" / "qwen3_5_27b_w4a16" / "config.json"

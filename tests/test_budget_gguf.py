@@ -4,10 +4,8 @@ import gguf
 import pytest
 import torch
 
-from deltaserve.budget import measure_vs_predicted, plan_budget
+from deltaserve.budget import default_model_path, measure_vs_predicted, plan_budget, spec_from_checkpoint
 from deltaserve.config import EngineConfig, GiB
-from deltaserve.models.spec import spec_from_checkpoint
-from deltaserve.plan import default_model_path
 
 
 @pytest.fixture(scope="module")

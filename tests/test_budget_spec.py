@@ -8,9 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from deltaserve.budget import plan_budget
+from deltaserve.budget import SpecError, parse_quant, plan_budget, spec_from_checkpoint, spec_from_config
 from deltaserve.config import EngineConfig, GiB
-from deltaserve.models.spec import SpecError, parse_quant, spec_from_checkpoint, spec_from_config
 
 FIXTURE = Path(__file__).parent / "data" / "qwen3_5_27b_w4a16" / "config.json"
 TINY_LINEAR = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=12,

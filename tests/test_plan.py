@@ -8,9 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from deltaserve.budget import plan_budget
+from deltaserve.budget import plan_budget, spec_from_config
 from deltaserve.config import EngineConfig, GiB
-from deltaserve.models.spec import spec_from_config
 from deltaserve.plan import main
 
 FIXTURE = Path(__file__).parent / "data" / "qwen3_5_27b_w4a16" / "config.json"

@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from deltaserve.models.spec import spec_from_config
+from deltaserve.budget import spec_from_config
 
 DATA = Path(__file__).parent / "data"
 FIELD = DATA / "qwen3_5_27b_w4a16_int8embed" / "config.json"

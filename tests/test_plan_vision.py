@@ -6,9 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from deltaserve.budget import option_costs, plan_budget
+from deltaserve.budget import option_costs, plan_budget, spec_from_config
 from deltaserve.config import EngineConfig, GiB
-from deltaserve.models.spec import spec_from_config
 from deltaserve.plan import main
 
 FIXTURE = Path(__file__).parent / "data" / "qwen3_5_27b_w4a16" / "config.json"

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from deltaserve.cache.prefix import EVICTION_POLICIES
 from deltaserve.engine.engine import _widened
-from deltaserve.engine.loader import default_model_path
+from deltaserve.budget import default_model_path
 from deltaserve.engine.request import SamplingParams
 from deltaserve.weights.gguf import read_gguf_tokenizer
 from test_engine_support import HYBRID_VOCAB, engine, make_hybrid_checkpoint, random_prompt, tokens_of

@@ -150,7 +150,7 @@ def test_grammar_masks_only_constrained_rows():
     import jsonschema
 
     from deltaserve.engine.grammar import Grammars
-    from deltaserve.engine.loader import default_model_path
+    from deltaserve.budget import default_model_path
     from deltaserve.text.structured import schema_grammar
     from deltaserve.weights import read_tokenizer
 

@@ -276,9 +276,8 @@ def test_ledger_weights_line_equals_resident_bytes(case, layout, monkeypatch):
     kept int8), packed (the CPU default: 4-bit codes with a float32 scale and offset per group, where the
     checkpoint stores a 16-bit scale: 6 bytes a group more than on disk) and torch's int4 layout (CUDA, bfloat16), a
     tied lm_head over the INT8 embedding multiplying its codes (no bytes of its own)."""
-    from deltaserve.budget import plan_budget
+    from deltaserve.budget import plan_budget, spec_from_checkpoint
     from deltaserve.models.layers import Int4Linear, TorchInt4Linear
-    from deltaserve.models.spec import spec_from_checkpoint
 
     name, _, _, ckpt, state = case
     model, config, kind = load_as(ckpt.path, layout, monkeypatch)
@@ -320,9 +319,8 @@ def test_plan_from_config_alone_prices_what_a_load_holds(case, layout):
     loader holds it (weights/held.py: packed with a float32 scale and offset, an INT8 embedding int8, a tied head
     its own weight), not at its checkpoint size: its weights line equals the header ledger's, which the test above
     holds to the resident bytes."""
-    from deltaserve.budget import plan_budget
+    from deltaserve.budget import plan_budget, spec_from_checkpoint, spec_from_config
     from deltaserve.config import EngineConfig
-    from deltaserve.models.spec import spec_from_checkpoint, spec_from_config
 
     name, _, _, ckpt, _ = case
     kind = "cuda" if layout == "torch_int4" else "cpu"
@@ -340,10 +338,9 @@ def test_sixteen_bit_scales_are_held_as_stored(tmp_path, layout, monkeypatch):
     the ledger's price), not widened with the floating-point tensors; the result equals the float32-scale load of the
     same (bfloat16-representable) scales to float32 rounding, and the ledger's weights line equals the resident
     bytes in the packed layout and in torch's int4 layout."""
-    from deltaserve.budget import plan_budget
+    from deltaserve.budget import plan_budget, spec_from_checkpoint
     from deltaserve.engine.loader import load_model
     from deltaserve.models.layers import Int4Linear, TorchInt4Linear
-    from deltaserve.models.spec import spec_from_checkpoint
     from safetensors.torch import load_file
 
     wide = tmp_path / "f32"

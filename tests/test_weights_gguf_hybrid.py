@@ -16,7 +16,7 @@ from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
 from deltaserve.models import build_model
 from deltaserve.models.batch import allocate_caches, single_sequence_batch
-from deltaserve.models.spec import spec_from_checkpoint
+from deltaserve.budget import spec_from_checkpoint
 from deltaserve.weights import load_checkpoint
 from deltaserve.weights.gguf_int4 import int4_codes
 

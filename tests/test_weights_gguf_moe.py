@@ -178,8 +178,7 @@ def test_packed_experts_equal_the_dequantized_model(four_bit):
 def test_ledger_weights_line_equals_resident_bytes(four_bit, layout, monkeypatch):
     """Stacked experts too: each expert's matrix priced as the loader holds it (torch's int4 layout on CUDA in
     bfloat16 where its kernel takes it)."""
-    from deltaserve.budget import plan_budget
-    from deltaserve.models.spec import spec_from_checkpoint
+    from deltaserve.budget import plan_budget, spec_from_checkpoint
     from test_weights_compressed_tensors import load_as, resident_bytes
 
     model, config, kind = load_as(four_bit, layout, monkeypatch)

@@ -172,9 +172,8 @@ def test_ledger_weights_line_equals_resident_bytes(tiny_qwen3, layout, monkeypat
     packed, each module holds half a byte a weight and a float32 scale and offset per group, not the checkpoint's
     float16 scale, packed zero and int32 g_idx; in torch's int4 layout (CUDA, bfloat16), a bfloat16 scale and zero
     per group and the same input permutation."""
-    from deltaserve.budget import plan_budget
+    from deltaserve.budget import plan_budget, spec_from_checkpoint, spec_from_config
     from deltaserve.models.layers import Int4Linear, TorchInt4Linear
-    from deltaserve.models.spec import spec_from_checkpoint, spec_from_config
     from tests.test_weights_compressed_tensors import load_as, resident_bytes
 
     folder, _, kind_of_file = tiny_qwen3

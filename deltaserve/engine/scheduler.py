@@ -189,7 +189,7 @@ class Scheduler:
 
     def _scores_fit(self, cached: int, rows: int) -> bool:
         """Whether `rows` prompt rows after `cached` stay within the attention workspace the ledger prices: the
-        scores of one chunk over the longest context (budget.py's attention line)."""
+        scores of one chunk over the longest context (budget/lines.py's attention line)."""
         return rows * (cached + rows) <= self.prefill_chunk_tokens * self.policy.context_length
 
     def _reserve_snapshots(self, prefill: list[tuple[Request, int]]) -> list[tuple[Request, int, int]]:

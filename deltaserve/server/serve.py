@@ -108,9 +108,8 @@ def run(args: argparse.Namespace) -> int:
 
 def _expected_errors() -> tuple[type[Exception], ...]:
     """Bad settings or a bad checkpoint: one line on stderr, exit code 2 (as the `deltaserve` CLI does)."""
-    from deltaserve.budget import BudgetError
+    from deltaserve.budget import BudgetError, SpecError
     from deltaserve.models import UnsupportedModelError
-    from deltaserve.models.spec import SpecError
     from deltaserve.weights import CheckpointError
 
     return ConfigError, BudgetError, UnsupportedModelError, CheckpointError, SpecError

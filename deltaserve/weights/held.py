@@ -1,5 +1,5 @@
 """What the loader holds for each quantized module of a safetensors checkpoint, from its headers alone: the ledger's
-weights line (models/spec.py) must equal the bytes the loaded model keeps, not the bytes on disk.
+weights line (budget/headers.py) must equal the bytes the loaded model keeps, not the bytes on disk.
 
 On CPU with 4-bit matrices packed (the default), loading keeps
 - a 4-bit linear (compressed-tensors, GPTQ, AWQ) whose shape and group the kernel takes as kernels/int4.held_bytes:
@@ -102,7 +102,7 @@ def module_held_bytes(n: int, k: int, group: int, bits: int, embedding: bool, ac
                       symmetric_scale_bytes: int | None = None, torch_int4: bool = False) -> int | None:
     """Bytes one quantized [n, k] module (`group` inputs a scale; k: per channel) is held in when not as floats (the
     module docstring's rules); None: dequantized to the compute dtype. The one price the checkpoint-header ledger
-    (held_rows) and the config-only estimate (models/spec.spec_from_config) both use. `symmetric_scale_bytes`: a
+    (held_rows) and the config-only estimate (budget/spec.spec_from_config) both use. `symmetric_scale_bytes`: a
     symmetric compressed-tensors module's stored scale size (kept as stored, no offsets); None: float32 scale and
     offset. `torch_int4`: the price on CUDA in bfloat16, where torch's int4 layout holds the 4-bit matrices its
     kernel takes (kernels/int4_torch.py)."""

@@ -1,0 +1,243 @@
+"""A model's memory spec from its checkpoint's headers: exact bytes from safetensors headers or GGUF tensor infos,
+without touching tensor data; each tensor priced as the loader holds it (weights/held.py, weights/gguf.py).
+
+The headers are read by weights/' own readers (a GGUF is parsed once for the spec and the load); this module
+imports them inside its functions, so importing budget/ costs no torch.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import struct
+from pathlib import Path
+
+from deltaserve.budget.errors import SpecError
+from deltaserve.budget.quant import config_bits, describe_config_quant
+from deltaserve.budget.spec import ModelMemorySpec, WeightGroup, spec_from_config, spec_shape
+
+FLOAT_DTYPES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2}
+VISION_RE = re.compile(r"(^|\.)(visual|vision_tower|vision_model)\.")
+MTP_RE = re.compile(r"^(model\.)?mtp\.")
+GGUF_ARCHS = {"llama": "llama", "qwen3": "qwen3", "qwen35": "qwen3_5_text", "qwen35moe": "qwen3_5_moe_text",
+              "qwen3next": "qwen3_next"}
+
+
+def spec_from_checkpoint(path: str | Path) -> ModelMemorySpec:
+    """Exact weight bytes from a checkpoint folder (safetensors), a .gguf file, or an estimate from a config.json."""
+    path = Path(path)
+    if not path.exists():
+        raise SpecError(f"{path}: no such file or folder")
+    if path.is_file() and path.suffix == ".gguf":
+        return _spec_from_gguf(path)
+    if path.is_file():
+        return spec_from_config(_read_json(path))
+    ggufs = sorted(path.glob("*.gguf"))
+    if not (path / "config.json").exists() and len(ggufs) == 1:
+        return _spec_from_gguf(ggufs[0])
+    config = _read_json(path / "config.json")
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        return spec_from_config(config)
+    spec, _ = spec_shape(config)
+    bits = config_bits(config)
+    spec.weight_groups = _groups_from_tensors(_held_safetensors(config, files, bits, spec.tie_word_embeddings))
+    _int8_embedding_held(spec, files)
+    spec.weight_source = "checkpoint headers"
+    spec.quantization = describe_config_quant(config)
+    return spec
+
+
+def _held_safetensors(config: dict, files: list[Path], bits: int, tied: bool) -> list[tuple]:
+    """Rows of `_safetensors_tensors` over all files, each quantized module priced as the loader holds it."""
+    from deltaserve.weights.held import held_rows
+    from deltaserve.weights.hf import read_safetensors_header
+
+    rows = [t for f in files for t in _safetensors_tensors(f, bits)]
+    shapes = {name: entry[1] for f in files for name, entry in read_safetensors_header(f).items()}
+    return held_rows(config, rows, shapes, tied)
+
+
+def _int8_embedding_held(spec: ModelMemorySpec, files: list[Path]) -> None:
+    """With dequantize_weights, an 8-bit compressed-tensors embedding stays int8 (models/layers.Int8Embedding): one
+    byte a weight plus a float32 scale and offset per group, not params x dtype; a tied lm_head over a 4-bit embedding
+    shares its dequantized table, and one over an int8-held embedding multiplies its codes (weights/held.py: 0
+    bytes)."""
+    from deltaserve.weights.hf import read_safetensors_header
+
+    head = next((g for g in spec.weight_groups if g.name == "lm_head"), None)
+    if head is not None and head.stored_bytes == 0 and not head.float_params:
+        head.held_dequantized_bytes = 0  # tied: it shares the embedding's dequantized table or its int8 codes
+    index = {name: entry for f in files for name, entry in read_safetensors_header(f).items()}
+    embedding = next((g for g in spec.weight_groups if g.name == "embedding"), None)
+    scale = next((n for n in index if n.endswith("embed_tokens.weight_scale")), None)
+    if embedding is None or scale is None:
+        return
+    stem = scale[: -len("weight_scale")]
+    packed, plain = index.get(stem + "weight_packed"), index.get(stem + "weight")
+    if packed is not None:
+        eight_bit = packed[2] == embedding.params  # 8 bits a weight: as many bytes as weights
+    else:
+        eight_bit = plain is not None and plain[0] == "I8"
+    if eight_bit:
+        embedding.held_dequantized_bytes = embedding.params + math.prod(index[scale][1]) * 2 * 4
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise SpecError(f"{path}: missing (a model folder needs a config.json)") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise SpecError(f"{path}: not valid JSON ({e})") from None
+
+
+def _safetensors_tensors(path: Path, bits: int):
+    """(name, params, stored_bytes, is_float) per tensor from the header alone (8-byte length + JSON)."""
+    with path.open("rb") as f:
+        raw = f.read(8)
+        if len(raw) != 8:
+            raise SpecError(f"{path}: truncated safetensors file (no header)")
+        (length,) = struct.unpack("<Q", raw)
+        if length > 100 * 1024**2 or length > path.stat().st_size - 8:
+            raise SpecError(f"{path}: corrupt safetensors header length {length}")
+        try:
+            header = json.loads(f.read(length))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise SpecError(f"{path}: corrupt safetensors header ({e})") from None
+        header.pop("__metadata__", None)
+        for name, info in header.items():
+            start, end = info["data_offsets"]
+            numel = math.prod(info["shape"])
+            dtype = info["dtype"]
+            if dtype in FLOAT_DTYPES and not _is_quant_part(name):
+                yield name, numel, end - start, True
+                continue
+            if name.endswith(".weight_shape"):
+                f.seek(8 + length + start)
+                shape = struct.unpack(f"<{numel}q", f.read(end - start)) if dtype == "I64" else ()
+                params = math.prod(shape) if shape else 0
+            elif name.endswith(("weight_packed", "qweight")) and not _has_shape(header, name):
+                params = numel * 32 // bits
+            elif name.endswith(".weight") or dtype.startswith("F8"):
+                params = numel
+            else:
+                params = 0  # scales, zero points, group indices: part of their weight
+            yield name, params, end - start, False
+
+
+def _is_quant_part(name: str) -> bool:
+    return name.endswith(("weight_scale", "weight_zero_point", "weight_global_scale", "input_scale", ".scales",
+                          ".qzeros", ".g_idx"))
+
+
+def _has_shape(header: dict, name: str) -> bool:
+    return name.endswith("weight_packed") and name[: -len("weight_packed")] + "weight_shape" in header
+
+
+def _group_of(name: str) -> str:
+    if VISION_RE.search(name) or name.startswith("v.") or name.startswith("mm."):
+        return "vision"
+    if MTP_RE.match(name) or ".nextn." in name:
+        return "mtp"
+    if "embed_tokens" in name or name.startswith("token_embd"):
+        return "embedding"
+    if name.startswith("lm_head") or name.startswith("output."):
+        return "lm_head"
+    return "layers"
+
+
+def _groups_from_tensors(tensors) -> list[WeightGroup]:
+    """Groups from (name, params, stored bytes, held as floats?[, bytes held packed[, the same on CUDA in bfloat16]])
+    per tensor."""
+    groups: dict[str, WeightGroup] = {}
+    for name, params, nbytes, is_float, *held in tensors:
+        key = _group_of(name)
+        g = groups.setdefault(key, WeightGroup(key, 0, 0, 0, 0, excluded=key in ("vision", "mtp"), torch_int4_bytes=0))
+        g.params += params
+        g.stored_bytes += nbytes
+        if is_float:
+            g.float_params += params
+        else:
+            g.quantized_bytes += held[0] if held else nbytes
+            g.torch_int4_bytes += held[-1] if held else nbytes
+    order = ("embedding", "lm_head", "layers", "vision", "mtp")
+    return [groups[k] for k in order if k in groups]
+
+
+def _spec_from_gguf(path: Path) -> ModelMemorySpec:
+    """Config synthesized from the GGUF metadata ({arch}.* keys); weight bytes from the tensor infos."""
+    from deltaserve.weights import CheckpointError
+    from deltaserve.weights.gguf import open_gguf  # the loader's reader (parsed once for the spec and the load)
+
+    try:
+        reader = open_gguf(path)
+    except CheckpointError as e:
+        raise SpecError(f"{path}: not a readable GGUF file ({e.problem})") from None
+    meta = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("tokenizer.")}
+    if "tokenizer.ggml.tokens" in reader.fields:
+        meta["tokenizer.ggml.token_count"] = len(reader.fields["tokenizer.ggml.tokens"].data)
+    arch = meta.get("general.architecture")
+    if arch not in GGUF_ARCHS:
+        raise SpecError(f"{path}: GGUF architecture {arch!r} is not supported: supported are {', '.join(GGUF_ARCHS)}")
+    names = {t.name for t in reader.tensors}
+    spec, _ = spec_shape(gguf_config(meta, names))
+    spec.weight_groups = _groups_from_tensors(_gguf_held(t) for t in reader.tensors)
+    spec.weight_source = "checkpoint headers"
+    spec.quantization = "gguf " + ", ".join(sorted({t.tensor_type.name for t in reader.tensors}))
+    return spec
+
+
+def _gguf_held(t) -> tuple:
+    """(name, params, stored bytes, held as floats?, bytes held packed[, on CUDA in bfloat16]) of one GGUF tensor.
+
+    What weights/gguf.py keeps packed (kernels/int4.py: half a byte per weight, per 32 the block's float16 scale (and
+    Q4_1's float16 offset) or float32 products of two scales (Q4_K, IQ4_XS), the level table of IQ4_NL / IQ4_XS; a
+    Q8_0 embedding a byte per weight plus a float32 scale and offset per 32, shared by a tied lm_head) is counted at
+    that size; the rest in the compute dtype. On CUDA in bfloat16 the affine 4-bit matrices torch's int4 kernel takes
+    are held in its layout (gguf.int4_torch_held_bytes)."""
+    from deltaserve.weights.gguf import int4_held_bytes, int4_torch_held_bytes, int8_held_bytes, kept_int4, kept_int8
+
+    params, shape = int(t.n_elements), tuple(int(d) for d in reversed(t.shape))
+    if kept_int4(t.tensor_type, t.name, shape):
+        matrices = shape[0] if len(shape) == 3 else 1  # stacked experts: one packed matrix each
+        return (t.name, params, int(t.n_bytes), False, int4_held_bytes(params, t.tensor_type, matrices),
+                int4_torch_held_bytes(shape, t.tensor_type))
+    if kept_int8(t.tensor_type, t.name, shape):
+        return t.name, params, int(t.n_bytes), False, int8_held_bytes(params)
+    return t.name, params, int(t.n_bytes), True
+
+
+def gguf_config(meta: dict, tensor_names: set[str]) -> dict:
+    """A HF-style config dict from GGUF metadata values (key -> contents())."""
+    arch = meta["general.architecture"]
+
+    def key(name, default=None):
+        value = meta.get(f"{arch}.{name}", default)
+        return max(value) if isinstance(value, list) else value  # per-layer arrays (hybrids): the attention value
+
+    hidden, heads = key("embedding_length"), key("attention.head_count")
+    vocab = key("vocab_size") or meta.get("tokenizer.ggml.token_count") or len(meta.get("tokenizer.ggml.tokens", []))
+    config = {
+        "model_type": GGUF_ARCHS[arch], "hidden_size": hidden, "num_hidden_layers": key("block_count"),
+        "intermediate_size": key("feed_forward_length") or key("expert_shared_feed_forward_length") or 0, "num_attention_heads": heads,
+        "num_key_value_heads": key("attention.head_count_kv", heads),
+        "head_dim": key("attention.key_length") or hidden // heads, "vocab_size": vocab,
+        "max_position_embeddings": key("context_length", 4096),
+        "tie_word_embeddings": "output.weight" not in tensor_names,
+    }
+    if arch in ("qwen35", "qwen35moe", "qwen3next"):
+        # llama.cpp's converter: d_state = key head dim, n_group = key heads, dt_rank = value heads.
+        for name in ("ssm.conv_kernel", "ssm.state_size", "ssm.group_count", "ssm.time_step_rank", "ssm.inner_size"):
+            if key(name) is None:
+                raise SpecError(f"GGUF metadata lacks {arch}.{name}, which a {arch} model needs")
+        v_heads = key("ssm.time_step_rank")
+        config.update(linear_conv_kernel_dim=key("ssm.conv_kernel"), linear_key_head_dim=key("ssm.state_size"),
+                      linear_num_key_heads=key("ssm.group_count"), linear_num_value_heads=v_heads,
+                      linear_value_head_dim=key("ssm.inner_size") // v_heads,
+                      full_attention_interval=key("full_attention_interval", 4))
+        recurrent = meta.get(f"{arch}.attention.recurrent_layers")
+        if recurrent:  # the converter's per-layer truth; its full_attention_interval may be a default
+            config["layer_types"] = ["linear_attention" if r else "full_attention" for r in recurrent]
+    return config
