@@ -15,7 +15,7 @@ codes, half a byte a weight, and per group a bfloat16 scale and zero (4 bytes, t
 operand), or for a symmetric weight the bfloat16 scale alone (2 bytes, as the field's W4A16 checkpoint stores it: its
 zeros are all 0, and the operand is made per call, one small kernel and a transient 4 bytes a group, so torch's layout
 costs the card no byte more than the packed one). `held_bytes` is the price the ledger uses (weights/held.py,
-models/spec.py).
+budget/headers.py).
 """
 
 from __future__ import annotations
