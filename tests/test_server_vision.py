@@ -14,7 +14,7 @@ from safetensors import safe_open
 
 from deltaserve.images import ImageLimits, PreprocessorSettings, preprocess
 from deltaserve.engine.multimodal import expand_prompt
-from deltaserve.text.tokenizer import Tokenizer
+from deltaserve.weights.hf import read_hf_tokenizer
 from server_util import assert_openai_error, running_server
 from vision_support import (IMAGE, MERGE, SPECIAL, VISION_END, VISION_START, make_multimodal_checkpoint,
                             oracle_inputs, picture, png)
@@ -49,7 +49,7 @@ def image_message(text: str, *urls: str) -> dict:
 
 def oracle_answer(folder, ref, text: str, images) -> str:
     """transformers' greedy answer to the chat the server renders: template, placeholders widened, full forward."""
-    tok = Tokenizer.from_hf_dir(folder)
+    tok = read_hf_tokenizer(folder)
     marker = SPECIAL[VISION_START] + SPECIAL[IMAGE] + SPECIAL[VISION_END]
     ids = tok.encode_chat([{"role": "user", "content": text + marker * len(images)}])
     limits = ImageLimits(max_pixels=9216)

@@ -10,8 +10,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from deltaserve.text.tokenizer import ChatTemplateError, IncrementalDetokenizer, StopStringMatcher, Tokenizer
+from deltaserve.text.tokenizer import ChatTemplateError, IncrementalDetokenizer, StopStringMatcher
 from deltaserve.weights import CheckpointError, read_tokenizer
+from deltaserve.weights.hf import read_hf_tokenizer
 
 transformers = pytest.importorskip("transformers")
 
@@ -57,7 +58,7 @@ def hf_dir(tmp_path_factory, gguf_pair):
 
 @pytest.fixture(scope="module")
 def hf_pair(hf_dir):
-    return Tokenizer.from_hf_dir(hf_dir), transformers.AutoTokenizer.from_pretrained(hf_dir)
+    return read_hf_tokenizer(hf_dir), transformers.AutoTokenizer.from_pretrained(hf_dir)
 
 
 def digit_isolated_reference(reference, text: str) -> list[int]:
@@ -158,7 +159,7 @@ def bos_dir(tmp_path_factory, hf_dir):
 
 
 def test_template_features_and_bos(bos_dir):
-    ours, reference = Tokenizer.from_hf_dir(bos_dir), transformers.AutoTokenizer.from_pretrained(bos_dir)
+    ours, reference = read_hf_tokenizer(bos_dir), transformers.AutoTokenizer.from_pretrained(bos_dir)
     messages = MESSAGES + [{"role": "assistant", "content": "x", "reasoning_content": "thought"}, *MESSAGES]
     tools = [{"type": "function", "function": {"name": "météo", "parameters": {}}}]
     for kwargs in ({}, {"tools": tools}):
@@ -177,7 +178,7 @@ def test_template_features_and_bos(bos_dir):
 
 def test_no_chat_template(hf_dir, tmp_path):
     (tmp_path / "tokenizer.json").write_text((hf_dir / "tokenizer.json").read_text())
-    tokenizer = Tokenizer.from_hf_dir(tmp_path)
+    tokenizer = read_hf_tokenizer(tmp_path)
     assert tokenizer.chat_template is None
     with pytest.raises(ChatTemplateError, match="no chat template"):
         tokenizer.apply_chat_template(MESSAGES)
@@ -185,10 +186,10 @@ def test_no_chat_template(hf_dir, tmp_path):
 
 def test_bad_tokenizer_files(tmp_path):
     with pytest.raises(CheckpointError, match="no tokenizer.json"):
-        Tokenizer.from_hf_dir(tmp_path)
+        read_hf_tokenizer(tmp_path)
     (tmp_path / "tokenizer.json").write_text("{not json")
     with pytest.raises(CheckpointError) as info:
-        Tokenizer.from_hf_dir(tmp_path)
+        read_hf_tokenizer(tmp_path)
     assert "tokenizer.json" in str(info.value) and "\n" not in str(info.value)
 
 

@@ -1,14 +1,15 @@
 """Text <-> token ids: the tokenizer, chat templates, streaming detokenization, stop strings.
 
 A `Tokenizer` wraps a `tokenizers.Tokenizer` (from an HF `tokenizer.json`, or built from GGUF
-metadata by deltaserve.weights.gguf) and renders chat templates the way transformers does.
+metadata by deltaserve.weights.gguf) and renders chat templates the way transformers does. Reading
+a checkpoint's files is weights/' job (weights/hf.read_hf_tokenizer hands `from_hf` their contents):
+text/ imports nothing of ours but config.
 """
 
 import bisect
 import json
 import re
 from datetime import datetime
-from pathlib import Path
 
 import jinja2
 import jinja2.ext
@@ -16,8 +17,6 @@ import jinja2.nodes
 import tokenizers
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import processors
-
-from deltaserve.weights.errors import CheckpointError
 
 REPLACEMENT_CHAR = "\ufffd"
 # Names a message's reasoning may come under; templates read the first (as transformers aliases them).
@@ -77,29 +76,21 @@ class Tokenizer:
         self._added = {i: t.content for i, t in backend.get_added_tokens_decoder().items()}
 
     @classmethod
-    def from_hf_dir(cls, path: str | Path) -> "Tokenizer":
-        """Read tokenizer.json, tokenizer_config.json, chat_template.jinja and the eos ids of an HF folder."""
-        folder = Path(path)
-        tokenizer_file = folder / "tokenizer.json"
-        if not tokenizer_file.is_file():
-            raise CheckpointError(folder, "no tokenizer.json (only fast tokenizers are supported)")
-        try:
-            backend = tokenizers.Tokenizer.from_file(str(tokenizer_file))
-        except Exception as e:
-            raise CheckpointError(tokenizer_file, f"not a valid tokenizer.json: {e}") from e
-        config = _read_json(folder / "tokenizer_config.json")
-        specials = _read_json(folder / "special_tokens_map.json")
+    def from_hf(cls, backend: tokenizers.Tokenizer, config: dict, specials: dict, chat_template_jinja: str | None,
+                model_configs: list[dict]) -> "Tokenizer":
+        """A tokenizer from an HF folder's files as weights/ read them: the backend (tokenizer.json), the JSON objects
+        of tokenizer_config.json and special_tokens_map.json ({} when absent), chat_template.jinja (None when absent)
+        and generation_config.json, config.json (for the eos ids)."""
         names = ("bos_token", "eos_token", "unk_token", "pad_token")
         tokens = {name: _token_content(config.get(name, specials.get(name))) for name in names}
-        chat_template = _hf_chat_template(folder, config)
+        chat_template = chat_template_jinja if chat_template_jinja is not None else _config_chat_template(config)
         # tokenizer.json's post-processor decides BOS/EOS (as in transformers 5); the flags only fill a gap.
         if backend.post_processor is None:
             backend.post_processor = bos_eos_processor(
                 tokens["bos_token"] if config.get("add_bos_token") else None,
                 tokens["eos_token"] if config.get("add_eos_token") else None, backend)
         eos_ids = []
-        for name in ("generation_config.json", "config.json"):
-            meta = _read_json(folder / name)
+        for meta in model_configs:
             eos_ids += _as_id_list(meta.get("eos_token_id"))
             eos_ids += _as_id_list(meta.get("text_config", {}).get("eos_token_id"))
         return cls(backend, **tokens, eos_token_ids=eos_ids, chat_template=chat_template)
@@ -315,29 +306,13 @@ def _byte_decoder_of(backend: tokenizers.Tokenizer) -> dict[str, int] | None:
     return {char: byte for byte, char in bytes_to_unicode().items()}
 
 
-def _hf_chat_template(folder: Path, config: dict) -> str | None:
-    """chat_template.jinja (transformers 5) or tokenizer_config.json's `chat_template`."""
-    jinja_file = folder / "chat_template.jinja"
-    if jinja_file.is_file():
-        return jinja_file.read_text(encoding="utf-8")
+def _config_chat_template(config: dict) -> str | None:
+    """tokenizer_config.json's `chat_template` (where a folder has no chat_template.jinja, transformers 5's file)."""
     template = config.get("chat_template")
     if isinstance(template, list):  # named templates: [{"name": "default", "template": ...}, ...]
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
         template = named.get("default", next(iter(named.values()), None))
     return template
-
-
-def _read_json(path: Path) -> dict:
-    """A JSON object from `path`, {} when the file is absent."""
-    if not path.is_file():
-        return {}
-    try:
-        value = json.loads(path.read_text(encoding="utf-8"))
-    except (ValueError, UnicodeDecodeError) as e:
-        raise CheckpointError(path, f"not valid JSON: {e}") from e
-    if not isinstance(value, dict):
-        raise CheckpointError(path, f"expected a JSON object, got {type(value).__name__}")
-    return value
 
 
 def _token_content(token) -> str | None:

@@ -81,4 +81,4 @@ def read_config(path: str | Path) -> dict:
 def read_tokenizer(path: str | Path) -> Tokenizer:
     """The tokenizer of a checkpoint without loading tensors."""
     kind, path = checkpoint_kind(path)
-    return gguf.read_gguf_tokenizer(path) if kind == "gguf" else Tokenizer.from_hf_dir(path)
+    return gguf.read_gguf_tokenizer(path) if kind == "gguf" else hf.read_hf_tokenizer(path)

@@ -4,6 +4,7 @@ import json
 import struct
 from pathlib import Path
 
+import tokenizers
 import torch
 from safetensors import safe_open
 
@@ -31,6 +32,25 @@ def read_json(path: Path, *, required: bool) -> dict:
     if not isinstance(value, dict):
         raise CheckpointError(path, f"expected a JSON object, got {type(value).__name__}")
     return value
+
+
+def read_hf_tokenizer(folder: str | Path) -> Tokenizer:
+    """The tokenizer of an HF folder: tokenizer.json, tokenizer_config.json, special_tokens_map.json,
+    chat_template.jinja, and the eos ids of generation_config.json and config.json."""
+    folder = Path(folder)
+    tokenizer_file = folder / "tokenizer.json"
+    if not tokenizer_file.is_file():
+        raise CheckpointError(folder, "no tokenizer.json (only fast tokenizers are supported)")
+    try:
+        backend = tokenizers.Tokenizer.from_file(str(tokenizer_file))
+    except Exception as e:
+        raise CheckpointError(tokenizer_file, f"not a valid tokenizer.json: {e}") from e
+    config = read_json(folder / "tokenizer_config.json", required=False)
+    specials = read_json(folder / "special_tokens_map.json", required=False)
+    jinja_file = folder / "chat_template.jinja"
+    chat_template = jinja_file.read_text(encoding="utf-8") if jinja_file.is_file() else None
+    model_configs = [read_json(folder / name, required=False) for name in ("generation_config.json", "config.json")]
+    return Tokenizer.from_hf(backend, config, specials, chat_template, model_configs)
 
 
 def read_hf_config(folder: Path) -> dict:
@@ -106,7 +126,7 @@ def load_hf(folder: Path, dtype: torch.dtype, skip_prefixes: tuple[str, ...], ke
     check_quant_method(config, folder)
     generation_config = read_json(folder / "generation_config.json", required=False)
     files = safetensors_files(folder)
-    tokenizer = Tokenizer.from_hf_dir(folder)
+    tokenizer = read_hf_tokenizer(folder)
     headers = [read_safetensors_header(file) for file in files]  # a clear message for a truncated shard first
     decoder = _decoder(config, folder, dtype, keep_int4)
     kept = [name for header in headers for name in header if not _skipped(name, skip_prefixes)]
