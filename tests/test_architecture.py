@@ -1,0 +1,177 @@
+"""The import graph keeps DESIGN's arrows: no circle, leaves that stay leaves, arrows that point down.
+
+Every module under deltaserve/ is parsed with ast (an import inside a function counts as much as one at the top)
+and its imports of deltaserve resolved to modules. A "unit" is a top-level module (config, cli, plan, images) or
+package (budget, text, engine, ...) directly under deltaserve/.
+
+The rules, in DESIGN.md's words:
+  (a) no import circle: not between modules (a module and the __init__ of its own package aside: importing
+      a submodule runs its package's __init__, and the __init__ re-exports it), and not between units;
+  (b) text/ is a leaf: it imports nothing of ours but config;
+  (c) config.py imports nothing of ours; budget/ imports config and weights/ only (weights/ reads the checkpoint
+      headers and knows what a load holds, budget/ does the arithmetic on them; rule (a) keeps weights/ and all
+      it imports from ever importing budget/ back, so everyone above weights/ may import budget/);
+  (d) arrows point down deploy -> server -> engine -> (cache, models, text) -> kernels, never up; nothing imports
+      server/ but deploy/ and cli, nothing imports deploy/ or the plan command but cli (so `plan` and `deploy`
+      never import each other: both use budget/).
+"""
+
+from __future__ import annotations
+
+import ast
+from collections import defaultdict
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "deltaserve"
+
+# (c), (b): what a leaf may import of ours, by unit
+LEAVES = {
+    "config": set(),
+    "text": {"config"},
+    "budget": {"config", "weights"},
+}
+# (d): DESIGN's arrows; an import may point at its own tier or a lower one. Units not named here (budget, config,
+# weights, images, stress, cli, plan) are bound by the other rules only.
+TIERS = {"deploy": 4, "server": 3, "engine": 2, "cache": 1, "models": 1, "text": 1, "kernels": 0}
+# (d): the only units that may import these
+IMPORTED_ONLY_BY = {
+    "server": {"deploy", "cli"},
+    "deploy": {"cli"},
+    "plan": {"cli"},
+}
+# (d): arrows that break a rule today, each with the file, the issue that removes it, and why it waits. Entries are
+# (importing module, imported unit). None today.
+ALLOWED: set[tuple[str, str]] = set()
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _modules() -> dict[str, Path]:
+    return {_module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def _imports(name: str, path: Path, known: set[str]) -> set[str]:
+    """The deltaserve modules `name` imports anywhere in its file (function bodies included)."""
+    is_package = path.name == "__init__.py"
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = name.split(".")
+                base = base[: len(base) - node.level + (1 if is_package else 0)]
+                module = ".".join(base + ([node.module] if node.module else []))
+            else:
+                module = node.module or ""
+            # `from deltaserve.x import y` imports the module x.y when there is one, else a name of x
+            targets = [f"{module}.{alias.name}" if f"{module}.{alias.name}" in known else module
+                       for alias in node.names]
+        else:
+            continue
+        for target in targets:
+            while target and target not in known:  # `import a.b.c` of a name inside a module: its module
+                target = target.rpartition(".")[0]
+            if target.startswith("deltaserve.") and target != name:
+                found.add(target)
+    return found
+
+
+def _unit(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = _modules()
+    known = set(modules)
+    return {name: _imports(name, path, known) for name, path in modules.items()}
+
+
+def _circles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one node (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in edges.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def _own_package(a: str, b: str) -> bool:
+    """b is a package whose __init__ a lives under, or the other way round."""
+    return a.startswith(b + ".") or b.startswith(a + ".")
+
+
+def _arrows(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
+    """(importing module, imported unit) for every import across units."""
+    return sorted({(m, _unit(t)) for m, targets in graph.items() for t in targets if _unit(t) != _unit(m)})
+
+
+def test_no_circle_between_modules():
+    graph = _graph()
+    edges = {m: {t for t in targets if not _own_package(m, t)} for m, targets in graph.items()}
+    circles = _circles(edges)
+    assert not circles, "import circles: " + "; ".join(" <-> ".join(c) for c in circles)
+
+
+def test_no_circle_between_units():
+    edges = defaultdict(set)
+    for module, unit in _arrows(_graph()):
+        edges[_unit(module)].add(unit)
+    circles = _circles(edges)
+    assert not circles, "import circles between units: " + "; ".join(" <-> ".join(c) for c in circles)
+
+
+def test_leaves_import_only_what_they_may():
+    wrong = [f"{m} imports {u}" for m, u in _arrows(_graph())
+             if _unit(m) in LEAVES and u not in LEAVES[_unit(m)] and (m, u) not in ALLOWED]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_arrows_point_down():
+    wrong = []
+    for module, unit in _arrows(_graph()):
+        if (module, unit) in ALLOWED:
+            continue
+        source = _unit(module)
+        if source in TIERS and unit in TIERS and TIERS[unit] > TIERS[source]:
+            wrong.append(f"{module} imports {unit}, which is above it")
+        if unit in IMPORTED_ONLY_BY and source not in IMPORTED_ONLY_BY[unit]:
+            wrong.append(f"{module} imports {unit}, which only {', '.join(sorted(IMPORTED_ONLY_BY[unit]))} may")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_walk_sees_imports_inside_functions():
+    """The graph is not vacuous: a function-level import (cli's lazy commands) is an arrow like any other."""
+    arrows = _arrows(_graph())
+    assert ("deltaserve.cli", "engine") in arrows
+    assert len(_modules()) > 50
