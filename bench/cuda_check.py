@@ -28,6 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import results  # noqa: E402
 from gdn_prefill import SHAPES, make_inputs  # noqa: E402
 from hybrid_prefill import tiny_hybrid_config  # noqa: E402
 
@@ -299,6 +300,7 @@ def main(argv=None) -> int:
                         help="more 4-bit checkpoints for the packed_int4 check (e.g. compressed-tensors folders made "
                              "by tests/test_weights_compressed_tensors.make_checkpoint)")
     args = parser.parse_args(argv)
+    record = results.Run("cuda_check", "The CUDA path on a GPU: kernels, model and engine against the CPU", argv)
     global DEVICE
     DEVICE = args.device
     if DEVICE == "cuda" and not torch.cuda.is_available():
@@ -353,6 +355,9 @@ def main(argv=None) -> int:
                                            for a, b in zip(run["tokens"], cpu)]
             report[f"prefix_{dtype}"] = section(lambda: prefix_hit(folder, prompts[3], dtype))
     print(json.dumps(report, indent=1))
+    record.note(f"The report (the output below, and {out.name} beside this record) on {report['device']}: copy this "
+                f"file into bench/results/ on the machine that keeps the repository.")
+    record.save(Path(args.out))  # the lent machine returns only --out ($OUT)
     return 0
 
 

@@ -38,6 +38,8 @@ from pathlib import Path
 
 import torch
 
+import results
+
 VOCAB_LOW = 1000  # random prompt ids start here, past SmolLM2's special tokens
 
 
@@ -151,15 +153,18 @@ def main(argv=None) -> int:
     cells.append((f"decode {args.decode} (batch 1)", args.decode - 1,
                   lambda side, ids: side.decode(ids, args.decode), prompt(args.decode_prompt, 1), f"tg{args.decode}"))
     ok = True
+    run = results.Run("dense", f"SmolLM2-135M ({args.formats}): prefill and batch-1 decode, deltaserve vs "
+                      f"transformers{' and llama.cpp' if args.llama_cpp else ''}, {args.threads} threads", argv)
     if "gguf" in formats:
-        gguf_table(args, lengths, longest, cells)
+        gguf_table(args, lengths, longest, cells, run)
     if "w4a16" in formats:
         with tempfile.TemporaryDirectory(prefix="w4a16-") as folder:
-            ok = w4a16_table(args, Path(folder), longest, cells)
+            ok = w4a16_table(args, Path(folder), longest, cells, run)
+    run.save()
     return 0 if ok else 1
 
 
-def gguf_table(args, lengths: list[int], longest: int, cells: list) -> None:
+def gguf_table(args, lengths: list[int], longest: int, cells: list, run: results.Run | None = None) -> None:
     """SmolLM2's Q4_1 GGUF: transformers, deltaserve packed and fp32, and llama.cpp when given."""
     import llamacpp
 
@@ -172,28 +177,31 @@ def gguf_table(args, lengths: list[int], longest: int, cells: list) -> None:
              "deltaserve fp32": Ours(str(path), longest, True)}
     if args.bf16_prefill:
         sides["deltaserve bf16-prefill"] = Ours(str(path), longest, False, "bfloat16")
-    print(f"{path.name}, {torch.get_num_threads()} threads, best of {args.repeats} (llama.cpp's runs alternated with "
-          f"ours); tok/s, the ratio to transformers, and deltaserve packed / llama.cpp")
-    decode_rates = run_table(sides, cells, args.repeats, peer_run)
-    print_bytes(sides, decode_rates, args.repeats)
+    title = (f"{path.name}, {torch.get_num_threads()} threads, best of {args.repeats} (llama.cpp's runs alternated "
+             f"with ours); tok/s, the ratio to transformers, and deltaserve packed / llama.cpp")
+    print(title)
+    decode_rates = run_table(sides, cells, args.repeats, peer_run, run=run, title=title)
+    print_bytes(sides, decode_rates, args.repeats, run)
 
 
-def w4a16_table(args, folder: Path, longest: int, cells: list) -> bool:
+def w4a16_table(args, folder: Path, longest: int, cells: list, run: results.Run | None = None) -> bool:
     """The W4A16 compressed-tensors checkpoint packed vs dequantized, then the logits check; False when it fails."""
     started = time.perf_counter()
     source = write_w4a16_checkpoint(folder, args.w4a16_group)
     made = time.perf_counter() - started
     sides = {"deltaserve fp32": Ours(str(folder), longest, True), "deltaserve packed": Ours(str(folder), longest,
                                                                                              False)}
-    print(f"\nW4A16 compressed-tensors, group {args.w4a16_group}, {source} (written by compressed-tensors' "
-          f"compressor in {made:.0f} s), {torch.get_num_threads()} threads, best of {args.repeats}; tok/s, and "
-          f"packed / dequantized (fp32)")
-    decode_rates = run_table(sides, cells, args.repeats, None, peer_column=False)
-    print_bytes(sides, decode_rates, args.repeats)
-    return logits_check(sides["deltaserve packed"], sides["deltaserve fp32"], folder)
+    title = (f"W4A16 compressed-tensors, group {args.w4a16_group}, {source} (written by compressed-tensors' "
+             f"compressor in {made:.0f} s), {torch.get_num_threads()} threads, best of {args.repeats}; tok/s, and "
+             f"packed / dequantized (fp32)")
+    print("\n" + title)
+    decode_rates = run_table(sides, cells, args.repeats, None, peer_column=False, run=run, title=title)
+    print_bytes(sides, decode_rates, args.repeats, run)
+    return logits_check(sides["deltaserve packed"], sides["deltaserve fp32"], folder, run)
 
 
-def run_table(sides: dict, cells: list, repeats: int, peer_run, peer_column: bool = True) -> dict:
+def run_table(sides: dict, cells: list, repeats: int, peer_run, peer_column: bool = True,
+              run: results.Run | None = None, title: str = "") -> dict:
     """Print one row per cell (tok/s per side, the ratio of each to the first side, llama.cpp's best and our first
     packed side's ratio to it); the decode rates by side. peer_run(test) -> llama.cpp's tok/s of one run, or None."""
     width = max(20, *(len(name) + 2 for name in sides))
@@ -205,6 +213,7 @@ def run_table(sides: dict, cells: list, repeats: int, peer_run, peer_column: boo
     for side in sides.values():
         side.prefill(warm)  # warm-up: first-call costs (kernel loads, allocations) out of the timings
     decode_rates = {}
+    rows = []  # the printed table, for the JSON record
     ours = next((name for name in sides if name.endswith("packed")), None)
     for label, tokens, run, ids, peer_key in cells:
         best = {name: float("inf") for name in sides}
@@ -224,16 +233,26 @@ def run_table(sides: dict, cells: list, repeats: int, peer_run, peer_column: boo
                     + (f"{ratio:>8.2f}x" if ratio else f"{'-':>9}"))
         print(f"{label:<22}" + "".join(f"{r:>{width}.1f}" for r in rates)
               + "".join(f"{r / rates[0]:>{ratio_width - 1}.2f}x" for r in rates[1:]) + peer, flush=True)
+        row = [label, *(results.rounded(r) for r in rates), *(results.rounded(r / rates[0], 2) for r in rates[1:])]
+        if peer_column:
+            row += [results.rounded(peer_best) if peer_best else None, results.rounded(ratio, 2) if ratio else None]
+        rows.append(row)
+    if run is not None:
+        run.table(title, ["what, tok/s", *sides, *(f"x {n.split()[-1]}" for n in list(sides)[1:]),
+                          *(["llama.cpp", "x llama.cpp"] if peer_column else [])], rows)
     return decode_rates
 
 
-def print_bytes(sides: dict, decode_rates: dict, repeats: int) -> None:
+def print_bytes(sides: dict, decode_rates: dict, repeats: int, run: results.Run | None = None) -> None:
     for name, side in sides.items():
         if isinstance(side, Ours):
             reached = side.weight_bytes * decode_rates[name] / 1e9
             limit = plain_read_gbps(side.weight_bytes, repeats)
-            print(f"{name}: {side.weight_bytes / 1e6:.1f} MB per decode token, {reached:.1f} GB/s; a plain read "
-                  f"of the same bytes: {limit:.1f} GB/s ({reached / limit:.0%})")
+            line = (f"{name}: {side.weight_bytes / 1e6:.1f} MB per decode token, {reached:.1f} GB/s; a plain read "
+                    f"of the same bytes: {limit:.1f} GB/s ({reached / limit:.0%})")
+            print(line)
+            if run is not None:
+                run.note(line)
 
 
 def write_w4a16_checkpoint(folder: Path, group: int) -> str:
@@ -298,7 +317,7 @@ def minmax_qparams_(model: torch.nn.Module) -> None:
         module.weight_scale.data.copy_(scale)
 
 
-def logits_check(packed: Ours, dequantized: Ours, folder: Path) -> bool:
+def logits_check(packed: Ours, dequantized: Ours, folder: Path, run: results.Run | None = None) -> bool:
     """Packed vs dequantized logits over one 512-token prompt within the W4A16 tests' float32 bound
     (tests/tolerance.py: both sides compute the same weights in float32, in different orders); the decode runs'
     greedy tokens compared. True when the logits hold."""
@@ -314,9 +333,12 @@ def logits_check(packed: Ours, dequantized: Ours, folder: Path) -> bool:
     bound = logits_rtol(config["num_hidden_layers"], max(config["hidden_size"], config["intermediate_size"],
                                                          len(ids)))
     same = packed.tokens == dequantized.tokens
-    print(f"logits check (512-token prompt): max|packed - fp32| / max|fp32| = {error:.2e}, bound {bound:.2e}: "
-          f"{'holds' if error <= bound else 'FAILS'}; the decode runs' greedy tokens "
-          f"{'identical' if same else 'differ'} ({len(packed.tokens)} tokens)")
+    line = (f"logits check (512-token prompt): max|packed - fp32| / max|fp32| = {error:.2e}, bound {bound:.2e}: "
+            f"{'holds' if error <= bound else 'FAILS'}; the decode runs' greedy tokens "
+            f"{'identical' if same else 'differ'} ({len(packed.tokens)} tokens)")
+    print(line)
+    if run is not None:
+        run.note(line)
     return error <= bound
 
 

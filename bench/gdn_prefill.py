@@ -18,6 +18,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+import results
 from deltaserve.kernels import fused_cpu, gated_delta_prefill
 from deltaserve.kernels.gated_delta import CPU_CHUNK_SIZE, chunk_gated_delta_rule, recurrent_gated_delta_rule_step
 
@@ -115,6 +116,7 @@ def main(argv=None):
             print("error: --tune-malloc needs glibc's mallopt", file=sys.stderr)
             return 2
 
+    run = results.Run("gdn_prefill", "GDN layer prefill: chunked kernel vs token loop vs transformers", argv)
     fused = fused_cpu.load(print) is not None
 
     from transformers import Qwen3_5TextConfig
@@ -129,6 +131,7 @@ def main(argv=None):
     print(f"{'shape':>5} {'tokens':>7} {'chunked':>10} {'portable':>9} {'token-loop':>11} {'hf-chunk':>10} "
           f"{'chunk/loop':>11} {'chunk/hf':>9}   (tok/s)")
 
+    rows = []
     for name in shapes:
         shape = SHAPES[name]
         probe = make_inputs(PROBE_TOKENS, shape)
@@ -156,10 +159,19 @@ def main(argv=None):
             cells += [f"{chunked_rate[tokens] / r:{w}.2f}x" if r else f"{'-':>{w + 1}}"
                       for r, w in ((loop_rate, 10), (hf_rate, 8))]
             print(f"{name:>5} {tokens:7d} " + " ".join(cells), flush=True)
+            rows.append([name, tokens, round(chunked_rate[tokens]), round(portable_rate),
+                         round(loop_rate) if loop_rate else None, round(hf_rate) if hf_rate else None,
+                         results.rounded(chunked_rate[tokens] / loop_rate, 2) if loop_rate else None,
+                         results.rounded(chunked_rate[tokens] / hf_rate, 2) if hf_rate else None])
         lo, hi = min(lengths), max(lengths)
         if hi > lo:
             print(f"{name:>5} chunked throughput at {hi} vs {lo} tokens: "
                   f"{100 * chunked_rate[hi] / chunked_rate[lo]:.0f}%")
+    run.table(f"one layer, tok/s; {torch.get_num_threads()} threads, float32, chunk {args.chunk_size or CPU_CHUNK_SIZE}"
+              f", fused C++ kernel: {fused}", ["shape", "tokens", "chunked", "portable", "token loop",
+                                               "transformers' torch chunk", "chunk / loop", "chunk / transformers"],
+              rows)
+    run.save()
     return 0
 
 

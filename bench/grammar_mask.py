@@ -11,6 +11,7 @@ import time
 
 import torch
 
+import results as bench_results
 from deltaserve.budget import default_model_path
 from deltaserve.weights import read_tokenizer
 
@@ -82,6 +83,7 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default=None)
     args = parser.parse_args()
+    record = bench_results.Run("grammar_mask", "Grammar mask cost per step: llguidance vs xgrammar")
     tok = read_tokenizer(args.model or default_model_path())
     ids = tok.encode(ANSWER, add_special_tokens=False)
     print(f"vocab {tok.vocab_size}, answer {len(ids)} tokens, batch {BATCH}, torch threads {torch.get_num_threads()}")
@@ -93,6 +95,9 @@ def main():
               f"per row-token {step_s / BATCH * 1e6:6.1f} us")
     print(f"apply mask to [16, {tok.vocab_size}] logits: {apply_cost_s(tok.vocab_size, bitmask) * 1e6:.1f} us")
     print(f"ratio xgrammar / llguidance per step: {results['xgrammar'] / results['llguidance']:.2f}")
+    record.table(f"batch {BATCH}, vocab {tok.vocab_size}, {torch.get_num_threads()} threads",
+                 ["library", "mask step (16 rows), us"], [[name, round(s * 1e6, 1)] for name, s in results.items()])
+    record.save()
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+import results
 from dense import Ours, plain_read_gbps, prompt
 from hybrid_prefill import tiny_hybrid_config
 
@@ -49,6 +50,7 @@ def main(argv=None) -> int:
         print("error: --decode >= 2, --repeats >= 1", file=sys.stderr)
         return 2
     torch.set_num_threads(args.threads)
+    run = results.Run("hybrid_decode", "Tiny hybrid f32, batch-1 decode, deltaserve vs llama.cpp", argv)
     import llamacpp
 
     peer = llamacpp.tree(args.llama_cpp)
@@ -76,6 +78,13 @@ def main(argv=None) -> int:
     limit = plain_read_gbps(read, args.repeats)
     print(f"{read / 1e6:.1f} MB read per decode token, {reached:.1f} GB/s; a plain read of the same bytes: "
           f"{limit:.1f} GB/s ({reached / limit:.0%})")
+    run.table(f"batch-1 decode of {args.decode} tokens, {args.threads} threads, best of {args.repeats}",
+              ["deltaserve tok/s", "llama.cpp (f32 GGUF) tok/s", "ours / llama.cpp", "MB per token", "GB/s",
+               "plain read GB/s"],
+              [[results.rounded(rate), results.rounded(peer_rate) if peer_rate else None,
+                results.rounded(rate / peer_rate, 2) if peer_rate else None, results.rounded(read / 1e6),
+                results.rounded(reached), results.rounded(limit)]])
+    run.save()
     return 0
 
 

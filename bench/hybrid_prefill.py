@@ -25,6 +25,8 @@ import time
 
 import torch
 
+import results
+
 HIDDEN = 512
 LAYERS = 8
 VOCAB = 49152
@@ -137,6 +139,8 @@ def main(argv=None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
 
+    run = results.Run("hybrid_prefill", "Tiny hybrid model, whole-model prefill, against transformers and llama.cpp",
+                      argv)
     args.peak_gflops = args.peak_gflops or measured_sgemm_gflops()
     from deltaserve.kernels import fused_cpu
 
@@ -148,6 +152,7 @@ def main(argv=None) -> int:
     peer_rates = llama_cpp_rates(args, ref)
     print(f"{'tokens':>7} {'transformers tok/s':>19} {'deltaserve tok/s':>17} {'ratio':>6} {'roofline tok/s':>15} "
           f"{'of roofline':>12} {'max |dlogit|':>13} {'llama.cpp tok/s':>16} {'ratio':>6}")
+    rows = []
     with torch.inference_mode():
         warm = torch.randint(0, VOCAB, (64,))
         prefill_ours(ours, warm), prefill_transformers(ref, warm)
@@ -162,6 +167,14 @@ def main(argv=None) -> int:
                   f"{n / t_ours / roofline:>11.0%} {diff:>13.2e} " + (
                       f"{peer_rates[n]:>16,.0f} {n / t_ours / peer_rates[n]:>5.2f}x" if n in peer_rates
                       else f"{'-':>16} {'-':>6}"), flush=True)
+            rows.append([n, round(n / t_ref), round(n / t_ours), results.rounded(t_ref / t_ours, 2), round(roofline),
+                         results.rounded(100 * n / t_ours / roofline), float(f"{diff:.2e}"),
+                         round(peer_rates[n]) if n in peer_rates else None,
+                         results.rounded(n / t_ours / peer_rates[n], 2) if n in peer_rates else None])
+    run.table(f"fp32, {torch.get_num_threads()} threads, roofline {args.peak_gflops:.0f} GFLOP/s",
+              ["tokens", "transformers tok/s", "deltaserve tok/s", "ratio", "roofline tok/s", "% of roofline",
+               "max abs logit diff", "llama.cpp tok/s", "ours / llama.cpp"], rows)
+    run.save()
     return 0
 
 

@@ -19,6 +19,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+import results
 from dense import Ours, prompt
 
 
@@ -28,6 +29,7 @@ def main(argv=None) -> int:
     ap.add_argument("--decode", type=int, default=128, help="new tokens per run")
     ap.add_argument("--repeats", type=int, default=5, help="best of this many runs a side")
     args = ap.parse_args(argv)
+    run = results.Run("isa", "Batch-1 decode, the native build of the kernels vs their AVX2 build", argv)
 
     from deltaserve.kernels import decode_cpu, fused_cpu, int4_cpu, linear_cpu, paged_cpu
 
@@ -57,6 +59,11 @@ def main(argv=None) -> int:
     what = "tiny hybrid f32" if args.hybrid else "SmolLM2 Q4_1 packed"
     print(f"{what}, batch-1 decode of {args.decode}, best of {args.repeats} (alternated): native "
           f"{best['native']:.1f} tok/s, AVX2 build {best['avx2']:.1f} tok/s: {best['native'] / best['avx2']:.2f}x")
+    run.table(f"batch-1 decode of {args.decode}, best of {args.repeats} (alternated)",
+              ["model", "native tok/s", "AVX2 build tok/s", "native / AVX2"],
+              [[what, results.rounded(best["native"]), results.rounded(best["avx2"]),
+                results.rounded(best["native"] / best["avx2"], 2)]])
+    run.save()
     return 0
 
 

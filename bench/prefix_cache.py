@@ -30,6 +30,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # this checkout's deltaserve, a
 from test_engine_support import HYBRID_VOCAB, engine, make_hybrid_checkpoint, random_prompt  # noqa: E402
 
 from deltaserve.engine.request import SamplingParams  # noqa: E402
+import results as bench_results  # noqa: E402
 
 LONG_HISTORY_TOKENS = 8192  # the target speedup holds from this much history on
 
@@ -131,6 +132,8 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3, help="identical engines per side; each turn's time is the "
                     "least of theirs (on a shared machine one run of a turn can stall 2x)")
     args = ap.parse_args()
+    record = bench_results.Run("prefix_cache", "Prefix cache on the agent trace, by eviction policy")
+    summary = []
     sent = trace(args)
     reuse = reusable([p for _, p, _ in sent])
     with tempfile.TemporaryDirectory() as folder:
@@ -176,6 +179,16 @@ def main() -> None:
             print(f"TTFT speedup at >= {LONG_HISTORY_TOKENS} tokens of history: min {min(long_speedups):.1f}x, "
                   f"median {statistics.median(long_speedups):.1f}x over {len(long_speedups)} turns (CPU seconds: "
                   f"min {min(long_cpu):.1f}x, median {statistics.median(long_cpu):.1f}x)")
+        speedups = [round(f(v), 1) if v else None for v in (long_speedups, long_cpu)
+                    for f in (min, statistics.median)]
+        summary.append([policy, round(100 * hits / max(sum(reuse), 1), 1), computed,
+                        cache.evicted_checkpoints_total, cache.evicted_pages_total, *speedups])
+    record.table(f"{len(sent)} requests, checkpoint slots {args.checkpoint_slots}, KV pool {common['max_total_tokens']}"
+                 f", {args.repeat} engines a side; load average {load:.2f} at the start",
+                 ["eviction", "hit rate over reusable tokens, %", "prompt tokens computed", "checkpoints evicted",
+                  "pages evicted", f"TTFT speedup at >= {LONG_HISTORY_TOKENS} history, min",
+                  "TTFT speedup, median", "CPU seconds speedup, min", "CPU seconds speedup, median"], summary)
+    record.save()
 
 
 if __name__ == "__main__":

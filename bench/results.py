@@ -81,8 +81,9 @@ def commit() -> tuple[str, bool]:
 
 
 def command_line(argv: list[str] | None = None) -> str:
-    """The command as run: OMP_NUM_THREADS when set, then python and the script's path from the repository."""
-    argv = sys.argv if argv is None else argv
+    """The command as run: OMP_NUM_THREADS when set, python, the script's path from the repository, and its
+    arguments (`argv`, as a script's main(argv) takes them; None: the command line's own)."""
+    argv = [sys.argv[0], *(sys.argv[1:] if argv is None else argv)]
     script = Path(argv[0]).resolve()
     try:
         script = script.relative_to(ROOT)

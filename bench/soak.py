@@ -24,6 +24,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # this checkout's deltaserve, the tests' clients and tiny models
 
+import results  # noqa: E402
 import traffic  # noqa: E402
 from server_util import running_server  # noqa: E402
 from test_engine_support import HYBRID_VOCAB, make_dense_checkpoint, make_hybrid_checkpoint  # noqa: E402
@@ -41,6 +42,8 @@ def main() -> int:
     parser.add_argument("--tiny", choices=["dense", "hybrid"], help="the tests' tiny model instead of the built-in")
     parser.add_argument("--max-total-tokens", type=int, default=16384)
     args = parser.parse_args()
+    run = results.Run("soak", f"Soak: {args.requests} requests from {args.at_once} clients through a real server "
+                      f"({args.tiny or 'built-in'} model)")
 
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
@@ -57,6 +60,8 @@ def main() -> int:
                 vocab=vocab, progress=lambda done, total: print(f"  {done}/{total}", flush=True)))
             internal = s.log.read_text(errors="replace").count("internal error")
     print(report(result, internal))
+    run.note(f"verdict: {'pass' if result.ok and not internal else 'FAIL'}; {internal} internal errors in the log")
+    run.save()
     return 0 if result.ok and not internal else 1
 
 

@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import httpx
+import results
 from vllm_peer import stop
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -54,6 +55,7 @@ def main(argv=None) -> int:
     parser.add_argument("--port", type=int, default=8941)
     parser.add_argument("--serve-args", nargs=argparse.REMAINDER, default=[], help="flags for deltaserve serve")
     args = parser.parse_args(argv)
+    run = results.Run("startup", "Start to GET /health 200, and resident memory then", argv)
     times, rss = [], []
     for i in range(args.repeats):
         seconds, resident = one_start(args.port, args.serve_args)
@@ -62,6 +64,11 @@ def main(argv=None) -> int:
         print(f"start {i + 1}: /health 200 after {seconds:.2f} s, {resident / 2**20:,.0f} MiB resident", flush=True)
     print(f"best {min(times):.2f} s, median {statistics.median(times):.2f} s to /health 200; "
           f"median {statistics.median(rss) / 2**20:,.0f} MiB resident")
+    run.table(f"deltaserve serve {' '.join(args.serve_args)}".strip() + f", {args.repeats} starts",
+              ["start", "seconds to /health 200", "MiB resident"],
+              [[i + 1, results.rounded(t, 2), round(r / 2**20)] for i, (t, r) in enumerate(zip(times, rss))]
+              + [["best / median", results.rounded(min(times), 2), round(statistics.median(rss) / 2**20)]])
+    run.save()
     return 0
 
 

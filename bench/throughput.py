@@ -32,6 +32,8 @@ from pathlib import Path
 
 import torch
 
+import results as bench_results
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
@@ -178,6 +180,19 @@ def report(name: str, ours: dict[str, dict], theirs: dict | None, flops: float, 
     return rows
 
 
+def table_rows(name: str, result: dict, peak_gflops: float) -> list[list]:
+    """report()'s rows as numbers, for the JSON record (bench/results.py)."""
+    sides = [(f"deltaserve, KV {kv}", r) for kv, r in result["deltaserve"].items()]
+    sides += [("transformers", result["transformers"])] if result["transformers"] is not None else []
+    rows = []
+    for side, r in sides:
+        gflops = result["useful_gflop"] / r["wall_s"]
+        rows.append([name, side, round(r["output_tokens"] / r["wall_s"], 1), round(percentile(r["ttft"], 0.5), 1),
+                     round(percentile(r["ttft"], 0.95), 1), round(r["wall_s"], 1), round(gflops, 1),
+                     round(100 * gflops / peak_gflops, 1)])
+    return rows
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="smollm2,hybrid", help="comma-separated: smollm2, hybrid")
@@ -205,6 +220,8 @@ def main(argv=None) -> int:
     if args.prompt_min > args.prompt_max or args.output_min > args.output_max or args.requests < 1:
         parser.error("need --requests >= 1, --prompt-min <= --prompt-max and --output-min <= --output-max")
     torch.set_num_threads(args.threads)
+    run = bench_results.Run("throughput", "Serving throughput: many requests at once through the engine, against "
+                            "transformers' generate", argv)
     from hybrid_prefill import measured_sgemm_gflops
 
     args.peak_gflops = args.peak_gflops or measured_sgemm_gflops()
@@ -237,6 +254,11 @@ def main(argv=None) -> int:
             print("\n".join([lines[0]] + rows), flush=True)
             results[name] = {"deltaserve": ours, "transformers": theirs, "useful_gflop": flops / 1e9}
     print("\n" + "\n".join(lines))
+    run.table(f"{args.requests} requests, prompts {args.prompt_min}-{args.prompt_max}, outputs {args.output_min}-"
+              f"{args.output_max}, {args.threads} threads, roofline {args.peak_gflops:.0f} GFLOP/s",
+              ["model", "engine", "output tok/s", "TTFT p50 s", "TTFT p95 s", "wall s", "GFLOP/s", "% of roofline"],
+              [row for name, r in results.items() for row in table_rows(name, r, args.peak_gflops)])
+    run.save()
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
     return 0

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import torch
 
+import results
+
 from deltaserve.budget import spec_from_config
 from deltaserve.models.vision import ImageGrid, VisionTower
 
@@ -53,6 +55,8 @@ def main() -> None:
     parser.add_argument("--pixels", default="65536,262144", help="image areas to time (the resize budget)")
     parser.add_argument("--chunk", type=int, default=512, help="prefill chunk tokens (512 CPU, 2048 GPU)")
     args = parser.parse_args()
+    run = results.Run("vision_stall", "How long one image's vision tower stalls the other requests (the 27B's tower)")
+    rows = []
     config = json.loads(CONFIG.read_text())
     vision = config["vision_config"]
     spec = spec_from_config(config, embed_quant="int8", lm_head_quant="int4")
@@ -76,6 +80,12 @@ def main() -> None:
         print(f"{grid.patches * vision['patch_size'] ** 2:>10,} {grid.tokens(vision['spatial_merge_size']):>7,} "
               f"{encode_s:>9.2f} {tflops / 1e9:>12,.0f} {2 * lm_params * args.chunk / 1e9:>12,.0f} "
               f"{encode_s / chunk_s:>14.2f}")
+        rows.append([grid.patches * vision["patch_size"] ** 2, grid.tokens(vision["spatial_merge_size"]),
+                     round(encode_s, 2), round(tflops / 1e9), round(2 * lm_params * args.chunk / 1e9),
+                     round(encode_s / chunk_s, 2)])
+    run.table(f"matmul rate {rate / 1e9:.1f} GFLOP/s; a {args.chunk}-token chunk of the 27B: {chunk_s:.1f} s",
+              ["pixels", "image tokens", "encode s", "tower GFLOP", "chunk GFLOP", "stall / chunk"], rows)
+    run.save()
 
 
 if __name__ == "__main__":

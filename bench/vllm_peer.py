@@ -36,6 +36,8 @@ from pathlib import Path
 
 import httpx
 
+import results as bench_results
+
 ROOT = Path(__file__).resolve().parent.parent
 WORDS = ("river stone lantern orchard copper meadow signal harbor velvet compass thunder maple glacier "
          "anchor pepper willow canyon ember falcon quartz").split()
@@ -235,6 +237,8 @@ def main(argv=None) -> int:
     parser.add_argument("--vllm-args", nargs="*", default=[], help="extra flags for vllm's server")
     parser.add_argument("--logs", help="folder for both servers' logs (default: a temporary one)")
     args = parser.parse_args(argv)
+    run = bench_results.Run("vllm_peer", "SmolLM2-135M, deltaserve against vLLM's CPU build, server against server",
+                            argv)
 
     with tempfile.TemporaryDirectory() as tmp:
         logs = Path(args.logs or tmp)
@@ -263,18 +267,26 @@ def main(argv=None) -> int:
           f"request (load by load): best of {args.repeats} ({args.load_repeats} for the load), the median in brackets")
     print("| what | deltaserve | vLLM CPU | ratio (ours better > 1) |")
     print("|---|---|---|---|")
+    table = []
     for name, key, higher in rows:
         best = max if higher else min
         a = best(ours[key])
         cell = f"{a:.2f} [{statistics.median(ours[key]):.2f}]"
         if theirs is None:
             print(f"| {name} | {cell} | - | - |")
+            table.append([name, round(a, 2), round(statistics.median(ours[key]), 2), None, None, None, None])
         else:
             b = best(theirs[key])
             ratio = a / b if higher else b / a
             mid = statistics.median(ours[key]) / statistics.median(theirs[key])
             mid = mid if higher else 1 / mid
             print(f"| {name} | {cell} | {b:.2f} [{statistics.median(theirs[key]):.2f}] | {ratio:.2f}x [{mid:.2f}x] |")
+            table.append([name, round(a, 2), round(statistics.median(ours[key]), 2), round(b, 2),
+                          round(statistics.median(theirs[key]), 2), round(ratio, 2), round(mid, 2)])
+    run.table(f"SmolLM2-135M float32{extra}, {args.threads} threads, best of {args.repeats} ({args.load_repeats} "
+              f"for the load)", ["what", "deltaserve best", "deltaserve median", "vLLM CPU best", "vLLM CPU median",
+                                 "ours / vLLM, best (better > 1)", "ours / vLLM, median"], table)
+    run.save()
     return 0
 
 

@@ -80,3 +80,16 @@ def test_readme_is_for_users():
     assert len(text.splitlines()) < 200
     assert "make serve" in text and "make test" in text
     assert not re.search(r"\bsession \d", text, re.IGNORECASE)
+
+
+def test_a_bench_run_writes_a_whole_record(tmp_path):
+    results = _bench_results()
+    run = results.Run("example", "an example run", ["--repeats", "1"])
+    print("a figure: 1.0 tok/s")
+    run.table("tok/s", ["what", "ours", "peer"], [["decode", 1.0, None]])
+    path = run.save(tmp_path)
+    [record] = results.load(tmp_path)
+    assert record["_file"] == path.name and record["source"] == "measured"
+    assert "a figure: 1.0 tok/s" in record["output"]
+    assert record["command"].endswith("--repeats 1") and record["machine"]["cores"]
+    assert "| decode | 1 | - |" in results.render_docs([record])
