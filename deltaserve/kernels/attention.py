@@ -57,7 +57,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
 
 def _paged_cpu_inputs(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     return (k_cache.device.type == "cpu" and q.dtype == torch.float32 and k_cache.is_contiguous()
-            and k_cache.dtype in paged_cpu.CACHE_DTYPES)
+            and paged_cpu.declines(q.shape[1], k_cache.shape[1], k_cache.dtype) is None)
 
 
 # On CPU a prompt's own 384-767 rows are attended in query blocks of 128 rows, each over the keys up to its last row

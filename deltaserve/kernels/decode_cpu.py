@@ -39,6 +39,7 @@ _HEADERS = r"""
 #include <cstring>
 #include <initializer_list>
 #include <limits>
+#include <type_traits>
 #include <vector>
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
@@ -234,7 +235,7 @@ torch::Tensor attention_block(torch::Tensor x, std::vector<torch::Tensor> t, std
   TORCH_CHECK(t.size() == 23 && meta.size() == 8, "attention_block: 23 tensors and 8 sizes");
   const int64_t B = x.size(0), H = x.size(1), Hq = meta[0], Hkv = meta[1], D = meta[2];
   const bool gated = meta[3] != 0;
-  TORCH_CHECK(Hq % Hkv == 0, "attention_block: query heads must be a multiple of KV heads");
+  TORCH_CHECK(Hkv >= 1 && Hq % Hkv == 0, "attention_block: query heads must be a multiple of KV heads");
   const Lin lq = lin_of(t, 3, meta[4], H), lk = lin_of(t, 8, meta[5], H), lv = lin_of(t, 13, meta[6], H);
   const Lin lo = lin_of(t, 18, meta[7], Hq * D);
   const int64_t qw = Hq * D * (gated ? 2 : 1);
@@ -531,7 +532,7 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor sc
   TORCH_CHECK(codes.scalar_type() == torch::kInt8 && codes.is_contiguous() && codes.dim() == 2 &&
               codes.size(1) == x.size(1), "int8_linear: contiguous int8 codes [N, K]");
   const int64_t M = x.size(0), K = x.size(1), N = codes.size(0);
-  TORCH_CHECK(group % 16 == 0 && K % group == 0, "int8_linear: the group must be a multiple of 16 dividing K");
+  TORCH_CHECK(group >= 16 && group % 16 == 0 && K % group == 0, "int8_linear: the group must be a multiple of 16 dividing K");
   const bool off = offsets.numel() != 0;
   for (const auto* t : off ? std::vector<const torch::Tensor*>{&scales, &offsets}
                            : std::vector<const torch::Tensor*>{&scales})
@@ -557,7 +558,7 @@ torch::Tensor gdn_block(torch::Tensor x, std::vector<torch::Tensor> t, std::vect
   TORCH_CHECK(t.size() == 30 && meta.size() == 9, "gdn_block: 30 tensors and 9 sizes");
   const int64_t B = x.size(0), H = x.size(1), Hk = meta[0], Hv = meta[1], Dk = meta[2], Dv = meta[3];
   const int64_t C = 2 * Hk * Dk + Hv * Dv, ratio = Hv / Hk;
-  TORCH_CHECK(Hv % Hk == 0 && (Dv == 16 || Dv == 32 || Dv == 64 || Dv == 128), "gdn_block: head shapes");
+  TORCH_CHECK(Hk >= 1 && Hv % Hk == 0 && fusedk::gdn_value_dim_ok(Dv), "gdn_block: head shapes");
   const Lin lqkv = lin_of(t, 5, meta[4], H), lz = lin_of(t, 10, meta[5], H), lb = lin_of(t, 15, meta[6], H);
   const Lin la = lin_of(t, 20, meta[7], H), lo = lin_of(t, 25, meta[8], Hv * Dv);
   TORCH_CHECK(lqkv.N == C && lz.N == Hv * Dv && lb.N == Hv && la.N == Hv && lo.N == H, "gdn_block: shapes do not match");
@@ -623,12 +624,9 @@ torch::Tensor gdn_block(torch::Tensor x, std::vector<torch::Tensor> t, std::vect
     const float* vr = row + 2 * Hk * Dk + h * Dv;
     float* S = sp + (sl[b] * Hv + h) * Dk * Dv;
     float* orow = o + p * Dv;
-    switch (Dv / 16) {
-      case 1: fusedk::gdn_step_head<1>(qr, kr, vr, g, beta, S, orow, Dk, scale, true); break;
-      case 2: fusedk::gdn_step_head<2>(qr, kr, vr, g, beta, S, orow, Dk, scale, true); break;
-      case 4: fusedk::gdn_step_head<4>(qr, kr, vr, g, beta, S, orow, Dk, scale, true); break;
-      default: fusedk::gdn_step_head<8>(qr, kr, vr, g, beta, S, orow, Dk, scale, true); break;
-    }
+    fusedk::by_value_vectors(Dv, [&](auto V) {
+      fusedk::gdn_step_head<decltype(V)::value>(qr, kr, vr, g, beta, S, orow, Dk, scale, true);
+    });
     rms_row(orow, gw, 0.0f, ne, Dv, orow);  // the gated norm: plain weight, times silu(z)
     const float* zr = z + p * Dv;
     for (int64_t d = 0; d < Dv; ++d) orow[d] *= silu(zr[d]);
@@ -726,6 +724,52 @@ def disabled():
     return KERNELS.disabled()
 
 
+# ---- what the blocks serve, in words: their TORCH_CHECKs on the model's shapes (the model builder asks at load, a
+# layer a block declines runs op by op; tests/test_kernel_capability.py holds each answer to the compiled kernel) ----
+
+FLOAT_WEIGHT_K_MULTIPLE = 16  # lin_of: a float32 weight's input width, the few-row kernel's vector
+
+
+def projection_declines(in_features: int, group_size: int = 0) -> str | None:
+    """Why the blocks cannot take a projection of this input width (group_size 0: a float32 weight; else packed
+    4-bit in these groups, int4_cpu's checks), or None when they can."""
+    if group_size:
+        return int4_cpu.declines(in_features, group_size)
+    if in_features % FLOAT_WEIGHT_K_MULTIPLE:
+        return f"projection input width {in_features} not a multiple of {FLOAT_WEIGHT_K_MULTIPLE}"
+    return None
+
+
+def gdn_block_declines(hidden: int, num_k_heads: int, num_v_heads: int, value_head_dim: int,
+                       conv_width: int) -> str | None:
+    """Why gdn_block cannot serve a Gated DeltaNet mixer of these shapes (float32 projections), or None."""
+    return (fused_cpu.gdn_declines(num_k_heads, num_v_heads, value_head_dim)
+            or (f"conv width {conv_width} below 2" if conv_width < 2 else None)
+            or projection_declines(hidden) or projection_declines(num_v_heads * value_head_dim))
+
+
+def attention_block_declines(hidden: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                             rotary_dim: int) -> str | None:
+    """Why attention_block cannot serve an attention mixer of these shapes (float32 projections), or None."""
+    if num_kv_heads < 1 or num_heads % num_kv_heads:
+        return f"query heads {num_heads} not a multiple of KV heads {num_kv_heads}"
+    if rotary_dim % 2 or rotary_dim > head_dim:
+        return f"rotary dim {rotary_dim} not even and at most the head dim {head_dim}"
+    return projection_declines(hidden) or projection_declines(num_heads * head_dim)
+
+
+def mlp_block_declines(hidden: int, intermediate: int) -> str | None:
+    """Why mlp_block cannot serve a SwiGLU MLP of these widths (float32 projections), or None."""
+    return projection_declines(hidden) or projection_declines(intermediate)
+
+
+def int8_linear_declines(in_features: int, group_size: int) -> str | None:
+    """Why int8_linear cannot multiply an int8 weight of this input width and group size, or None."""
+    if group_size % 16 or group_size < 16 or in_features % group_size:
+        return f"int8 group {group_size} not a multiple of 16 dividing the input width {in_features}"
+    return None
+
+
 def serves(x: torch.Tensor, batch, k_cache: torch.Tensor | None) -> bool:
     """Whether a step's rows x [B, hidden] take the fused blocks: built, float32 on CPU, every sequence one decode
     row (no prefill chunk in the step), at most MAX_ROWS of them, the paged kernel allowed, a cache it reads."""
@@ -816,8 +860,8 @@ def gdn_block(x, tensors: list, meta: list[int], conv_states, states, state_slot
 
 def serves_int8(rows: torch.Tensor, group_size: int) -> bool:
     """Whether int8_linear takes these float32 input rows [M, K]: built, on CPU, 1 to MAX_ROWS rows."""
-    return (rows.device.type == "cpu" and 0 < rows.shape[0] <= MAX_ROWS and group_size % 16 == 0
-            and KERNELS.module is not None)
+    return (rows.device.type == "cpu" and 0 < rows.shape[0] <= MAX_ROWS
+            and int8_linear_declines(rows.shape[1], group_size) is None and KERNELS.module is not None)
 
 
 def int8_linear(rows: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor,

@@ -22,6 +22,7 @@ from deltaserve.kernels.cpp_build import VECTOR_PRELUDE, CompiledKernels
 _SOURCE = VECTOR_PRELUDE + r"""
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -120,6 +121,26 @@ struct GdnInputs {
   float scale;
   bool l2norm;
 };
+
+constexpr int64_t GDN_MAX_VALUE_DIM = 128;  // 8 vectors of 16 a row of S: the registers a step holds
+
+// Whether the GDN kernels are compiled for a value head size: any multiple of 16 up to GDN_MAX_VALUE_DIM.
+inline bool gdn_value_dim_ok(int64_t Dv) { return Dv >= 16 && Dv <= GDN_MAX_VALUE_DIM && Dv % 16 == 0; }
+
+// f(std::integral_constant<int, Dv / 16>{}): a value head's rows of Dv = 16 * V floats, V a compile-time constant.
+template <typename F>
+inline void by_value_vectors(int64_t Dv, F&& f) {
+  switch (Dv / 16) {
+    case 1: f(std::integral_constant<int, 1>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    case 3: f(std::integral_constant<int, 3>{}); break;
+    case 4: f(std::integral_constant<int, 4>{}); break;
+    case 5: f(std::integral_constant<int, 5>{}); break;
+    case 6: f(std::integral_constant<int, 6>{}); break;
+    case 7: f(std::integral_constant<int, 7>{}); break;
+    default: f(std::integral_constant<int, 8>{}); break;
+  }
+}
 
 // The chunked gated delta rule (kernels/gated_delta.py) for one sequence and one value head, chunk after chunk,
 // with every chunk-local matrix in L1. With D_ij = exp(G_i - G_j) (j <= i):
@@ -242,8 +263,8 @@ torch::Tensor gdn_prefill(torch::Tensor q, torch::Tensor k, torch::Tensor v, tor
               "gdn_prefill: contiguous g, beta, state");
   const int64_t T = v.size(0), Hv = v.size(1), Dv = v.size(2), Hk = q.size(1), Dk = q.size(2);
   const int64_t N = static_cast<int64_t>(cu.size()) - 1;
-  TORCH_CHECK(Dv == 16 || Dv == 32 || Dv == 64 || Dv == 128, "gdn_prefill: value head size 16, 32, 64 or 128 only");
-  TORCH_CHECK(k.sizes() == q.sizes() && k.strides() == q.strides() && Hv % Hk == 0 && chunk >= 1 && N >= 1 &&
+  TORCH_CHECK(gdn_value_dim_ok(Dv), "gdn_prefill: value head size a multiple of 16 up to 128 only");
+  TORCH_CHECK(k.sizes() == q.sizes() && k.strides() == q.strides() && Hk >= 1 && Hv % Hk == 0 && chunk >= 1 && N >= 1 &&
               cu[0] == 0 && cu[N] == T && state.size(0) == N && state.size(1) == Hv && state.size(2) == Dk &&
               state.size(3) == Dv, "gdn_prefill: shapes do not match");
   auto out = torch::empty({T, Hv, Dv}, v.options().memory_format(at::MemoryFormat::Contiguous));
@@ -257,12 +278,7 @@ torch::Tensor gdn_prefill(torch::Tensor q, torch::Tensor k, torch::Tensor v, tor
   for (int64_t p = 0; p < pairs; ++p) {
     const int64_t n = p / Hv, h = p % Hv, lo = cu[n], len = cu[n + 1] - cu[n];
     float* S = sp + p * Dk * Dv;
-    switch (Dv / 16) {
-      case 1: gdn_sequence_head<1>(in, op, S, lo, len, h); break;
-      case 2: gdn_sequence_head<2>(in, op, S, lo, len, h); break;
-      case 4: gdn_sequence_head<4>(in, op, S, lo, len, h); break;
-      default: gdn_sequence_head<8>(in, op, S, lo, len, h); break;
-    }
+    by_value_vectors(Dv, [&](auto V) { gdn_sequence_head<decltype(V)::value>(in, op, S, lo, len, h); });
   }
   return out;
 }
@@ -307,8 +323,8 @@ torch::Tensor gdn_decode(torch::Tensor q, torch::Tensor k, torch::Tensor v, torc
   TORCH_CHECK(g.is_contiguous() && beta.is_contiguous() && states.is_contiguous() &&
               slots.scalar_type() == torch::kInt64 && slots.is_contiguous(), "gdn_decode: contiguous g, beta, states");
   const int64_t B = v.size(0), Hv = v.size(1), Dv = v.size(2), Hk = q.size(1), Dk = q.size(2);
-  TORCH_CHECK(Dv == 16 || Dv == 32 || Dv == 64 || Dv == 128, "gdn_decode: value head size 16, 32, 64 or 128 only");
-  TORCH_CHECK(k.sizes() == q.sizes() && k.strides() == q.strides() && Hv % Hk == 0 && slots.numel() == B &&
+  TORCH_CHECK(gdn_value_dim_ok(Dv), "gdn_decode: value head size a multiple of 16 up to 128 only");
+  TORCH_CHECK(k.sizes() == q.sizes() && k.strides() == q.strides() && Hk >= 1 && Hv % Hk == 0 && slots.numel() == B &&
               states.size(1) == Hv && states.size(2) == Dk && states.size(3) == Dv, "gdn_decode: shapes do not match");
   const int64_t* sl = slots.data_ptr<int64_t>();
   for (int64_t b = 0; b < B; ++b)
@@ -327,12 +343,9 @@ torch::Tensor gdn_decode(torch::Tensor q, torch::Tensor k, torch::Tensor v, torc
     const float* vr = vp + b * v.stride(0) + h * v.stride(1);
     float* S = sp + (sl[b] * Hv + h) * Dk * Dv;
     float* orow = op + p * Dv;
-    switch (Dv / 16) {
-      case 1: gdn_step_head<1>(qr, kr, vr, gp[p], bp[p], S, orow, Dk, sc, l2norm); break;
-      case 2: gdn_step_head<2>(qr, kr, vr, gp[p], bp[p], S, orow, Dk, sc, l2norm); break;
-      case 4: gdn_step_head<4>(qr, kr, vr, gp[p], bp[p], S, orow, Dk, sc, l2norm); break;
-      default: gdn_step_head<8>(qr, kr, vr, gp[p], bp[p], S, orow, Dk, sc, l2norm); break;
-    }
+    by_value_vectors(Dv, [&](auto V) {
+      gdn_step_head<decltype(V)::value>(qr, kr, vr, gp[p], bp[p], S, orow, Dk, sc, l2norm);
+    });
   }
   return out;
 }
@@ -580,10 +593,18 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor 
     if not serves(x, cos, sin) or x.dim() != 3 or cos.dim() != 3:
         return None
     (t, _, d), rd = x.shape, cos.shape[2]
-    if (x.stride(2) != 1 or x.stride(1) != d or cos.shape[:2] != (t, 1) or sin.shape != cos.shape or rd % 2
-            or rd > d):
+    if (x.stride(2) != 1 or x.stride(1) != d or cos.shape[:2] != (t, 1) or sin.shape != cos.shape
+            or rope_declines(d, rd) is not None):
         return None
     return KERNELS.module.rope(x, cos.reshape(t, rd), sin.reshape(t, rd))
+
+
+def rope_declines(head_dim: int, rotary_dim: int) -> str | None:
+    """Why the rope kernel cannot rotate `rotary_dim` of a head's `head_dim` channels (its TORCH_CHECK: even, at
+    most the head), or None when it can."""
+    if rotary_dim % 2 or rotary_dim > head_dim:
+        return f"rotary dim {rotary_dim} not even and at most the head dim {head_dim}"
+    return None
 
 
 def argmax(x: torch.Tensor) -> torch.Tensor:
@@ -603,14 +624,25 @@ def int8_rows(codes: torch.Tensor, scales: torch.Tensor, ids: torch.Tensor) -> t
     return KERNELS.module.int8_rows(codes, scales, ids.long().contiguous())
 
 
-GDN_VALUE_DIMS = (16, 32, 64, 128)  # the value head sizes the GDN kernels are compiled for (their TORCH_CHECKs too)
+# The value head sizes the GDN kernels are compiled for: any multiple of 16 up to 128 (gdn_value_dim_ok above).
+GDN_VALUE_DIMS = tuple(range(16, 129, 16))
+
+
+def gdn_declines(num_k_heads: int, num_v_heads: int, value_head_dim: int) -> str | None:
+    """Why gdn_prefill / gdn_decode cannot serve GDN heads of these shapes, or None when they can: their
+    TORCH_CHECKs on the model's shapes, in words (the model builder asks at load; the tests hold the two equal)."""
+    if num_k_heads < 1 or num_v_heads % num_k_heads:
+        return f"value heads {num_v_heads} not a multiple of key heads {num_k_heads}"
+    if value_head_dim not in GDN_VALUE_DIMS:
+        return f"value head dim {value_head_dim} not a multiple of 16 up to 128"
+    return None
 
 
 def serves_gdn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """Whether gdn_prefill / gdn_decode take these q, k [*, Hk, Dk] and v [*, Hv, Dv]: float32 on CPU, a compiled
-    value head size, q and k laid out alike (splits of one projection), contiguous last dims."""
-    return (serves(q, k, v) and v.shape[-1] in GDN_VALUE_DIMS and q.stride() == k.stride()
-            and q.stride(-1) == v.stride(-1) == 1)
+    """Whether gdn_prefill / gdn_decode take these q, k [*, Hk, Dk] and v [*, Hv, Dv]: float32 on CPU, head shapes
+    they serve (gdn_declines), q and k laid out alike (splits of one projection), contiguous last dims."""
+    return (serves(q, k, v) and gdn_declines(q.shape[-2], v.shape[-2], v.shape[-1]) is None
+            and q.stride() == k.stride() and q.stride(-1) == v.stride(-1) == 1)
 
 
 def gdn_prefill(q, k, v, g, beta, cu_seqlens: list[int], state, chunk_size: int, scale: float,

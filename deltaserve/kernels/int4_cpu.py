@@ -405,7 +405,8 @@ Weight weight_of(const torch::Tensor& packed, const torch::Tensor& scales, const
   TORCH_CHECK(packed.scalar_type() == torch::kUInt8 && packed.is_contiguous() && packed.dim() == 2,
               "int4: packed codes must be contiguous uint8 [N, K / 2]");
   const int64_t N = packed.size(0), K = packed.size(1) * 2;
-  TORCH_CHECK(K % 32 == 0 && group % 32 == 0 && K % group == 0, "int4: K and the group must be multiples of 32");
+  TORCH_CHECK(K % 32 == 0 && group >= 32 && group % 32 == 0 && K % group == 0,
+              "int4: K and the group must be multiples of 32");
   const auto dtype = scales.scalar_type();
   TORCH_CHECK(dtype == torch::kFloat32 || dtype == torch::kBFloat16 || dtype == torch::kHalf,
               "int4: scales must be float32, bfloat16 or float16");
@@ -749,6 +750,19 @@ def disabled():
 def built() -> bool:
     """Whether the compiled module is loaded (never compiles)."""
     return KERNELS.module is not None
+
+
+K_MULTIPLE = 32  # weight_of: a packed weight's input width and group, a packed run's columns
+
+
+def declines(in_features: int, group_size: int) -> str | None:
+    """Why the kernel cannot take a packed 4-bit weight of this input width and group size (weight_of's
+    TORCH_CHECK; the GEMM's K % 16 follows from it), or None. kernels/int4.py's `packable`, which decides at load
+    what is packed, is stricter (tests/test_kernel_capability.py)."""
+    if in_features % K_MULTIPLE or group_size < K_MULTIPLE or group_size % K_MULTIPLE or in_features % group_size:
+        return f"4-bit input width {in_features} and group {group_size} not multiples of {K_MULTIPLE}, the group " \
+               f"dividing the width"
+    return None
 
 
 def serves(rows: torch.Tensor) -> bool:

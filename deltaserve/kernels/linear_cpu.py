@@ -169,13 +169,23 @@ def disabled():
     return KERNELS.disabled()
 
 
+K_MULTIPLE = 16  # linear_rows: the input width, a vector of the few-row tile
+
+
+def declines(in_features: int) -> str | None:
+    """Why linear_rows cannot take a float32 weight of this input width (its TORCH_CHECK), or None."""
+    if in_features % K_MULTIPLE:
+        return f"input width {in_features} not a multiple of {K_MULTIPLE}"
+    return None
+
+
 def serves(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether the built kernel takes x [..., K] @ weight [N, K].T: float32 on CPU, 1 to MAX_ROWS rows, K a
-    multiple of 16; never waits for a compiler."""
+    """Whether the built kernel takes x [..., K] @ weight [N, K].T: float32 on CPU, 1 to MAX_ROWS rows, a width it
+    serves (declines); never waits for a compiler."""
     if KERNELS.module is None or x.device.type != "cpu" or not x.dtype == weight.dtype == torch.float32:
         return False
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    return 0 < rows <= MAX_ROWS and x.shape[-1] % 16 == 0 and weight.is_contiguous()
+    return 0 < rows <= MAX_ROWS and declines(x.shape[-1]) is None and weight.is_contiguous()
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

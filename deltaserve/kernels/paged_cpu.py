@@ -311,7 +311,7 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous() &&
               slots.is_contiguous() && lens.is_contiguous(), "paged_decode: contiguous tensors only");
   const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2), Hkv = k_cache.size(1), Lmax = slots.size(1);
-  TORCH_CHECK(Hq % Hkv == 0 && k_cache.size(2) == D, "paged_decode: head shapes do not match");
+  TORCH_CHECK(Hkv >= 1 && Hq % Hkv == 0 && k_cache.size(2) == D, "paged_decode: head shapes do not match");
   auto out = torch::empty_like(q);
   const float* qp = q.data_ptr<float>();
   const int64_t* sp = slots.data_ptr<int64_t>();
@@ -335,6 +335,16 @@ CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 KERNELS = CompiledKernels("deltaserve_paged_cpu", _SOURCE, ["paged_decode"], "paged CPU decode attention",
                            "the portable gather + SDPA path")
+
+
+def declines(num_heads: int, num_kv_heads: int, cache_dtype: torch.dtype) -> str | None:
+    """Why paged_decode cannot serve attention of these head counts over a cache of this dtype (its TORCH_CHECKs),
+    or None."""
+    if num_kv_heads < 1 or num_heads % num_kv_heads:
+        return f"query heads {num_heads} not a multiple of KV heads {num_kv_heads}"
+    if cache_dtype not in CACHE_DTYPES:
+        return f"KV cache dtype {cache_dtype} not float32, bfloat16 or float16"
+    return None
 
 
 def load(log=None):

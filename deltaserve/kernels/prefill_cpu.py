@@ -279,10 +279,20 @@ def ready():
     return KERNELS.module
 
 
+def declines(num_heads: int, num_kv_heads: int, head_dim: int) -> str | None:
+    """Why prefill_attention cannot serve heads of these shapes (its TORCH_CHECKs: on AVX2 it takes multiples of 8,
+    so the multiple of 16 asked here never admits a shape either build refuses), or None."""
+    if num_kv_heads < 1 or num_heads % num_kv_heads:
+        return f"query heads {num_heads} not a multiple of KV heads {num_kv_heads}"
+    if head_dim % HEAD_MULTIPLE:
+        return f"head dim {head_dim} not a multiple of {HEAD_MULTIPLE}"
+    return None
+
+
 def serves(q: torch.Tensor, k: torch.Tensor) -> bool:
-    """Whether the built kernel takes these inputs (float32 on CPU, head sizes a multiple of 16)."""
+    """Whether the built kernel takes these inputs [*, H, D]: float32 on CPU, head shapes it serves (declines)."""
     return (KERNELS.module is not None and q.device.type == "cpu" and q.dtype == k.dtype == torch.float32
-            and q.shape[-1] % HEAD_MULTIPLE == 0)
+            and declines(q.shape[-2], k.shape[-2], q.shape[-1]) is None)
 
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cached: int, scale: float) -> torch.Tensor:

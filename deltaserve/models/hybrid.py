@@ -20,9 +20,9 @@ from deltaserve.kernels import (conv_decode, conv_prefill, decode_cpu, fused_cpu
                                 gated_delta_prefill)
 from deltaserve.kernels.attention import paged_attention, write_kv
 from deltaserve.models.batch import ATTENTION, GDN, CacheGeometry, ForwardBatch, ModelCaches, rows_as_decode
-from deltaserve.models.layers import (FusedParts, Rotary, add_then_norm, apply_rotary, attention_parts, by_row_blocks,
-                                     current_parts, embedding, linear, mlp_parts, projection_parts,
-                                     rope_parameters)
+from deltaserve.models.layers import (FusedParts, Rotary, add_then_norm, announce_refusals, apply_rotary,
+                                     attention_parts, attention_refusals, by_row_blocks, current_parts, embedding,
+                                     linear, mlp_parts, mlp_refusals, projection_parts, refusal, rope_parameters)
 
 log = logging.getLogger(__name__)
 
@@ -172,6 +172,17 @@ class GatedDeltaNet(nn.Module):
         self.norm = GatedRMSNorm(self.head_v_dim, config["rms_norm_eps"])
         self.out_proj = linear(self.value_dim, hidden)
         self.layer_idx = layer_idx
+        # asked once, here: a shape gdn_block does not serve runs op by op from the first step on
+        self.block_declines = decode_cpu.gdn_block_declines(hidden, self.num_k_heads, self.num_v_heads,
+                                                            self.head_v_dim, self.conv_width)
+
+    def refusals(self) -> list[str]:
+        """The native GDN kernels' refusals of this mixer's shapes, as load-time log lines (layers.refusal)."""
+        lines = [refusal(fused_cpu.KERNELS, "gdn_prefill / gdn_decode",
+                         fused_cpu.gdn_declines(self.num_k_heads, self.num_v_heads, self.head_v_dim))]
+        if not self.fused_projections:  # Qwen3-Next's packed layout never takes the block: no shape to explain
+            lines.append(refusal(decode_cpu.KERNELS, "gdn_block", self.block_declines))
+        return [line for line in lines if line]
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [T, hidden] -> mixed_qkv [T, conv_dim] (all q, then k, then v), z [T, Hv, Dv], b and a [T, Hv]."""
@@ -191,7 +202,7 @@ class GatedDeltaNet(nn.Module):
     def block_parts(self, norm: nn.Module) -> tuple[list, list[int]] | None:
         """kernels/decode_cpu.py's gdn_block tensors and sizes for this mixer after `norm`, or None (Qwen3-Next's
         packed in-projections, or projections not in a form it takes): then it runs op by op."""
-        if self.fused_projections:
+        if self.fused_projections or self.block_declines is not None:
             return None
         projections = [projection_parts(p) for p in (self.in_proj_qkv, self.in_proj_z, self.in_proj_b,
                                                      self.in_proj_a, self.out_proj)]
@@ -356,6 +367,14 @@ class HybridDecoderLayer(nn.Module):
         self.mlp = mlp
         self.fused = FusedParts(self._fused_parts)
 
+    def refusals(self) -> list[str]:
+        """The native kernels' refusals of this layer's shapes, as load-time log lines (layers.refusal)."""
+        hidden = self.input_layernorm.weight.shape[0]
+        mixer = (self.linear_attn.refusals() if self.kind == LINEAR_ATTENTION
+                 else attention_refusals(hidden, self.self_attn))
+        mlp = mlp_refusals(hidden, self.mlp.gate_proj.out_features) if isinstance(self.mlp, SwiGLU) else []
+        return mixer + mlp
+
     def forward(self, x, cos_sin, batch: ForwardBatch, caches: ModelCaches,
                 rows: torch.Tensor | None = None) -> torch.Tensor:
         """The layer's output for every row, or only for `rows` (the caches still see every row)."""
@@ -439,6 +458,7 @@ class HybridModel(nn.Module):
         )
         self.norm = ZeroCentredRMSNorm(hidden, config["rms_norm_eps"])
         self.stack = decode_cpu.Stack()
+        announce_refusals([layer.refusals() for layer in self.layers])
 
     def forward(self, batch: ForwardBatch, caches: ModelCaches) -> torch.Tensor:
         """Hidden states [R, hidden] of the batch's logits rows (before the final norm)."""

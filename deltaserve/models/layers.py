@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import logging
 import math
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from deltaserve.kernels import fused_cpu, int4_torch, linear_cpu
+from deltaserve.kernels import decode_cpu, fused_cpu, int4_torch, linear_cpu, prefill_cpu
 from deltaserve.kernels.int4 import Int4Codes, PackedInt4, int4_linear, pack
 from deltaserve.kernels.int8 import Int8Rows
+
+log = logging.getLogger(__name__)
 
 
 class RMSNorm(nn.Module):
@@ -207,31 +210,71 @@ class TorchInt4Linear(nn.Module):
         return int4_torch.int4_linear(x, w, self.bias)
 
 
+def refusal(kernels, entry: str, reason: str | None) -> str | None:
+    """A native kernel's answer for a layer's shapes (`reason`, from its *_declines function) as a load-time log line
+    naming the kernel and what serves instead, its layers left as {layers}; None where the kernel serves them."""
+    if reason is None:
+        return None
+    return f"{entry} (kernels/{kernels.name.removeprefix('deltaserve_')}): {reason}: {kernels.fallback} serves {{layers}}"
+
+
+def attention_refusals(hidden: int, attn: nn.Module) -> list[str]:
+    """The native attention kernels' refusals of an attention layer's shapes (refusal's lines)."""
+    lines = [refusal(decode_cpu.KERNELS, "attention_block", attention_block_declines(hidden, attn)),
+             refusal(prefill_cpu.KERNELS, "prefill_attention",
+                     prefill_cpu.declines(attn.num_heads, attn.num_kv_heads, attn.head_dim))]
+    return [line for line in lines if line]
+
+
+def attention_block_declines(hidden: int, attn: nn.Module) -> str | None:
+    """decode_cpu.attention_block's answer for this attention layer (its rotary width: the cos / sin it is given)."""
+    return decode_cpu.attention_block_declines(hidden, attn.num_heads, attn.num_kv_heads, attn.head_dim,
+                                               2 * attn.rotary.inv_freq.numel())
+
+
+def mlp_refusals(hidden: int, intermediate: int) -> list[str]:
+    """The fused MLP block's refusal of a SwiGLU MLP's widths (refusal's lines)."""
+    line = refusal(decode_cpu.KERNELS, "mlp_block", decode_cpu.mlp_block_declines(hidden, intermediate))
+    return [line] if line else []
+
+
+def announce_refusals(refusals: list[list[str]]) -> None:
+    """Log once, when a model is built, each native kernel's refusal of its shapes (refusals[i]: layer i's lines),
+    with the layers it holds for: those layers take the portable path from the first step on."""
+    layers_of: dict[str, list[int]] = {}
+    for i, lines in enumerate(refusals):
+        for line in lines:
+            layers_of.setdefault(line, []).append(i)
+    for line, layers in layers_of.items():
+        log.info(line.format(layers=("layer " if len(layers) == 1 else "layers ") + ", ".join(map(str, layers))))
+
+
 def projection_parts(layer: nn.Module) -> tuple[list[torch.Tensor], int] | None:
     """A projection as kernels/decode_cpu.py's blocks take it: [weight or packed codes, scales, offsets, level
     table, bias] (EMPTY where absent) and its group size (0: a float32 weight); None where they do not take it."""
-    from deltaserve.kernels.decode_cpu import EMPTY
+    EMPTY, projection_declines = decode_cpu.EMPTY, decode_cpu.projection_declines
 
     bias = EMPTY if layer.bias is None else layer.bias
     if bias.dtype != torch.float32:
         return None
     if type(layer) is Int4Linear:
-        if layer.perm is not None:
+        if layer.perm is not None or projection_declines(layer.in_features, layer.group_size) is not None:
             return None
         offsets = EMPTY if layer.offsets is None else layer.offsets
         return [layer.packed, layer.scales, offsets, EMPTY if layer.lut is None else layer.lut, bias], \
             layer.group_size
     if type(layer) is Linear and layer.weight.dtype == torch.float32 and layer.weight.is_contiguous() \
-            and layer.in_features % 16 == 0:
+            and projection_declines(layer.in_features) is None:
         return [layer.weight, EMPTY, EMPTY, EMPTY, bias], 0
     return None
 
 
 def attention_parts(norm: nn.Module, attn: nn.Module, gated: bool) -> tuple[list, list[int]] | None:
     """The fused attention block's tensors and sizes for a layer (input norm, q/k norms where the model has them,
-    q/k/v/o projections), or None where a projection is not in a form it takes."""
-    from deltaserve.kernels.decode_cpu import EMPTY
-
+    q/k/v/o projections), or None where it declines the layer's shapes or a projection is not in a form it takes."""
+    if attention_block_declines(norm.weight.numel(), attn) is not None:
+        return None
+    EMPTY = decode_cpu.EMPTY
     projections = [projection_parts(p) for p in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj)]
     if any(p is None for p in projections):
         return None
@@ -244,7 +287,10 @@ def attention_parts(norm: nn.Module, attn: nn.Module, gated: bool) -> tuple[list
 
 
 def mlp_parts(norm: nn.Module, mlp: nn.Module) -> tuple[list, list[int]] | None:
-    """The fused MLP block's tensors and group sizes for a SwiGLU MLP after `norm`, or None."""
+    """The fused MLP block's tensors and group sizes for a SwiGLU MLP after `norm`, or None where it declines the
+    MLP's widths or a projection's form."""
+    if decode_cpu.mlp_block_declines(norm.weight.numel(), mlp.gate_proj.out_features) is not None:
+        return None
     projections = [projection_parts(p) for p in (mlp.gate_proj, mlp.up_proj, mlp.down_proj)]
     if any(p is None for p in projections):
         return None

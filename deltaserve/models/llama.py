@@ -13,8 +13,9 @@ from deltaserve.kernels import decode_cpu, fused_cpu
 from deltaserve.kernels.attention import paged_attention, write_kv
 from deltaserve.models.batch import ATTENTION, CacheGeometry, ForwardBatch, ModelCaches, rows_as_decode
 from deltaserve.models.layers import (FusedParts, Int4Linear, Int8Linear, RMSNorm, Rotary, TorchInt4Linear,
-                                     apply_rotary, attention_parts, by_row_blocks, current_parts, embedding, linear,
-                                     mlp_parts, rope_parameters)
+                                     announce_refusals, apply_rotary, attention_parts, attention_refusals,
+                                     by_row_blocks, current_parts, embedding, linear, mlp_parts, mlp_refusals,
+                                     rope_parameters)
 
 
 class LlamaAttention(nn.Module):
@@ -90,6 +91,11 @@ class LlamaDecoderLayer(nn.Module):
         normed, x = self.post_attention_layernorm.after_add(h, x if rows is None else x[rows])
         return x + self.mlp(normed)
 
+    def refusals(self) -> list[str]:
+        """The native kernels' refusals of this layer's shapes, as load-time log lines (layers.refusal)."""
+        hidden = self.input_layernorm.weight.shape[0]
+        return attention_refusals(hidden, self.self_attn) + mlp_refusals(hidden, self.mlp.gate_proj.out_features)
+
     def _fused_parts(self):
         attn = attention_parts(self.input_layernorm, self.self_attn, gated=False)
         mlp = mlp_parts(self.post_attention_layernorm, self.mlp)
@@ -115,6 +121,7 @@ class LlamaModel(nn.Module):
         )
         self.norm = RMSNorm(hidden, config["rms_norm_eps"])
         self.stack = decode_cpu.Stack()
+        announce_refusals([layer.refusals() for layer in self.layers])
 
     def forward(self, batch: ForwardBatch, caches: ModelCaches) -> torch.Tensor:
         """Hidden states [R, hidden] of the batch's logits rows (before the final norm)."""
