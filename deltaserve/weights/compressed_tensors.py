@@ -197,7 +197,8 @@ def _unpack(module: str, packed: torch.Tensor, bits: int, shape: tuple[int, ...]
     if tuple(packed.shape) != (rows, -(-cols // per_word)):
         raise CheckpointError(path, f"{module}: packed tensor has shape {tuple(packed.shape)}, expected "
                                     f"{(rows, -(-cols // per_word))} for {bits}-bit values of shape {shape}")
-    raw = packed.contiguous().view(torch.uint8)
+    # reshape first: a word tensor with a size-1 dim can be "contiguous" with a last stride > 1, which view refuses
+    raw = packed.contiguous().reshape(-1).view(torch.uint8).view(rows, -1)
     if sys.byteorder == "big":
         raw = raw.view(rows, -1, 4).flip(-1).reshape(rows, -1)
     if bits == 4:
