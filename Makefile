@@ -7,7 +7,7 @@ PIP := $(PY) -m pip
 OPENCODE_VERSION := 1.18.33
 OPENCODE := $(VENV)/node/.opencode-$(OPENCODE_VERSION)
 
-.PHONY: install serve generate test bench clean
+.PHONY: install serve generate test fuzz bench clean
 
 install: $(VENV)/.installed
 
@@ -38,6 +38,13 @@ generate: install
 
 test: install $(OPENCODE)  # opencode only for its test: `make serve` does not need 350 MB of npm
 	$(PY) -m pytest -q -p no:cacheprovider $(ARGS)
+
+# The differential fuzzer alone (tests/fuzz): N drawn cases from seed START against transformers, with a summary;
+# `make test` runs its fixed-seed slice.
+N ?= 200
+START ?= 0
+fuzz: install
+	$(PY) -m tests.fuzz -n $(N) --start $(START)
 
 clean:
 	rm -rf $(VENV) *.egg-info

@@ -1,0 +1,12 @@
+"""The differential fuzzer (issue 37): random but valid configurations of every family deltaserve loads (Llama,
+Qwen3, Qwen3.5 dense and hybrid, Qwen3-Next, Qwen3.5-MoE), each saved in a format drawn at random (safetensors
+float32 / bfloat16, compressed-tensors, GPTQ / AWQ, GGUF) by that format's own tool, served by the real engine with
+prompts that cross its chunk, page and checkpoint boundaries (batched, and again through the prefix cache), and
+compared with transformers on the format's own dequantization within tests/tolerance.py's float32 bound.
+
+    draw.py      a seed -> a Case (config, format, engine settings, requests); valid by construction
+    formats.py   the Case's checkpoint written by the format's own tool, and the oracle model
+    run.py       the engine against the oracle: a Result listing each difference
+    test_fuzz.py the fixed-seed slice `make test` runs
+    __main__.py  long runs and replays: `.venv/bin/python -m tests.fuzz --seed 1234`, `make fuzz N=500`
+"""
