@@ -3,8 +3,9 @@
 The arithmetic is transformers' Qwen2VLImageProcessor (what the Qwen3.5 checkpoints name in their
 preprocessor_config.json), done on Pillow and NumPy so serving does not need transformers: composite any alpha onto
 white, resize with Pillow's bicubic filter so both sides are multiples of patch * merge and the area lies within
-[min_pixels, max_pixels] (aspect ratio kept), scale to [0, 1] and normalise by the checkpoint's mean and std, and
-lay the patches out merge block by merge block. tests/test_models_vision.py checks equality with transformers.
+the checkpoint's [min_pixels, max_pixels] (aspect ratio kept; --max-image-pixels may lower the top), scale to [0, 1]
+and normalise by the checkpoint's mean and std, and lay the patches out merge block by merge block.
+tests/test_images_oracle.py holds file -> server -> logits to transformers' processor -> transformers' model.
 
 Nothing here fetches: the server passes bytes it was given. Every refusal is an ImageError whose message names the
 limit or the problem.
@@ -61,6 +62,10 @@ class PreprocessorSettings:
     temporal_patch_size: int = 2
     image_mean: tuple[float, ...] = (0.5, 0.5, 0.5)
     image_std: tuple[float, ...] = (0.5, 0.5, 0.5)
+    # The resize's pixel range. transformers' class defaults (56 x 56, 28 x 28 x 1280) where the file names none;
+    # the answer to an image depends on them, so they are the checkpoint's, not the server's.
+    min_pixels: int = 56 * 56
+    max_pixels: int = 28 * 28 * 1280
 
     @classmethod
     def from_checkpoint(cls, folder: Path | None, vision_config: dict) -> PreprocessorSettings:
@@ -69,12 +74,24 @@ class PreprocessorSettings:
         path = Path(folder) / "preprocessor_config.json" if folder is not None else None
         if path is not None and path.is_file():
             raw = json.loads(path.read_text())
+        # transformers reads size's shortest/longest edge (pixel areas, despite the names); a top-level
+        # min_pixels / max_pixels (the older spelling) overrides them
+        size = raw.get("size") or {}
         return cls(patch_size=int(raw.get("patch_size", vision_config.get("patch_size", 16))),
                    merge_size=int(raw.get("merge_size", vision_config.get("spatial_merge_size", 2))),
                    temporal_patch_size=int(raw.get("temporal_patch_size",
                                                    vision_config.get("temporal_patch_size", 2))),
                    image_mean=tuple(raw.get("image_mean", cls.image_mean)),
-                   image_std=tuple(raw.get("image_std", cls.image_std)))
+                   image_std=tuple(raw.get("image_std", cls.image_std)),
+                   min_pixels=int(raw.get("min_pixels") or size.get("shortest_edge") or cls.min_pixels),
+                   max_pixels=int(raw.get("max_pixels") or size.get("longest_edge") or cls.max_pixels))
+
+    def limits(self, max_images: int, max_bytes: int, max_image_pixels: int) -> ImageLimits:
+        """The server's image limits with this checkpoint's resize range, its top lowered to --max-image-pixels
+        where that is smaller (a memory limit: larger images then get fewer tokens than transformers gives them)."""
+        max_pixels = min(self.max_pixels, max_image_pixels)
+        return ImageLimits(max_images=max_images, max_bytes=max_bytes, max_pixels=max_pixels,
+                           min_pixels=min(self.min_pixels, max_pixels))
 
 
 @dataclass(frozen=True)

@@ -160,8 +160,13 @@ class Engine:
                                         min_pixels=min(ImageLimits.min_pixels, c.max_image_pixels))
         self.image_settings = None
         if self.vision is not None:
-            self.image_settings = PreprocessorSettings.from_checkpoint(
+            self.image_settings = s = PreprocessorSettings.from_checkpoint(
                 loaded.path if loaded.path.is_dir() else None, loaded.config["vision_config"])
+            self.image_limits = s.limits(c.max_images_per_request, c.max_image_bytes, c.max_image_pixels)
+            if s.max_pixels > c.max_image_pixels:
+                self._log(f"note: images are resized to at most {c.max_image_pixels:,} pixels (--max-image-pixels), "
+                          f"below the checkpoint's {s.max_pixels:,}: larger images get fewer tokens than "
+                          f"transformers gives them")
             self.image_token_id = loaded.model.image_token_id
 
     @property
