@@ -532,7 +532,8 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor sc
   TORCH_CHECK(codes.scalar_type() == torch::kInt8 && codes.is_contiguous() && codes.dim() == 2 &&
               codes.size(1) == x.size(1), "int8_linear: contiguous int8 codes [N, K]");
   const int64_t M = x.size(0), K = x.size(1), N = codes.size(0);
-  TORCH_CHECK(group >= 16 && group % 16 == 0 && K % group == 0, "int8_linear: the group must be a multiple of 16 dividing K");
+  TORCH_CHECK(group >= 16 && group % 16 == 0 && K % group == 0,
+              "int8_linear: the group must be a multiple of 16 dividing K");
   const bool off = offsets.numel() != 0;
   for (const auto* t : off ? std::vector<const torch::Tensor*>{&scales, &offsets}
                            : std::vector<const torch::Tensor*>{&scales})

@@ -215,7 +215,8 @@ def refusal(kernels, entry: str, reason: str | None) -> str | None:
     naming the kernel and what serves instead, its layers left as {layers}; None where the kernel serves them."""
     if reason is None:
         return None
-    return f"{entry} (kernels/{kernels.name.removeprefix('deltaserve_')}): {reason}: {kernels.fallback} serves {{layers}}"
+    module = kernels.name.removeprefix("deltaserve_")
+    return f"{entry} (kernels/{module}): {reason}: {kernels.fallback} serves {{layers}}"
 
 
 def attention_refusals(hidden: int, attn: nn.Module) -> list[str]:
