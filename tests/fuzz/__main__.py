@@ -32,7 +32,7 @@ def main() -> int:
     args = parser.parse_args()
     seeds = args.seed or range(args.start, args.start + args.n)
     counts = {"family": collections.Counter(), "format": collections.Counter()}
-    failed, refused, started = [], [], time.monotonic()
+    failed, refused, cache_hits, started = [], [], 0, time.monotonic()
     for seed in seeds:
         case = draw_case(seed)
         print(case.summary(), flush=True)
@@ -41,6 +41,7 @@ def main() -> int:
         try:
             result = run_case(case)
             problems, refusal = result.failures, result.refusal
+            cache_hits += result.cached_tokens > 0
         except Exception:  # noqa: BLE001 -- a crash is a finding: report it and go on to the next seed
             problems, refusal = [traceback.format_exc().rstrip().splitlines()[-1]], None
             traceback.print_exc()
@@ -54,7 +55,7 @@ def main() -> int:
                 print(f"    {problem}")
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     print(f"\n{len(seeds)} cases at {commit} in {time.monotonic() - started:.0f} s: {len(failed)} failed, "
-          f"{len(refused)} refused cleanly")
+          f"{len(refused)} refused cleanly, {cache_hits} served a follow-up from the prefix cache")
     for what, counter in counts.items():
         print(f"  per {what}: " + ", ".join(f"{k} {v}" for k, v in sorted(counter.items())))
     if failed:
