@@ -62,7 +62,10 @@ class VisionAttention(nn.Module):
         k = (k * cos + rotate_half(k) * sin).to(x.dtype)
         out = []
         for qi, ki, vi in zip(q.split(lengths), k.split(lengths), v.split(lengths)):  # one image at a time
-            o = F.scaled_dot_product_attention(qi.transpose(0, 1), ki.transpose(0, 1), vi.transpose(0, 1))
+            # 4-D [1, heads, patches, head_dim]: torch's CPU flash kernel takes only 4-D inputs; 3-D ones fall back
+            # to the math path, which holds [heads, patches, patches] scores (1 GiB a block at 4096 patches x 16 heads)
+            qi, ki, vi = (t.transpose(0, 1).unsqueeze(0) for t in (qi, ki, vi))
+            o = F.scaled_dot_product_attention(qi, ki, vi)[0]
             out.append(o.transpose(0, 1).reshape(-1, self.num_heads * self.head_dim))
         return self.proj(torch.cat(out))
 
