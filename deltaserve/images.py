@@ -28,9 +28,8 @@ import numpy as np
 import torch
 from PIL import Image
 
+from deltaserve.budget.spec import IMAGE_MAX_ASPECT_RATIO as MAX_ASPECT_RATIO
 from deltaserve.models.vision import ImageGrid
-
-MAX_ASPECT_RATIO = 200  # what the family's processor accepts (longer side / shorter side)
 
 
 class ImageError(ValueError):

@@ -166,3 +166,57 @@ def test_a_served_image_is_answered_as_transformers_answers(folder, oracle, serv
         assert abs(top.logprob - expected[token_id].item()) <= bound, (top.token, top.logprob, bound)
     assert tok.encode(first.token)[0] == int(expected.argmax())
     assert math.isfinite(first.logprob)
+
+
+def tower_peak_bytes(model, patches: torch.Tensor, grid) -> int:
+    """The most bytes torch's CPU allocator held at once while the tower encoded one image, from the profiler's
+    record of every allocation and free (kernels' own scratch included), counted from the start of the call."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        with torch.inference_mode():
+            model.encode_images(patches, [grid])
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
+    held = peak = 0
+    for _, nbytes in events:  # a free is a negative size
+        held += nbytes
+        peak = max(peak, held)
+    return peak
+
+
+def test_the_largest_admitted_image_is_the_thin_one_and_the_ledger_counts_its_tokens(folder):
+    from deltaserve.budget import spec_from_checkpoint
+    from deltaserve.images import smart_resize
+
+    vision = spec_from_checkpoint(folder).vision
+    factor = vision.patch_size * vision.merge_size
+    largest = 0
+    for short in range(1, 200):
+        for ratio in (200, 199.5, 150, 100, 16, 1):
+            long = int(short * ratio)
+            for min_pixels in (ORACLE_MIN_PIXELS, ORACLE_MAX_PIXELS):
+                h, w = smart_resize(short, long, factor, min_pixels, ORACLE_MAX_PIXELS)
+                largest = max(largest, h * w // factor ** 2)
+    assert largest > ORACLE_MAX_PIXELS // factor ** 2  # 113 tokens where max_pixels alone says 64
+    assert largest <= vision.max_image_tokens(ORACLE_MAX_PIXELS) <= largest + 1
+
+
+def test_the_vision_workspace_line_holds_the_tower_at_the_largest_admitted_image(folder, oracle):
+    """The ledger's vision_workspace line against the tower's measured peak (its input patches included) on the image
+    the limits admit that costs most: 3600 x 18 pixels, 2 x 226 patches. The line may not be short, nor more than a
+    quarter over (the profiler sees torch's allocations; the flash kernel's per-thread blocks: fixed to 2 threads)."""
+    from deltaserve.budget import plan_budget, spec_from_checkpoint
+    from deltaserve.config import EngineConfig
+
+    spec = spec_from_checkpoint(folder)
+    config = EngineConfig(model=str(folder), device="cpu", max_image_pixels=ORACLE_MAX_PIXELS,
+                          max_running_requests=1)
+    line = plan_budget(spec, config, device_total_bytes=1 << 34, device_kind="cpu").line("vision_workspace").bytes
+    prepared, _ = oracle.pixels(case_file((3600, 18, "RGB")))
+    assert prepared.tokens(2) == spec.vision.max_image_tokens(ORACLE_MAX_PIXELS) - 1
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        peak = tower_peak_bytes(oracle.ours, prepared.patches, prepared.grid)
+    finally:
+        torch.set_num_threads(threads)
+    measured = peak + prepared.patches.numel() * prepared.patches.element_size()
+    assert measured <= line <= 1.25 * measured, (measured, line)

@@ -8,6 +8,7 @@ line unless --language-model-only.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from deltaserve.budget.errors import SpecError
@@ -19,6 +20,7 @@ HYBRID_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "q
 NESTED_TYPES = ("qwen3_5", "qwen3_5_moe")  # vision-language checkpoints: the LM lives in text_config
 GATED_ATTENTION_TYPES = HYBRID_TYPES  # q_proj also produces the output gate: 2 x heads x head_dim
 QK_NORM_TYPES = ("qwen3",) + HYBRID_TYPES
+IMAGE_MAX_ASPECT_RATIO = 200  # longer side / shorter side the family's image processor accepts (images.py refuses more)
 
 
 @dataclass
@@ -51,9 +53,14 @@ class VisionShape:
     out_hidden_size: int
 
     def max_image_tokens(self, max_pixels: int) -> int:
-        """Language-model tokens of the largest image the resize (to at most max_pixels) can produce."""
+        """Language-model tokens of the largest image the resize (to at most max_pixels) can produce.
+
+        The resize keeps each side at least one factor (patch x merge), so a thin image can pass max_pixels: at the
+        processor's 200:1 limit its short side is held at one factor and its long side reaches
+        sqrt(200 x max_pixels) (rounded up, as the min_pixels branch rounds)."""
         side = self.patch_size * self.merge_size
-        return max(max_pixels // (side * side), 1)
+        thin = -(-(math.isqrt(IMAGE_MAX_ASPECT_RATIO * max_pixels) + 1) // side)
+        return max(max_pixels // (side * side), thin, 1)
 
     def workspace_elements(self, max_pixels: int) -> int:
         """Elements live while the tower encodes its largest image: per patch its pixels, the residual, the norm,
