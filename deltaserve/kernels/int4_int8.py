@@ -1,0 +1,112 @@
+"""Packed 4-bit weights times int8 activations on CPU (`--activation-dtype int8`): integer dot products.
+
+The C++ is kernels/csrc/int4_int8dot.cpp (its header says the arithmetic and the layout). Each input row is
+quantized per block of 32 columns to int8 with one float32 scale (llama.cpp's Q8_0 / Q8_1 for Q4_0 / Q4_1: the
+offsets enter through each block's sum, as Q8_1's), and the 4-bit codes multiply it by vpdpbusd (AVX-512 VNNI) or
+vpmaddubsw (AVX2). The result is the dequantized weight times the dequantized activations; against the float32 path
+it differs by the activations' rounding, at most half a quantum (d / 2) a column: |dy| <= sum_k |w_k| d_k / 2.
+
+`repack` moves a PackedInt4's bytes into 16-row panels (a permutation of the same bytes: a layer that holds the
+panel form holds exactly the packed layout's bytes, so the ledger's weights line does not change).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from deltaserve.kernels.cpp_build import CompiledKernels
+from deltaserve.kernels.int4 import BLOCK, PackedInt4
+
+PANEL_ROWS = 16  # output rows interleaved in one panel
+QUANT_BLOCK = 32  # activation columns sharing one int8 scale
+
+SOURCE_FILE = Path(__file__).parent / "csrc" / "int4_int8dot.cpp"
+
+KERNELS = CompiledKernels("deltaserve_int4_int8dot", SOURCE_FILE.read_text(),
+                          ["int4_int8_linear", "int4_int8_quantize", "int4_int8_isa"],
+                          "CPU 4-bit x int8 dot-product kernel", "the float32 packed 4-bit kernel")
+
+
+def load(log=None):
+    """The compiled module (built once per machine), or None when it cannot be built here."""
+    return KERNELS.load(log)
+
+
+def built() -> bool:
+    """Whether the compiled module is loaded (never compiles)."""
+    return KERNELS.module is not None
+
+
+def declines(out_features: int, in_features: int, group_size: int, lut: bool) -> str | None:
+    """Why the kernel cannot take a packed 4-bit weight of this shape and form (int4_int8_linear's TORCH_CHECKs and
+    the layout's conditions), or None."""
+    if lut:
+        return "a level table (IQ4): its levels are not integers the int8 dot product can take"
+    if out_features % PANEL_ROWS:
+        return f"{out_features} output rows, not a multiple of the {PANEL_ROWS}-row panel"
+    if in_features % QUANT_BLOCK or group_size % QUANT_BLOCK or in_features % group_size:
+        return f"input width {in_features} and group {group_size} not multiples of {QUANT_BLOCK}, the group dividing" \
+               f" the width"
+    return None
+
+
+@dataclass
+class PanelInt4:
+    """A packed 4-bit weight in the kernel's panel layout: codes [N / 16, K * 8] uint8, scales and offsets
+    [N / 16, K / group, 16] in the packed weight's dtype (offsets None: symmetric), the input permutation as packed."""
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    offsets: torch.Tensor | None
+    group_size: int
+    perm: torch.Tensor | None = None
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.codes.shape[0] * PANEL_ROWS, self.codes.shape[1] // 8
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.codes, self.scales, self.offsets) if t is not None)
+
+
+def repack(w: PackedInt4) -> PanelInt4:
+    """The panel layout of a packed weight (csrc/int4_int8dot.cpp's header): byte i of a 32-column run holds columns
+    i and i + 16 in both layouts, so the codes' bytes are only moved; the kernel must not decline it."""
+    n, k = w.shape
+    reason = declines(n, k, w.group_size, w.lut is not None)
+    if reason:
+        raise ValueError(f"int4_int8: cannot take a {n} x {k} weight in groups of {w.group_size}: {reason}")
+    codes = w.packed.view(n // PANEL_ROWS, PANEL_ROWS, k // BLOCK, 4, 4).permute(0, 2, 3, 1, 4)
+    groups = k // w.group_size
+
+    def panels(t):
+        return None if t is None else t.view(n // PANEL_ROWS, PANEL_ROWS, groups).transpose(1, 2).contiguous()
+
+    return PanelInt4(codes.reshape(n // PANEL_ROWS, k * 8).contiguous(), panels(w.scales), panels(w.offsets),
+                     w.group_size, w.perm)
+
+
+def linear(x: torch.Tensor, w: PanelInt4, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] @ W.T with x's rows quantized to int8 per block of 32 (module docstring); the result in x's dtype."""
+    from deltaserve.kernels.int4 import input_rows
+
+    n, k = w.shape
+    rows = input_rows(x, k, w.perm, torch.float32)
+    offsets = torch.empty(0) if w.offsets is None else w.offsets
+    y = KERNELS.module.int4_int8_linear(rows, w.codes, w.scales, offsets, w.group_size)
+    if bias is not None:
+        y += bias
+    return y.to(x.dtype).view(*x.shape[:-1], n)
+
+
+def quantize(rows: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """rows [M, K] float32 as the kernel quantizes them: (q [M, K] int8, d [M, K / 32], group sums [M, K / group])."""
+    return tuple(KERNELS.module.int4_int8_quantize(rows.contiguous(), group_size))
+
+
+def isa() -> str:
+    """The dot product the loaded build uses: avx512_vnni or avx2."""
+    return KERNELS.module.int4_int8_isa()
