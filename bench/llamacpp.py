@@ -26,6 +26,16 @@ def tree(given: str | None) -> Path | None:
     return root
 
 
+def tree_with(given: str | None, binary: str) -> Path | None:
+    """The llama.cpp source tree with build/bin/<binary> built (e.g. llama-perplexity), or None when none is given."""
+    root = given or os.environ.get("LLAMA_CPP_DIR")
+    if not root:
+        return None
+    if not (Path(root) / "build" / "bin" / binary).exists():
+        raise SystemExit(f"error: {root} has no build/bin/{binary}: build it first (see bench/llamacpp.py)")
+    return Path(root)
+
+
 def bench_binary(root: Path) -> Path:
     return root / "build" / "bin" / "llama-bench"
 

@@ -45,6 +45,7 @@ UNITS = {
     "seed": "integer",
     "attention_backend": "`auto`, `paged`, `portable`",
     "prefill_dtype": "`float32`, `bfloat16`",
+    "activation_dtype": "`float32`, `int8`",
     "tool_call_parser": "parser name",
     "reasoning_parser": "parser name",
     "chat_template": "path to a jinja file",

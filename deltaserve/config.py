@@ -31,6 +31,7 @@ SIZE_FLAGS = {"headroom": "--headroom", "device_memory": "--device-memory", "max
 STATE_DTYPES = ("float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "portable", "paged")
 PREFILL_DTYPES = ("float32", "bfloat16")  # the packed 4-bit GEMM's arithmetic (kernels/int4_cpu.py)
+ACTIVATION_DTYPES = ("float32", "int8")  # what packed 4-bit weights multiply on CPU (kernels/int4_int8.py)
 
 DEFAULT_MAX_NEW_TOKENS_CAP = 16384
 # Host RAM is shared with the OS, the page cache of the checkpoint, the tokenizer and the HTTP server.
@@ -133,6 +134,7 @@ class EngineConfig:
     attention_backend: str = "auto"  # auto = paged: decode in place, prefill tiled (CPU: kernels built at start)
     dequantize_weights: bool | None = None  # None: packed (on CPU the float32 kernel of kernels/int4.py)
     prefill_dtype: str = "float32"  # bfloat16: packed 4-bit GEMMs (prefill) on bf16 dot products, opt-in
+    activation_dtype: str = "float32"  # int8: packed 4-bit linears on int8 activations and integer dot products
     cuda_graph_reserve: int | None = None  # bytes; None: estimated from the decode batch
     tool_call_parser: str = "auto"  # auto: picked from the chat template's own tool-call format
     reasoning_parser: str = "auto"  # auto: "think" when the chat template writes <think> blocks
@@ -271,6 +273,9 @@ def _validate(c: EngineConfig) -> None:
                           f"choose {', '.join(ATTENTION_BACKENDS)}")
     if c.prefill_dtype not in PREFILL_DTYPES:
         raise ConfigError(f"--prefill-dtype {c.prefill_dtype!r} is not supported: choose {', '.join(PREFILL_DTYPES)}")
+    if c.activation_dtype not in ACTIVATION_DTYPES:
+        raise ConfigError(f"--activation-dtype {c.activation_dtype!r} is not supported: "
+                          f"choose {', '.join(ACTIVATION_DTYPES)}")
     if c.tool_call_parser not in TOOL_CALL_PARSERS:
         raise ConfigError(f"--tool-call-parser {c.tool_call_parser!r} is not supported: "
                           f"choose {', '.join(TOOL_CALL_PARSERS)}")
@@ -322,6 +327,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                    "equal to the dequantized model to float32 rounding; bfloat16: rows and weights rounded to "
                    "bfloat16 and multiplied by AVX512-BF16 dot products (~1.7x the GEMM rate; CPUs with AVX512-BF16, "
                    "else float32 and a log line). Steps of more than 16 rows only: decode stays float32")
+    g.add_argument("--activation-dtype", help="float32 (default): packed 4-bit weights multiply their input rows in "
+                   "float32, equal to the dequantized model to float32 rounding; int8: each input row quantized to "
+                   "int8 per block of 32 columns (one float32 scale each, as llama.cpp's Q8_0 / Q8_1) and multiplied "
+                   "by integer dot products (AVX-512 VNNI, else AVX2), decode and prefill rows alike, on CPU. A layer "
+                   "the kernel does not take (level tables, output rows not a multiple of 16) keeps float32, said in "
+                   "a log line")
     g.add_argument("--dequantize-weights", action=argparse.BooleanOptionalAction, default=None,
                    help="hold 4-bit weights dequantized in the compute dtype (default: packed, multiplied in float32 on "
                         "CPU with the same result to float32 rounding)")

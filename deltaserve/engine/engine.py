@@ -39,7 +39,7 @@ from deltaserve.engine.request import Request, RequestStream, SamplingParams, To
 from deltaserve.engine.runner import ModelRunner
 from deltaserve.engine.sampler import sample
 from deltaserve.engine.scheduler import QueueFull, RequestRefused, Scheduler
-from deltaserve.kernels import decode_cpu, fused_cpu, int4_cpu, linear_cpu, paged_cpu, prefill_cpu
+from deltaserve.kernels import decode_cpu, fused_cpu, int4_cpu, int4_int8, linear_cpu, paged_cpu, prefill_cpu
 
 __all__ = ["Completion", "Engine", "EngineStats", "LLM", "QueueFull", "RequestRefused"]
 
@@ -131,6 +131,8 @@ class Engine:
             int4_cpu.load(self._log)
             if c.prefill_dtype == "bfloat16":
                 self._bf16_prefill(loaded.model)
+            if c.activation_dtype == "int8":
+                self._int8_activations(loaded.model)
             if c.attention_backend == "paged":
                 paged_cpu.load(self._log)
                 prefill_cpu.load(self._log)
@@ -198,6 +200,20 @@ class Engine:
                 layer.prefill_bf16 = True
             self._log(f"prefill: {len(layers)} packed 4-bit layers multiply GEMM rows (steps of more than "
                       f"{int4_cpu.MAX_ROWS}) in bfloat16")
+
+    def _int8_activations(self, model) -> None:
+        """--activation-dtype int8: every packed 4-bit layer the int8 dot-product kernel serves takes it (the
+        others, and every layer where the kernel cannot be built, keep float32: said)."""
+        from deltaserve.models.int8_activations import use_int8_activations
+
+        if int4_int8.load(self._log) is None:
+            self._log("note: --activation-dtype int8 needs the int8 dot-product kernel, not built here: float32 stays")
+            return
+        swapped, refusals = use_int8_activations(model)
+        for line in refusals:
+            self._log(line)
+        self._log(f"activations: {swapped} packed 4-bit layers multiply int8 activations ({int4_int8.isa()} integer "
+                  f"dot products)")
 
     def measured_bytes(self) -> dict[str, int]:
         """What the engine really holds per ledger line (torch tensor bytes)."""

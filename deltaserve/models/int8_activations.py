@@ -1,0 +1,61 @@
+"""`--activation-dtype int8`: the packed 4-bit linears whose shapes kernels/int4_int8.py serves take their input rows
+quantized to int8 per block of 32 and multiplied by integer dot products; the rest keep the float32 packed path.
+
+The swap moves each weight's bytes into the kernel's 16-row panels (the same bytes: the ledger's weights line does
+not change). A swapped layer's decode rows go through it too, so the fused float32 decode blocks
+(kernels/decode_cpu.py) do not take its decoder layer: projection_parts takes only Int4Linear and float Linear.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from deltaserve.kernels import int4_int8
+from deltaserve.kernels.int4 import PackedInt4
+from deltaserve.models.layers import FusedParts, Int4Linear
+
+
+class Int4Int8Linear(nn.Module):
+    """A 4-bit linear in the int8 dot-product kernel's panel layout: its result is the dequantized weight times the
+    input rounded to int8 per block of 32 (within sum |w| d / 2 of the float32 path, d the block's quantum)."""
+
+    def __init__(self, w: int4_int8.PanelInt4, bias: torch.Tensor | None):
+        super().__init__()
+        self.out_features, self.in_features = w.shape
+        self.group_size = w.group_size
+        self.register_buffer("codes", w.codes)
+        self.register_buffer("scales", w.scales)
+        self.register_buffer("offsets", w.offsets)
+        self.register_buffer("perm", w.perm, persistent=False)
+        self.bias = bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = int4_int8.PanelInt4(self.codes, self.scales, self.offsets, self.group_size, self.perm)
+        return int4_int8.linear(x, w, self.bias)
+
+
+def use_int8_activations(model: nn.Module) -> tuple[int, list[str]]:
+    """Swap every Int4Linear the kernel serves (int4_int8.declines, asked per layer) for an Int4Int8Linear; the
+    number swapped and a log line per distinct refusal. The caller loaded the kernel (int4_int8.built())."""
+    swapped, refusals = 0, {}
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is not Int4Linear:
+                continue
+            reason = int4_int8.declines(child.out_features, child.in_features, child.group_size,
+                                        child.lut is not None)
+            if reason:
+                refusals.setdefault(reason, 0)
+                refusals[reason] += 1
+                continue
+            packed = PackedInt4(child.packed, child.scales, child.offsets, child.group_size, child.lut, child.perm)
+            setattr(parent, name, Int4Int8Linear(int4_int8.repack(packed), child.bias))
+            swapped += 1
+    for module in model.modules():  # fused decode parts built before the swap would still hold the old tensors
+        fused = getattr(module, "fused", None)
+        if isinstance(fused, FusedParts):
+            fused.key = None
+    lines = [f"int4_int8 (kernels/int4_int8): {reason}: the float32 packed kernel serves {count} layers"
+             for reason, count in refusals.items()]
+    return swapped, lines
