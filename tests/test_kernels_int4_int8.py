@@ -98,7 +98,7 @@ def magnitude(codes: Int4Codes) -> torch.Tensor:
                      None, codes.perm).dequantize(torch.float64)
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 16, 17, 64])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 16, 17, 64, 150])  # 150: three tasks of rows (ROW_CHUNK 64)
 @pytest.mark.parametrize("case", CASES, ids=IDS)
 def test_product_is_the_int8_arithmetic_to_float32_rounding(case, rows):
     """The kernel's result against W (dequantized, float64) times d * q (the kernel's own quantized rows, float64).
