@@ -49,12 +49,14 @@ def prompt(tokens: int, seed: int) -> list[int]:
 
 
 class Ours:
-    def __init__(self, path: str, longest: int, dequantize: bool, prefill_dtype: str = "float32"):
+    def __init__(self, path: str, longest: int, dequantize: bool, prefill_dtype: str = "float32",
+                 activation_dtype: str = "float32"):
         from deltaserve.config import EngineConfig
         from deltaserve.engine.engine import Engine
 
         config = EngineConfig(model=path, device="cpu", max_total_tokens=4 * longest, dequantize_weights=dequantize,
                               prefill_chunk_tokens=longest, max_running_requests=4, prefill_dtype=prefill_dtype,
+                              activation_dtype=activation_dtype,
                               prefix_cache=False)  # each repeat reads its prompt again, as llama-bench does
         self.engine = Engine(config, log=None)
         self.weight_bytes = self.engine.measured_bytes()["weights"]
@@ -135,6 +137,8 @@ def main(argv=None) -> int:
     parser.add_argument("--llama-cpp", help="a llama.cpp tree with build/bin/llama-bench (or LLAMA_CPP_DIR)")
     parser.add_argument("--bf16-prefill", action="store_true",
                         help="add a deltaserve column with --prefill-dtype bfloat16 (opt-in; CPUs with AVX512-BF16)")
+    parser.add_argument("--int8-activations", action="store_true",
+                        help="add a deltaserve column with --activation-dtype int8 (opt-in: integer dot products)")
     args = parser.parse_args(argv)
     formats = args.formats.split(",")
     try:
@@ -177,6 +181,8 @@ def gguf_table(args, lengths: list[int], longest: int, cells: list, run: results
              "deltaserve fp32": Ours(str(path), longest, True)}
     if args.bf16_prefill:
         sides["deltaserve bf16-prefill"] = Ours(str(path), longest, False, "bfloat16")
+    if args.int8_activations:
+        sides["deltaserve int8-act"] = Ours(str(path), longest, False, activation_dtype="int8")
     title = (f"{path.name}, {torch.get_num_threads()} threads, best of {args.repeats} (llama.cpp's runs alternated "
              f"with ours); tok/s, the ratio to transformers, and deltaserve packed / llama.cpp")
     print(title)
