@@ -128,6 +128,8 @@ def test_up_routes_by_role_retries_on_a_replica_and_brings_a_killed_instance_bac
 
     try:
         wait_for(lambda: ask("chat") == "chat", 600, "the deployment to answer", up)
+        # the front door: the router's own {"models": [...]} reaches clients as OpenAI's list (deploy/front.py)
+        assert sorted(model.id for model in client.models.list().data) == ["agents", "chat"]
         for role in ("chat", "agents", "chat", "agents", "agents"):
             before = served()
             assert ask(role) == role

@@ -1,8 +1,10 @@
 """`deltaserve up deploy.toml`: start every instance as its own process, put vllm-router in front, keep them running.
 
 Each instance is `deltaserve serve` with its table's flags, logging to its own file. `up` waits until each answers
-GET /health 200, then starts the router (vllm-router in its multi-model mode) and registers each instance with it;
-the router reads the instance's /server_info and routes requests by their `model` to the instances of that role.
+GET /health 200, then starts the router (vllm-router in its multi-model mode) on an internal port and registers each
+instance with it; the router routes requests by their `model` to the instances of that role. On the public port
+([router] port) runs deploy/front.py, a pass-through that only rewrites the router's GET /v1/models into OpenAI's
+list shape.
 A crashed instance is started again after a backoff that doubles per restart (1 s .. max_restart_backoff_s), its
 restarts counted in the log and in Prometheus (`deltaserve_deploy_restarts_total{instance}`) when
 [supervisor] metrics_port is set, and registered again; `deltaserve_deploy_instance_ready{instance}` there is 1 from
@@ -20,6 +22,7 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -88,8 +91,13 @@ class Supervisor:
                           for i in deployment.instances}
         self.specs = {i.name: i for i in deployment.instances}
         self.router = deployment.router if use_router else None
-        self.router_child = (Child("router", _router_argv(self.router), self.log_dir / "router.log")
-                             if self.router else None)
+        self.router_child = self.front_child = None
+        if self.router:
+            self.router_url = f"http://{self.router.host}:{_free_port(self.router.host)}"  # the front door's upstream
+            self.router_child = Child("router", _router_argv(self.router, self.router_url),
+                                      self.log_dir / "router.log")
+            self.front_child = Child("front", _front_argv(self.router, self.router_url),
+                                     self.log_dir / "front.log")
         self._stop = threading.Event()
         self._restarts_metric = self._ready_metric = None
         if self.settings.metrics_port is not None:
@@ -153,6 +161,10 @@ class Supervisor:
                 self.router_child.restarts += 1
                 self.log(f"router exited (code {self.router_child.process.returncode}); starting it again")
                 self._start_router()
+            if self.front_child is not None and not self.front_child.alive and not self._stop.is_set():
+                self.front_child.restarts += 1
+                self.log(f"front door exited (code {self.front_child.process.returncode}); starting it again")
+                self._start_front()
 
     def _register_when_ready(self, child: Child) -> None:
         if self._wait_ready(child, self.specs[child.name].url):
@@ -179,23 +191,31 @@ class Supervisor:
         return False
 
     def _start_router(self) -> None:
-        self.router_child.start()
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and self.router_child.alive:
-            try:
-                if HTTP.get(f"{self.router.url}/health", timeout=2.0).status_code < 500:
-                    break
-            except httpx.HTTPError:
-                time.sleep(POLL_S)
-        else:
-            raise DeployError(f"the router did not start: see {self.router_child.log_path}")
+        self._start_answering(self.router_child, self.router_url, "the router")
         for instance in self.deployment.instances:
             self._register(instance)
+        if not self.front_child.alive:
+            self._start_front()
+
+    def _start_front(self) -> None:
+        self._start_answering(self.front_child, self.router.url, "the front door")
+
+    def _start_answering(self, child: Child, url: str, what: str) -> None:
+        """Start `child` and wait until `url`/health answers (anything below 500)."""
+        child.start()
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and child.alive:
+            try:
+                if HTTP.get(f"{url}/health", timeout=2.0).status_code < 500:
+                    return
+            except httpx.HTTPError:
+                time.sleep(POLL_S)
+        raise DeployError(f"{what} did not start: see {child.log_path}")
 
     def _register(self, instance: Instance) -> None:
         """Tell the router about an instance; it reads the instance's /server_info for its model name."""
         try:
-            response = HTTP.post(f"{self.router.url}/workers", timeout=30.0,
+            response = HTTP.post(f"{self.router_url}/workers", timeout=30.0,
                                   json={"url": instance.url, "model_id": instance.role})
             if response.status_code >= 400 and "already" not in response.text:
                 self.log(f"router refused {instance.name}: {response.status_code} {response.text[:200]}")
@@ -205,13 +225,14 @@ class Supervisor:
     def _stop_all(self) -> None:
         """Router first (no new requests reach the instances), then SIGTERM every instance (each drains within its
     --shutdown-timeout, `shutdown_timeout_s` in the deploy file) and wait for it."""
-        if self.router_child is not None:
-            self.router_child.signal(signal.SIGTERM)
+        for child in (self.front_child, self.router_child):
+            if child is not None:
+                child.signal(signal.SIGTERM)
         for child in self.instances.values():
             child.signal(signal.SIGTERM)
         drain_s = max(i.config.shutdown_timeout_s for i in self.deployment.instances)
         deadline = time.monotonic() + drain_s + STOP_GRACE_S
-        children = [*self.instances.values(), *([self.router_child] if self.router_child else [])]
+        children = [*self.instances.values(), *(c for c in (self.router_child, self.front_child) if c is not None)]
         for child in children:
             if child.process is None:
                 continue
@@ -228,8 +249,19 @@ def _serve_argv(instance: Instance) -> list[str]:
     return [sys.executable, "-m", "deltaserve.cli", "serve", *instance.flags]
 
 
-def _router_argv(router) -> list[str]:
-    argv = [sys.executable, "-m", "vllm_router.launch_router", "--host", router.host, "--port", str(router.port),
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _front_argv(router, upstream: str) -> list[str]:
+    return [sys.executable, "-m", "deltaserve.deploy.front", "--host", router.host, "--port", str(router.port),
+            "--upstream", upstream]
+
+
+def _router_argv(router, url: str) -> list[str]:
+    argv = [sys.executable, "-m", "vllm_router.launch_router", "--host", router.host, "--port", url.rsplit(":", 1)[1],
             "--enable-igw", "--policy", router.policy, "--log-level", "warning"]
     key = os.environ.get("DELTASERVE_API_KEY")
     if key:
