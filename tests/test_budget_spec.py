@@ -42,7 +42,8 @@ def estimate(folder: Path, **quant):
     return spec_from_config(json.loads((folder / "config.json").read_text()), **quant)
 
 
-@pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_next", "qwen3_5_moe", "llama", "qwen3", "qwen3_5_tied"])
+@pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_next", "qwen3_5_moe", "llama", "qwen3", "qwen3_5_tied",
+                                  "llama_bias", "qwen3_bias"])
 def test_estimate_equals_headers(tmp_path, kind):
     import transformers as tf
 
@@ -56,6 +57,9 @@ def test_estimate_equals_headers(tmp_path, kind):
             **{k: v for k, v in TINY.items() if k != "intermediate_size"}, **TINY_LINEAR, **moe)),
         "llama": lambda: tf.LlamaForCausalLM(tf.LlamaConfig(**TINY)),
         "qwen3": lambda: tf.Qwen3ForCausalLM(tf.Qwen3Config(**TINY)),
+        # attention_bias: q, k, v and o_proj biased (the fuzzer's finding 2: o_proj.bias was refused at load)
+        "llama_bias": lambda: tf.LlamaForCausalLM(tf.LlamaConfig(**TINY, attention_bias=True)),
+        "qwen3_bias": lambda: tf.Qwen3ForCausalLM(tf.Qwen3Config(**TINY, attention_bias=True)),
     }[kind]
     torch.manual_seed(0)
     folder = save(build(), tmp_path / kind)
@@ -69,6 +73,9 @@ def test_estimate_equals_headers(tmp_path, kind):
         assert a.name == b.name and abs(a.params - b.params) <= 0.02 * b.params
     if kind == "qwen3_5_tied":
         assert [g.name for g in measured.weight_groups] == ["embedding", "layers"]
+    if kind.endswith("_bias"):  # every bias priced: the layers' parameters exactly the checkpoint's
+        layers = lambda spec: next(g.params for g in spec.weight_groups if g.name == "layers")  # noqa: E731
+        assert layers(guessed) == layers(measured)
 
 
 def test_vision_tower_is_counted_but_not_loaded(tmp_path):

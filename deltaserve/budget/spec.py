@@ -227,8 +227,9 @@ def _layer_tensors(spec: ModelMemorySpec, text: dict, prefix: str):
             yield a + "k_proj", spec.num_kv_heads * d, h, 1, True
             yield a + "v_proj", spec.num_kv_heads * d, h, 1, True
             yield a + "o_proj", h, spec.num_attention_heads * d, 1, True
-            if bias:
-                yield a + "biases", q_out + 2 * spec.num_kv_heads * d + h, 1, 1, False
+            if bias:  # q, k, v and (transformers' attention_bias; a GGUF's o_bias says apart) o_proj
+                o_bias = h if text.get("o_bias", True) else 0
+                yield a + "biases", q_out + 2 * spec.num_kv_heads * d + o_bias, 1, 1, False
             if spec.model_type in QK_NORM_TYPES:
                 yield a + "q_norm", d, 1, 1, False
                 yield a + "k_norm", d, 1, 1, False

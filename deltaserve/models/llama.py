@@ -29,7 +29,8 @@ class LlamaAttention(nn.Module):
         self.q_proj = linear(hidden, self.num_heads * self.head_dim, bias)
         self.k_proj = linear(hidden, self.num_kv_heads * self.head_dim, bias)
         self.v_proj = linear(hidden, self.num_kv_heads * self.head_dim, bias)
-        self.o_proj = linear(self.num_heads * self.head_dim, hidden, bool(config.get("o_bias", False)))
+        # transformers' attention_bias biases o_proj too; a GGUF says apart whether it has one (o_bias)
+        self.o_proj = linear(self.num_heads * self.head_dim, hidden, bool(config.get("o_bias", bias)))
         self.qk_norm = config["model_type"] == "qwen3"
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config["rms_norm_eps"])

@@ -164,6 +164,7 @@ def gguf_config(reader: GGUFReader, path: Path) -> dict:
         "vocab_size": vocab_size,
         "tie_word_embeddings": "output.weight" not in names,
         "attention_bias": "blk.0.attn_q.bias" in names,
+        "o_bias": "blk.0.attn_output.bias" in names,
         "bos_token_id": field(reader, "tokenizer.ggml.bos_token_id"),
         "eos_token_id": field(reader, "tokenizer.ggml.eos_token_id"),
         "pad_token_id": field(reader, "tokenizer.ggml.padding_token_id"),
