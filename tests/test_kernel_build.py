@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from deltaserve.kernels import cpp_build, fused_cpu, linear_cpu
+from deltaserve.kernels import cpp_build, decode_cpu, fused_cpu, int4_cpu, linear_cpu, paged_cpu, prefill_cpu
 from deltaserve.kernels.cpp_build import CompiledKernels
 
 TINY = "int64_t add_one(int64_t x) { return x + 1; }\n"
@@ -108,6 +108,32 @@ def test_other_flags_or_sources_build_elsewhere():
         assert avx2.name != native.name  # a module of its own, so both load in one process
     assert cpp_build.build_key(tiny()) != cpp_build.build_key(tiny(source=TINY + "// changed\n"))
 
+
+
+def test_an_edited_header_rebuilds_every_source_that_includes_it(tmp_path, monkeypatch):
+    """The key reads the csrc/ headers a source includes, and theirs: an edit to prelude.h must not load a module
+    built from the old one."""
+    monkeypatch.setattr(cpp_build, "CSRC", tmp_path)
+    (tmp_path / "prelude.h").write_text("#pragma once\n")
+    (tmp_path / "tile.h").write_text('#pragma once\n#include "prelude.h"\n')
+    source = '#include "tile.h"\n' + TINY
+    assert cpp_build.included_headers(source) == [tmp_path / "tile.h", tmp_path / "prelude.h"]
+    before = cpp_build.build_key(tiny(source=source))
+    (tmp_path / "prelude.h").write_text("#pragma once\n// changed\n")
+    assert cpp_build.build_key(tiny(source=source)) != before
+    assert cpp_build.build_key(tiny()) == cpp_build.build_key(tiny())  # a source that includes none: unchanged
+
+
+def test_the_kernel_sources_are_files_that_include_the_prelude():
+    """Every module's C++ is a file in csrc/; decode.cpp shares the other modules' pieces through headers, never
+    pasted text."""
+    for module in (fused_cpu, linear_cpu, decode_cpu, int4_cpu, paged_cpu, prefill_cpu):
+        kernels = module.KERNELS
+        assert kernels.source_file.parent == cpp_build.CSRC and kernels.source == kernels.source_file.read_text()
+        assert cpp_build.CSRC / "prelude.h" in cpp_build.included_headers(kernels.source)
+        assert kernels.variant("avx2").source_file == kernels.source_file
+    assert {p.name for p in cpp_build.included_headers(decode_cpu.KERNELS.source)} >= {
+        "int4_tile.h", "linear_tile.h", "paged_attention.h", "gdn.h"}
 
 
 def test_a_native_build_is_keyed_by_the_cpu(monkeypatch):

@@ -1,0 +1,288 @@
+// Paged decode attention's inner loops; paged.cpp and decode.cpp compile them.
+#pragma once
+
+#include "prelude.h"
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
+
+namespace pagedk {
+
+namespace {
+
+constexpr int TILE = 32;    // cached rows scored together: their K and V rows stay in L1 between the passes
+static_assert(TILE % 16 == 0, "softmax_step reads whole 16-float vectors of a tile");
+constexpr int MAX_GROUP = 16;
+
+// 16-bit caches (--kv-dtype bfloat16 / float16) widen to float32 on load; the arithmetic stays float32. These
+// overloads join the prelude's float one (which they would otherwise hide inside this namespace).
+using ::load16;
+inline f16v load16(const at::BFloat16* p) {  // bfloat16 is the top half of a float32
+  const i16v wide = widen_u16(reinterpret_cast<const uint16_t*>(p)) << 16;
+  f16v x;
+  std::memcpy(&x, &wide, sizeof x);
+  return x;
+}
+inline f16v load16(const at::Half* p) {
+#if defined(__AVX512F__)  // one vcvtph2ps for 16 values
+  const __m512 x = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  f16v r;
+  std::memcpy(&r, &x, sizeof r);
+  return r;
+#elif defined(__F16C__)  // two 8-wide converts (AVX2 desktops)
+  const __m256 lo = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m256 hi = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)));
+  f16v r;
+  std::memcpy(&r, &lo, 32);
+  std::memcpy(reinterpret_cast<char*>(&r) + 32, &hi, 32);
+  return r;
+#else
+  f16v x;
+  for (int i = 0; i < 16; ++i) x[i] = static_cast<float>(p[i]);
+  return x;
+#endif
+}
+// The K and V rows of the tile that starts at t (of L): they lie on other pages, where the hardware prefetcher
+// cannot guess, so ask for them two tiles ahead (into L2; L1 holds the tile in use): they arrive meanwhile.
+template <typename T>
+inline void prefetch_tile(const T* kp, const T* vp, const int64_t* row_slots, int64_t t, int64_t L, int64_t Hkv,
+                          int64_t h, int64_t D) {
+  for (int64_t r = t; r < std::min<int64_t>(t + TILE, L); ++r) {
+    const int64_t offset = (row_slots[r] * Hkv + h) * D;
+    for (int64_t c = 0; c < D * static_cast<int64_t>(sizeof(T)); c += 64) {
+      __builtin_prefetch(reinterpret_cast<const char*>(kp + offset) + c, 0, 1);
+      __builtin_prefetch(reinterpret_cast<const char*>(vp + offset) + c, 0, 1);
+    }
+  }
+}
+
+// The online softmax over one tile's n scores sg (replaced by their exp(score - new max)): the running max m and
+// sum l move on; returns the factor the output accumulated so far is to be scaled by.
+// sg holds TILE floats: lanes past n are read, their results dropped (and stored as 0).
+inline float softmax_step(float* sg, int n, float& m, float& l) {
+  float mx = m;
+  for (int t = 0; t < n; ++t) mx = std::max(mx, sg[t]);
+  const float correction = std::exp(m - mx);
+  f16v sums = f16v{};
+  for (int t = 0; t < n; t += 16) {  // exp16: GCC calls the scalar expf per value in an `omp simd` loop here
+    const f16v e = (LANES16 + t) < n ? exp16(load16(sg + t) - mx) : f16v{};
+    store16(sg + t, e);
+    sums += e;
+  }
+  float sum = 0.f;
+  for (int i = 0; i < 16; ++i) sum += sums[i];
+  l = l * correction + sum;
+  m = mx;
+  return correction;
+}
+
+// One (sequence, kv head): its G query heads over L cached rows, softmax kept online over tiles of rows.
+// Each tile's rows are first copied (a 16-bit cache's widened) into contiguous float32 scratch: scattered rows
+// are read from memory once, and the G heads' passes over them run on L1 (measured: 5.5 -> 4.4 ms hot, float32).
+#if defined(__AVX2__) && !defined(__AVX512F__)
+// AVX2: 8-float __m256 values throughout. The generic version's arrays of 16-float values (accumulators, a tile's
+// scores) compile to memory traffic through general registers here, as in the other kernels' tiles: SmolLM2's
+// 9 heads over 128 cached rows took 48 us on two threads (3 GFLOP/s).
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const at::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline __m256 load8(const at::BFloat16* p) {  // bfloat16 is the top half of a float32
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+
+// v[0..7] -> their 8 horizontal sums, in order.
+inline __m256 hsum8(const __m256* v) {
+  const __m256 ab = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+  const __m256 cd = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(ab, cd, 0x20), _mm256_permute2f128_ps(ab, cd, 0x31));
+}
+
+template <int V, typename T>
+void attend(const float* __restrict qh, const T* __restrict kp, const T* __restrict vp,
+            const int64_t* __restrict row_slots, int64_t L, int64_t Hkv, int64_t h, int64_t G, float scale,
+            float* __restrict oh) {
+  constexpr int D = 16 * V, W = D / 8, CH = W < 8 ? W : 8;  // W vectors a row; CH of them held at a time
+  alignas(64) float s[MAX_GROUP * TILE];
+  alignas(64) float tile_k[TILE * D];
+  alignas(64) float tile_v[TILE * D];
+  alignas(64) float q[MAX_GROUP * D];    // the queries, scaled
+  alignas(64) float acc[MAX_GROUP * D];  // each head's unnormalised output
+  float m[MAX_GROUP], l[MAX_GROUP];
+  for (int64_t g = 0; g < G; ++g) {
+    m[g] = std::numeric_limits<float>::lowest();  // -ffast-math: no infinities
+    l[g] = 0.f;
+    for (int i = 0; i < W; ++i) {
+      _mm256_store_ps(q + g * D + 8 * i, _mm256_mul_ps(_mm256_loadu_ps(qh + g * D + 8 * i), _mm256_set1_ps(scale)));
+      _mm256_store_ps(acc + g * D + 8 * i, _mm256_setzero_ps());
+    }
+  }
+  for (int64_t t0 = 0; t0 < L; t0 += TILE) {
+    const int n = static_cast<int>(std::min<int64_t>(TILE, L - t0));
+    prefetch_tile(kp, vp, row_slots, t0 + 2 * TILE, L, Hkv, h, D);
+    for (int t = 0; t < n; ++t) {
+      const int64_t offset = (row_slots[t0 + t] * Hkv + h) * D;
+      for (int i = 0; i < W; ++i) {
+        _mm256_store_ps(tile_k + t * D + 8 * i, load8(kp + offset + 8 * i));
+        _mm256_store_ps(tile_v + t * D + 8 * i, load8(vp + offset + 8 * i));
+      }
+    }
+    for (int64_t g = 0; g < G; ++g) {  // scores, 8 rows at a time
+      const float* qg = q + g * D;
+      for (int t1 = 0; t1 < n; t1 += 8) {
+        __m256 x[8];
+        for (int j = 0; j < 8; ++j) {
+          if (t1 + j < n) {
+            const float* kr = tile_k + (t1 + j) * D;
+            __m256 y0 = _mm256_mul_ps(_mm256_load_ps(qg), _mm256_load_ps(kr)), y1 = _mm256_setzero_ps();
+            for (int i = 1; i < W; i += 2) {
+              y1 = _mm256_fmadd_ps(_mm256_load_ps(qg + 8 * i), _mm256_load_ps(kr + 8 * i), y1);
+              if (i + 1 < W) y0 = _mm256_fmadd_ps(_mm256_load_ps(qg + 8 * i + 8), _mm256_load_ps(kr + 8 * i + 8), y0);
+            }
+            x[j] = _mm256_add_ps(y0, y1);
+          } else {
+            x[j] = _mm256_setzero_ps();
+          }
+        }
+        _mm256_store_ps(s + g * TILE + t1, hsum8(x));
+      }
+    }
+    for (int64_t g = 0; g < G; ++g) {
+      float* sg = s + g * TILE;
+      const float correction = softmax_step(sg, n, m[g], l[g]);
+      for (int c = 0; c < W; c += CH) {  // the output CH vectors at a time, in registers over the tile's rows
+        __m256 a[CH];
+        const __m256 cv = _mm256_set1_ps(correction);
+        for (int i = 0; i < CH; ++i) a[i] = _mm256_mul_ps(_mm256_load_ps(acc + g * D + 8 * (c + i)), cv);
+        for (int t = 0; t < n; ++t) {
+          const __m256 w = _mm256_set1_ps(sg[t]);
+          for (int i = 0; i < CH; ++i) a[i] = _mm256_fmadd_ps(w, _mm256_load_ps(tile_v + t * D + 8 * (c + i)), a[i]);
+        }
+        for (int i = 0; i < CH; ++i) _mm256_store_ps(acc + g * D + 8 * (c + i), a[i]);
+      }
+    }
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    const __m256 inv = _mm256_set1_ps(1.f / l[g]);
+    for (int i = 0; i < W; ++i)
+      _mm256_storeu_ps(oh + g * D + 8 * i, _mm256_mul_ps(_mm256_load_ps(acc + g * D + 8 * i), inv));
+  }
+}
+#else
+// D = 16 * V channels per head; a query head's accumulator sits in registers while the tile's V rows stream past.
+template <int V, typename T>
+void attend(const float* __restrict qh, const T* __restrict kp, const T* __restrict vp,
+            const int64_t* __restrict row_slots, int64_t L, int64_t Hkv, int64_t h, int64_t G, float scale,
+            float* __restrict oh) {
+  constexpr int D = 16 * V;
+  alignas(64) float s[MAX_GROUP * TILE];
+  alignas(64) float tile_k[TILE * D];  // the tile's rows, contiguous and float32, in L1 for all G heads
+  alignas(64) float tile_v[TILE * D];
+  f16v acc[MAX_GROUP][V];
+  float m[MAX_GROUP], l[MAX_GROUP];
+  for (int64_t g = 0; g < G; ++g) {
+    m[g] = std::numeric_limits<float>::lowest();  // -ffast-math: no infinities
+    l[g] = 0.f;
+    for (int i = 0; i < V; ++i) acc[g][i] = f16v{};
+  }
+  for (int64_t t0 = 0; t0 < L; t0 += TILE) {
+    const int n = static_cast<int>(std::min<int64_t>(TILE, L - t0));
+    prefetch_tile(kp, vp, row_slots, t0 + 2 * TILE, L, Hkv, h, D);
+    for (int t = 0; t < n; ++t) {
+      const int64_t offset = (row_slots[t0 + t] * Hkv + h) * D;
+      for (int i = 0; i < V; ++i) {
+        store16(tile_k + t * D + 16 * i, load16(kp + offset + 16 * i));
+        store16(tile_v + t * D + 16 * i, load16(vp + offset + 16 * i));
+      }
+    }
+    for (int64_t g = 0; g < G; ++g) {
+      f16v qv[V];
+      for (int i = 0; i < V; ++i) qv[i] = load16(qh + g * D + 16 * i) * scale;
+      for (int t1 = 0; t1 < n; t1 += 16) {
+        f16v x[16];
+        for (int j = 0; j < 16; ++j) {
+          if (t1 + j < n) {
+            const float* kr = tile_k + (t1 + j) * D;
+            f16v y = qv[0] * load16(kr);
+            for (int i = 1; i < V; ++i) y += qv[i] * load16(kr + 16 * i);
+            x[j] = y;
+          } else {
+            x[j] = f16v{};
+          }
+        }
+        store16(s + g * TILE + t1, sum16(x));
+      }
+    }
+    for (int64_t g = 0; g < G; ++g) {
+      float* sg = s + g * TILE;
+      const float correction = softmax_step(sg, n, m[g], l[g]);
+      f16v a[V];
+      for (int i = 0; i < V; ++i) a[i] = acc[g][i] * correction;
+      for (int t = 0; t < n; ++t) {
+        const float w = sg[t];
+        for (int i = 0; i < V; ++i) a[i] += w * load16(tile_v + t * D + 16 * i);
+      }
+      for (int i = 0; i < V; ++i) acc[g][i] = a[i];
+    }
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    const float inv = 1.f / l[g];
+    for (int i = 0; i < V; ++i) store16(oh + g * D + 16 * i, acc[g][i] * inv);
+  }
+}
+
+#endif
+
+// Any head size or group: scores for the whole context, then one pass over V.
+template <typename T>
+void attend_any(const float* qh, const T* kp, const T* vp, const int64_t* row_slots, int64_t L,
+                int64_t Hkv, int64_t h, int64_t G, int64_t D, float scale, float* oh) {
+  std::vector<float> p(L);
+  for (int64_t g = 0; g < G; ++g) {
+    const float* qr = qh + g * D;
+    float mx = std::numeric_limits<float>::lowest();
+    for (int64_t t = 0; t < L; ++t) {
+      const T* kr = kp + (row_slots[t] * Hkv + h) * D;
+      float s = 0.f;
+      for (int64_t d = 0; d < D; ++d) s += qr[d] * static_cast<float>(kr[d]);
+      p[t] = s * scale;
+      mx = std::max(mx, p[t]);
+    }
+    float total = 0.f;
+    for (int64_t t = 0; t < L; ++t) { p[t] = std::exp(p[t] - mx); total += p[t]; }
+    float* o = oh + g * D;
+    std::fill(o, o + D, 0.f);
+    for (int64_t t = 0; t < L; ++t) {
+      const T* vr = vp + (row_slots[t] * Hkv + h) * D;
+      for (int64_t d = 0; d < D; ++d) o[d] += p[t] * static_cast<float>(vr[d]);
+    }
+    for (int64_t d = 0; d < D; ++d) o[d] /= total;
+  }
+}
+
+template <typename T>
+void decode_all(const float* qp, const T* kp, const T* vp, const int64_t* sp, const int64_t* lp, float* op,
+                int64_t B, int64_t Hq, int64_t Hkv, int64_t D, int64_t Lmax, float sc) {
+  const int64_t G = Hq / Hkv;
+  const bool grouped = G <= MAX_GROUP;
+  #pragma omp parallel for collapse(2) schedule(dynamic, 1)
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t h = 0; h < Hkv; ++h) {
+      const float* qh = qp + (b * Hq + h * G) * D;
+      const int64_t* rs = sp + b * Lmax;
+      float* oh = op + (b * Hq + h * G) * D;
+      if (grouped && D == 64) attend<4>(qh, kp, vp, rs, lp[b], Hkv, h, G, sc, oh);
+      else if (grouped && D == 128) attend<8>(qh, kp, vp, rs, lp[b], Hkv, h, G, sc, oh);
+      else if (grouped && D == 256) attend<16>(qh, kp, vp, rs, lp[b], Hkv, h, G, sc, oh);
+      else attend_any(qh, kp, vp, rs, lp[b], Hkv, h, G, D, sc, oh);
+    }
+  }
+}
+
+}  // namespace
+
+}  // namespace pagedk
