@@ -56,9 +56,9 @@ def save_vl_tokenizer(folder) -> None:
         "image_processor_type": "Qwen2VLImageProcessor"}))
 
 
-def make_multimodal_checkpoint(folder, vision: dict = VISION) -> Qwen3_5ForConditionalGeneration:
+def make_multimodal_checkpoint(folder, vision: dict = VISION, text: dict = TEXT) -> Qwen3_5ForConditionalGeneration:
     torch.manual_seed(5)
-    config = Qwen3_5Config(text_config=TEXT, vision_config=vision, image_token_id=IMAGE,
+    config = Qwen3_5Config(text_config=text, vision_config=vision, image_token_id=IMAGE,
                            vision_start_token_id=VISION_START, vision_end_token_id=VISION_END, video_token_id=VIDEO)
     config._attn_implementation = "sdpa"
     config.vision_config._attn_implementation = "sdpa"
@@ -94,13 +94,14 @@ def png(image: Image.Image) -> bytes:
     return out.getvalue()
 
 
-def image_prompt(grids: list[ImageGrid], seed: int) -> list[int]:
-    """Text, then each image as vision_start, its tokens, vision_end, then text; as the chat template writes it."""
+def image_prompt(grids: list[ImageGrid], seed: int, merge: int = MERGE) -> list[int]:
+    """Text, then each image as vision_start, its tokens (a token per merge x merge patches), vision_end, then text;
+    as the chat template writes it."""
     rng = torch.Generator().manual_seed(seed)
     words = lambda n: torch.randint(0, 150, (n,), generator=rng).tolist()  # noqa: E731
     ids = words(5)
     for grid in grids:
-        ids += [VISION_START] + [IMAGE] * grid.tokens(MERGE) + [VISION_END] + words(3)
+        ids += [VISION_START] + [IMAGE] * grid.tokens(merge) + [VISION_END] + words(3)
     return ids + words(4)
 
 
@@ -119,9 +120,10 @@ IMAGE_FORMATS = ("RGB", "RGBA", "P", "P+transparency", "L", "JPEG")
 
 
 def make_oracle_checkpoint(folder, vision: dict = ORACLE_VISION, min_pixels: int = ORACLE_MIN_PIXELS,
-                           max_pixels: int = ORACLE_MAX_PIXELS) -> Qwen3_5ForConditionalGeneration:
-    """The multimodal checkpoint with its preprocessor_config.json written by transformers' own image processor."""
-    ref = make_multimodal_checkpoint(folder, vision)
+                           max_pixels: int = ORACLE_MAX_PIXELS, text: dict = TEXT) -> Qwen3_5ForConditionalGeneration:
+    """The multimodal checkpoint (`text`: the language model's config, vocabulary VOCAB) with its
+    preprocessor_config.json written by transformers' own image processor."""
+    ref = make_multimodal_checkpoint(folder, vision, text)
     Qwen2VLImageProcessorPil(patch_size=vision["patch_size"], merge_size=vision["spatial_merge_size"],
                              temporal_patch_size=2, image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5],
                              min_pixels=min_pixels, max_pixels=max_pixels).save_pretrained(folder)
@@ -197,7 +199,8 @@ class ImageOracle:
         patches, grid = prepared.patches, prepared.grid
         if use_reference_pixels:
             patches, grid = reference["pixel_values"].float(), ImageGrid(*reference["image_grid_thw"][0].tolist())
-        ids = image_prompt([grid], seed)
+        merge = self.vision["spatial_merge_size"]
+        ids = image_prompt([grid], seed, merge)
         rows = torch.tensor([i for i, t in enumerate(ids) if t == IMAGE])
         rope, _ = mrope_positions(ids, [grid], IMAGE, self.ours.visual.merge)
         caches = allocate_caches(self.ours.geometry, len(ids), 1, torch.float32)
@@ -205,7 +208,7 @@ class ImageOracle:
             embeds = self.ours.encode_images(patches, [grid])
             got = self.ours(single_sequence_batch(ids, 0, torch.arange(len(ids)), image_rows=rows,
                                                   image_embeds=embeds, rope_positions=rope), caches)[-1]
-        ref_ids = image_prompt([ImageGrid(*reference["image_grid_thw"][0].tolist())], seed)
+        ref_ids = image_prompt([ImageGrid(*reference["image_grid_thw"][0].tolist())], seed, merge)
         with torch.no_grad():
             expected = self.ref(**self._reference_inputs(ref_ids, reference)).logits[0, -1]
         return got, expected, self.rtol(len(ids), grid.patches) * expected.abs().max().item()

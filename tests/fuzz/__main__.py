@@ -37,6 +37,8 @@ def main() -> int:
         case = draw_case(seed)
         print(case.summary(), flush=True)
         counts["family"][case.family] += 1
+        if case.image is not None:
+            counts["family"][case.image.family] += 1
         counts["format"][case.fmt.label().split("-")[0] if case.fmt.kind != "safetensors" else case.fmt.label()] += 1
         try:
             result = run_case(case)
@@ -45,9 +47,9 @@ def main() -> int:
         except Exception:  # noqa: BLE001 -- a crash is a finding: report it and go on to the next seed
             problems, refusal = [traceback.format_exc().rstrip().splitlines()[-1]], None
             traceback.print_exc()
-        if refusal:
+        if refusal:  # counted among the failures too (every draw is valid)
             refused.append(seed)
-            print(f"  refused (clean): {refusal}")
+            print(f"  refused: {refusal}")
         if problems:
             failed.append(seed)
             print(f"  FAILED: {len(problems)} differences; replay: {replay_command(seed)}")
@@ -55,7 +57,7 @@ def main() -> int:
                 print(f"    {problem}")
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     print(f"\n{len(seeds)} cases at {commit} in {time.monotonic() - started:.0f} s: {len(failed)} failed, "
-          f"{len(refused)} refused cleanly, {cache_hits} served a follow-up from the prefix cache")
+          f"{len(refused)} of them refusals, {cache_hits} served a follow-up from the prefix cache")
     for what, counter in counts.items():
         print(f"  per {what}: " + ", ".join(f"{k} {v}" for k, v in sorted(counter.items())))
     if failed:

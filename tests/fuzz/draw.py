@@ -20,9 +20,12 @@ GDN_VALUE_HEAD_DIMS = (16, 24, 32, 48, 64, 80, 128)
 GDN_KEY_HEAD_DIMS = (16, 32, 48, 64, 128)
 ATTENTION_HEAD_DIMS = (32, 48, 64, 80, 96, 128, 256)
 GGUF_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")  # those gguf-py quantizes itself
-# Where an image draw goes once tests/vision_support.py offers random images (issue 37's second defect): a
-# multimodal family would add its vision config and image grids here.
-IMAGE_FAMILIES: tuple[str, ...] = ()
+# The KV cache's storage: auto is the CPU default (float16 under float32 arithmetic, config.cpu_kv_dtype), drawn most
+KV_DTYPES = ("float32", "auto", "auto", "bfloat16")
+# Multimodal families: a seed carries one beside its text case one time in IMAGE_CASE_RATE (its own draw, "image"),
+# compared through tests/vision_support.ImageOracle (issues 37 and 42)
+IMAGE_FAMILIES: tuple[str, ...] = ("qwen3_5_vl",)
+IMAGE_CASE_RATE = 0.1
 
 
 @dataclass(frozen=True)
@@ -60,6 +63,26 @@ class Request:
 
 
 @dataclass(frozen=True)
+class ImageCase:
+    """A Qwen3.5 multimodal checkpoint (text and vision configs drawn, its processor's pixel range) and images to
+    answer: (width, height, kind, pixel seed) each, kind a PNG mode or JPEG (vision_support.image_file)."""
+
+    family: str
+    text: dict  # Qwen3_5TextConfig kwargs
+    vision: dict  # Qwen3_5VisionConfig kwargs
+    min_pixels: int
+    max_pixels: int
+    images: tuple[tuple[int, int, str, int], ...]
+
+    def summary(self) -> str:
+        v, t = self.vision, self.text
+        return (f"{self.family} text hidden {t['hidden_size']} layers {t['num_hidden_layers']} vision depth "
+                f"{v['depth']} hidden {v['hidden_size']}/{v['num_heads']} heads patch {v['patch_size']} merge "
+                f"{v['spatial_merge_size']} table {v['num_position_embeddings']} pixels {self.min_pixels}.."
+                f"{self.max_pixels} images " + ", ".join(f"{w}x{h} {k}" for w, h, k, _ in self.images))
+
+
+@dataclass(frozen=True)
 class Case:
     seed: int
     family: str
@@ -68,6 +91,7 @@ class Case:
     engine: dict  # EngineConfig settings
     batch: tuple[Request, ...]  # submitted together
     follow_ups: tuple[Request, ...] = field(default=())  # each after the batch, sharing a prefix with it
+    image: ImageCase | None = None  # a multimodal case run beside the text one
 
     def summary(self) -> str:
         c = self.config
@@ -76,13 +100,16 @@ class Case:
         moe = f" experts {c['num_experts']}/top{c['num_experts_per_tok']}" if "num_experts" in c else ""
         return (f"seed {self.seed}: {self.family} {self.fmt.label()} hidden {c['hidden_size']} layers "
                 f"{c['num_hidden_layers']} heads {c['num_attention_heads']}/{c['num_key_value_heads']}x"
-                f"{c['head_dim']}{gdn}{moe} engine {self.engine}")
+                f"{c['head_dim']}{gdn}{moe} engine {self.engine}"
+                + (f"; and {self.image.summary()}" if self.image else ""))
 
 
 def draw_case(seed: int) -> Case:
     """The case a seed names (the same on every machine: random.Random is specified). The regression seeds of
     test_fuzz.py name cases through this order of draws: a new dimension draws from its own
-    random.Random(f"{seed}:<name>") so that every existing seed keeps its case."""
+    random.Random(f"{seed}:<name>") so that every existing seed keeps its case. Those so far: "kv_dtype" (the KV
+    cache's storage; a seed drawn before it ran float32) and "image" (a multimodal case some seeds carry beside
+    their text case)."""
     rng = random.Random(seed)
     family = rng.choice(FAMILIES)
     fmt_kind = rng.choice(formats_for(family))
@@ -90,8 +117,41 @@ def draw_case(seed: int) -> Case:
     config = draw_config(rng, family, gguf)
     fmt = draw_format(rng, fmt_kind, config)
     engine = draw_engine(rng, family, fmt)
+    engine["kv_dtype"] = random.Random(f"{seed}:kv_dtype").choice(KV_DTYPES)
     batch, follow_ups = draw_requests(rng, engine, GGUF_CONTEXT if gguf else None)
-    return Case(seed, family, config, fmt, engine, batch, follow_ups)
+    return Case(seed, family, config, fmt, engine, batch, follow_ups, draw_image_case(seed))
+
+
+def draw_image_case(seed: int) -> ImageCase | None:
+    """One seed in IMAGE_CASE_RATE: a Qwen3.5 multimodal checkpoint whose text config is draw_config's (hybrid
+    layers, GDN and attention heads, partial rotary as mrope sections) and whose vision config is drawn here: depth,
+    heads and their width (a multiple of 4: the 2-D rotary takes a quarter of it per axis), MLP width, patch size,
+    merge, a square position table other than the grids it will meet, out width = the text's hidden size. The
+    processor's pixel range in units of one merged token (patch x merge)^2, and 1..2 images from
+    vision_support.draw_image's law (area a quarter of min to four times max, aspect to 16:1 or one time in eight
+    200:1, a PNG mode or JPEG)."""
+    import numpy as np  # the image law is vision_support's, on a numpy generator
+
+    rng = random.Random(f"{seed}:image")
+    if rng.random() >= IMAGE_CASE_RATE:
+        return None
+    text = draw_config(rng, "qwen3_5_text")
+    text["tie_word_embeddings"] = False  # Qwen3_5Config ties through its own top-level flag
+    heads, head_dim = rng.randint(1, 4), rng.choice((8, 16, 32))
+    patch, merge = rng.choice((4, 8, 14, 16)), rng.choice((1, 2, 2, 2))
+    vision = dict(depth=rng.randint(1, 3), hidden_size=heads * head_dim, num_heads=heads,
+                  intermediate_size=rng.choice((32, 64, 96)), out_hidden_size=text["hidden_size"], patch_size=patch,
+                  spatial_merge_size=merge, num_position_embeddings=rng.choice((4, 8, 12, 16)) ** 2)
+    token_pixels = (patch * merge) ** 2
+    max_tokens = rng.randint(4, 96)
+    min_pixels, max_pixels = token_pixels * rng.randint(1, min(4, max_tokens)), token_pixels * max_tokens
+    from tests.vision_support import draw_image
+
+    images = []
+    for _ in range(rng.randint(1, 2)):
+        width, height, kind = draw_image(np.random.default_rng(rng.getrandbits(32)), min_pixels, max_pixels)
+        images.append((width, height, kind, rng.getrandbits(30)))
+    return ImageCase(IMAGE_FAMILIES[0], text, vision, min_pixels, max_pixels, tuple(images))
 
 
 def formats_for(family: str) -> tuple[str, ...]:

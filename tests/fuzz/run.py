@@ -5,10 +5,16 @@ dequantization, within the float32 bound of tests/tolerance.py.
 The engine reports log-probabilities (the chosen token and the top 20), not logits. logprob = logit - logsumexp, so
 where every logit is within e of the oracle's, every log-probability is within 2e: the bound compared is
 2 * config_rtol * max|oracle logits| of that position. A greedy choice is checked too: the engine's token must be
-the oracle's argmax to within 2e of logit (a near-tie may go either way, nothing further)."""
+the oracle's argmax to within 2e of logit (a near-tie may go either way, nothing further).
+
+Weights stored in bfloat16 (or a GGUF F16 / quantized type) need no term of their own: the oracle holds the very values
+the checkpoint stores (formats.py loads the rounded or dequantized tensors into it) and the engine computes in float32
+from them, so the two differ by float32 rounding alone. A 16-bit KV cache is the engine's own rounding, which the
+oracle does not share: `kv_rtol` bounds it."""
 
 from __future__ import annotations
 
+import math
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,11 +26,14 @@ from deltaserve.engine.engine import Engine
 from deltaserve.engine.request import SamplingParams
 from deltaserve.weights import CheckpointError
 from . import formats
-from .draw import Case, Request, draw_case
+from .draw import Case, ImageCase, Request, draw_case
 from tests.test_engine_support import run_all
 from tests.tolerance import config_rtol
 
 TOP_LOGPROBS = 20
+# unit roundoff of the KV cache's storage: round to nearest in a 16-bit float keeps 11 (float16) or 8 (bfloat16)
+# significant bits; float32 storage rounds nothing the float32 arithmetic had not already
+KV_UNIT_ROUNDOFF = {"float32": 0.0, "float16": 2.0 ** -11, "bfloat16": 2.0 ** -8}
 FLOAT16_ULP = 2.0 ** -11  # the GPTQ / AWQ packages dequantize in float16 (tests/test_weights_gptq.py)
 SEQUENTIAL_LINEARS = 4  # a token's path through one layer: qkv (or GDN in_proj), o (out_proj), gate/up, down
 
@@ -33,7 +42,7 @@ SEQUENTIAL_LINEARS = 4  # a token's path through one layer: qkv (or GDN in_proj)
 class Result:
     case: Case
     failures: list[str] = field(default_factory=list)
-    refusal: str | None = None  # a clean CheckpointError from the engine's load
+    refusal: str | None = None  # the engine's CheckpointError at load (a failure too: every draw is valid)
     cached_tokens: int = 0  # prompt tokens the follow-ups took from the prefix cache
 
     @property
@@ -52,28 +61,49 @@ def run_seed(seed: int) -> Result:
 def run_case(case: Case) -> Result:
     """Save, load, serve the case's requests and compare; a Result naming every difference found."""
     result = Result(case)
+    if case.image is not None:
+        result.failures.extend(run_image_case(case.seed, case.image))
     with tempfile.TemporaryDirectory(prefix=f"fuzz{case.seed}_") as tmp:
         ref, path = formats.save(case, Path(tmp))
-        settings = dict(device="cpu", kv_dtype="float32", max_total_tokens=2048, **case.engine)
+        settings = {"device": "cpu", "kv_dtype": "float32", "max_total_tokens": 2048, **case.engine}
         try:
             engine = Engine(EngineConfig(model=str(path), **settings), log=None)
         except CheckpointError as e:
-            message = str(e)
-            result.refusal = message
-            if "\n" in message:
-                result.failures.append(f"refusal is not one line: {message!r}")
+            # every drawn config is valid and of a family we load: a refusal, however clean, is a finding
+            result.refusal = str(e)
+            result.failures.append(f"refused a valid checkpoint: {result.refusal!r}")
             return result
+        kv_dtype = engine.config.kv_dtype  # "auto" resolved: float16 on CPU (config.cpu_kv_dtype)
         prompts = [random_ids(case, i, r.prompt_len) for i, r in enumerate(case.batch)]
         outputs = run_all(engine, [(ids, params(r)) for ids, r in zip(prompts, case.batch)])
-        check_outputs(result, ref, "batch", prompts, outputs)
+        check_outputs(result, ref, "batch", prompts, outputs, kv_dtype)
         for j, r in enumerate(case.follow_ups):
             source = prompts[j % len(prompts)]
             ids = source[:r.shared_prefix] + random_ids(case, 100 + j, r.prompt_len - r.shared_prefix)
             out = run_all(engine, [(ids, params(r))])
-            check_outputs(result, ref, f"follow-up {j} (shares {r.shared_prefix})", [ids], out)
+            check_outputs(result, ref, f"follow-up {j} (shares {r.shared_prefix})", [ids], out, kv_dtype)
             result.cached_tokens += out[0][-1].cached_tokens if out[0] else 0
         del engine
     return result
+
+
+def run_image_case(seed: int, image: ImageCase) -> list[str]:
+    """The multimodal checkpoint saved by transformers (its processor config by transformers' image processor), each
+    image file through our preprocessing and model and through transformers' processor and model
+    (vision_support.ImageOracle: the last prompt row's logits, within its float32 bound)."""
+    from tests.vision_support import ImageOracle, image_file, make_oracle_checkpoint
+
+    problems = []
+    with tempfile.TemporaryDirectory(prefix=f"fuzz{seed}_image_") as tmp:
+        make_oracle_checkpoint(Path(tmp), image.vision, image.min_pixels, image.max_pixels, image.text)
+        oracle = ImageOracle(tmp)
+        for index, (width, height, kind, pixels_seed) in enumerate(image.images):
+            got, expected, bound = oracle.compare(image_file(width, height, pixels_seed, kind), seed=seed + index)
+            error = (got - expected).abs().max().item()
+            if not error <= bound:
+                problems.append(f"image {index} ({width}x{height} {kind}): logits off by {error:.3g} > bound "
+                                f"{bound:.3g}")
+    return problems
 
 
 def random_ids(case: Case, index: int, length: int) -> list[int]:
@@ -93,7 +123,57 @@ def rtol(case: Case, ref, context: int) -> float:
     return bound
 
 
-def check_outputs(result: Result, ref, label: str, prompts: list[list[int]], outputs: list[list]) -> None:
+def kv_rtol(ref, sequence: list[int], kv_dtype: str) -> float:
+    """Bound on the relative logit error (as tests/tolerance.py measures it: against max|oracle logits|) that storing
+    each attention layer's K and V in `kv_dtype` adds, from the oracle's own q and k over `sequence`.
+
+    Storing rounds each element: k~ = k (1 + d), v~ = v (1 + d'), |d|, |d'| <= u (u = 2^-11 for float16, 2^-8 for
+    bfloat16; the cache holds K after the rotary, and nothing the models compute comes near float16's overflow or
+    subnormal range). One head of one attention layer, one query q:
+    - scores s_j = c q.k_j (c = head_dim^-0.5) move by |c sum_i q_i k_ji d_ji| <= u c sum_i |q_i k_ji|
+      <= u c |q| |k_j| (Cauchy-Schwarz) <= D := u c max|q| max|k|, the norms per head over every position (the rotary
+      turns pairs of coordinates, so |q| and |k| are the norms of q_proj's or q_norm's output);
+    - softmax: p~_j = p_j exp(ds_j) / sum_l p_l exp(ds_l), so p~_j / p_j lies in [exp(-2D), exp(2D)] and
+      |p~_j - p_j| <= (exp(2D) - 1) p_j;
+    - the value sum: |sum_j p~_j v~_j - sum_j p_j v_j| <= sum_j |p~_j - p_j| |v~_j| + sum_j p_j |v_j| |d'_j|
+      <= ((exp(2D) - 1)(1 + u) + u) max_j |v_j|: a relative error of the attention output on the scale of its values.
+    That is one more stage error of the kind tolerance.py adds through the network (to first order the errors of
+    successive stages add, the norms keep the scale), on our side only: the sum over the attention layers of
+    (exp(2 D_layer) - 1)(1 + u) + u, D_layer with the largest q and k norms of any head. float32 storage adds 0."""
+    u = KV_UNIT_ROUNDOFF[kv_dtype]
+    if u == 0.0:
+        return 0.0
+    return sum((math.expm1(2 * u * span) * (1 + u) + u) for span in attention_spans(ref, sequence))
+
+
+def attention_spans(ref, sequence: list[int]) -> list[float]:
+    """Per attention layer of the oracle: c max|q| max|k| over heads and positions of `sequence` (kv_rtol's D / u),
+    from q_norm / k_norm's outputs where the layer norms its heads, else q_proj / k_proj's."""
+    norms: dict[str, list[float]] = {}
+    hooks = []
+    for name, module in ref.named_modules():
+        if not (hasattr(module, "q_proj") and hasattr(module, "k_proj") and hasattr(module, "scaling")):
+            continue  # GDN layers and everything else: not attention
+        norms[name] = [0.0, 0.0, module.scaling]
+        for index, part in enumerate(("q", "k")):
+            source = getattr(module, f"{part}_norm", None) or getattr(module, f"{part}_proj")
+
+            def record(_module, _args, out, name=name, index=index, head_dim=module.head_dim):
+                largest = out.detach().double().reshape(-1, head_dim).norm(dim=-1).max().item()
+                norms[name][index] = max(norms[name][index], largest)
+
+            hooks.append(source.register_forward_hook(record))
+    try:
+        with torch.no_grad():
+            ref(torch.tensor([sequence]), use_cache=False)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return [scale * q * k for q, k, scale in norms.values()]
+
+
+def check_outputs(result: Result, ref, label: str, prompts: list[list[int]], outputs: list[list],
+                  kv_dtype: str = "float32") -> None:
     for i, (ids, events) in enumerate(zip(prompts, outputs)):
         where = f"{label} request {i} (prompt {len(ids)})"
         last = events[-1] if events else None
@@ -102,18 +182,20 @@ def check_outputs(result: Result, ref, label: str, prompts: list[list[int]], out
             continue
         tokens = [t for e in events for t in e.token_ids]
         logprobs = [lp for e in events for lp in (e.logprobs or [])]
-        result.failures.extend(f"{where}: {p}" for p in compare(result.case, ref, ids, tokens, logprobs))
+        result.failures.extend(f"{where}: {p}" for p in compare(result.case, ref, ids, tokens, logprobs, kv_dtype))
 
 
-def compare(case: Case, ref, prompt: list[int], tokens: list[int], logprobs: list) -> list[str]:
-    """Differences of the engine's log-probabilities from the oracle's at each generated position."""
+def compare(case: Case, ref, prompt: list[int], tokens: list[int], logprobs: list,
+            kv_dtype: str = "float32") -> list[str]:
+    """Differences of the engine's log-probabilities from the oracle's at each generated position, the engine's KV
+    cache stored in `kv_dtype`."""
     if len(logprobs) != len(tokens):
         return [f"{len(tokens)} tokens but {len(logprobs)} logprobs"]
     sequence = prompt + tokens[:-1]
     with torch.no_grad():
         logits = ref(torch.tensor([sequence]), use_cache=False).logits[0, len(prompt) - 1:].double()
     expected = logits.log_softmax(-1)
-    bound = rtol(case, ref, len(sequence))
+    bound = rtol(case, ref, len(sequence)) + kv_rtol(ref, sequence, kv_dtype)
     problems = []
     for step, (token, lp) in enumerate(zip(tokens, logprobs)):
         logit_error = bound * logits[step].abs().max().item()
