@@ -8,7 +8,7 @@ import json
 from anthropic.lib.streaming._messages import accumulate_event
 
 from deltaserve.engine.request import RequestOutput
-from deltaserve.server import anthropic as wire
+from deltaserve.server import anthropic_translate as wire
 from deltaserve.text.chat_output import ChatOutputParser, ChatOutputSettings, parse_whole
 
 TOOLS = [{"type": "function", "function": {"name": "run", "parameters": {

@@ -98,6 +98,13 @@ class AdmissionPolicy:
                 f"holds {pool_tokens} tokens ({self.kv_pool_pages} pages). {advice}"), prompt_tokens, new_tokens)
         return None
 
+    def most_at_once(self, prompt_tokens: int, max_tokens: int | None) -> int:
+        """How many requests of this size can ever be held at once: those that can run together (state slots, and
+        whole reservations in the KV pool) plus a full queue. More copies than this (a large `n`) could never be
+        admitted together."""
+        pages = max(1, self.reservation(prompt_tokens, max_tokens).kv_pages)
+        return min(self.state_slots, self.kv_pool_pages // pages) + self.max_queue
+
     def can_start(self, reservation: Reservation, in_use_kv_pages: int, in_use_slots: int) -> bool:
         """Whether `reservation` fits beside what running requests already reserved."""
         return (in_use_kv_pages + reservation.kv_pages <= self.kv_pool_pages

@@ -2,8 +2,10 @@
 
 `Engine(config)` plans the budget before anything is allocated, loads the model, allocates the KV and state pools
 once at the granted size, and logs predicted vs measured bytes. `submit` is thread-safe and answers at once:
-a RequestStream, RequestRefused (400: never fits) or QueueFull (429). `start()` runs the step loop on a background
-thread; an exception inside a step fails that step's requests with finish_reason "error", never the loop.
+a RequestStream, RequestRefused (400: never fits) or QueueFull (429). The server enters through `submit_all` and
+reads `info` (engine/door.py: one API request's choices, their limits, and a typed refusal). `start()` runs the step
+loop on a background thread; an exception inside a step fails that step's requests with finish_reason "error",
+never the loop.
 
 A step holds its requests' pages and state slots from `schedule` to `complete`, the forward running outside the
 lock; so `abort` only queues while a step is in flight, and the step applies the queued aborts once it completes.
@@ -14,6 +16,7 @@ co-batched request failed). Error text reaching a client never carries a request
 from __future__ import annotations
 
 import ctypes
+import functools
 import random
 import threading
 import time
@@ -30,7 +33,9 @@ from deltaserve.cache.prefix import CheckpointPool, PrefixCache
 from deltaserve.cache.state_pool import StatePool
 from deltaserve.config import EngineConfig, device_memory_bytes
 from deltaserve.images import ImageLimits, PreparedImage, PreprocessorSettings
+from deltaserve.engine import door
 from deltaserve.engine.admission import AdmissionPolicy
+from deltaserve.engine.door import EngineInfo, Submission
 from deltaserve.engine.errors import internal_error
 from deltaserve.engine.grammar import GrammarError, Grammars
 from deltaserve.engine.loader import LoadedModel, load_model
@@ -227,6 +232,16 @@ class Engine:
 
     # -- requests ---------------------------------------------------------------------------------------------
 
+    @functools.cached_property
+    def info(self) -> EngineInfo:
+        """What the server may read of this engine (engine/door.py)."""
+        return door.describe(self)
+
+    def submit_all(self, submission: Submission) -> list[RequestStream]:
+        """The server's one door (thread-safe): every choice of every prompt queued, or Refused and none of them;
+        it checks the number of choices, logit_bias and images, then admits each as `submit` does. See door.py."""
+        return door.submit_all(self, submission)
+
     def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
                images: list[PreparedImage] | None = None, boundaries: tuple[int, ...] = ()) -> RequestStream:
         """Queue a request (thread-safe): its stream, or RequestRefused / QueueFull at once.
@@ -270,11 +285,9 @@ class Engine:
         return request.stream
 
     def _expand_images(self, prompt_ids: list[int], images: list[PreparedImage]):
-        if not self.accepts_images:
-            raise RequestRefused(self.images_refusal(), 400, "images_not_supported")
-        if len(images) > self.image_limits.max_images:
-            raise RequestRefused(f"{len(images)} images in one request, over the limit of "
-                                 f"{self.image_limits.max_images} (--max-images-per-request)", 400, "too_many_images")
+        refusal = door.image_refusal(self.info, len(images))  # the same limits the server's image reading holds
+        if refusal is not None:
+            raise RequestRefused(refusal.message, refusal.status, refusal.code)
         try:
             return expand_prompt(prompt_ids, images, self.image_token_id, self.vision.merge)
         except (ImagePromptError, StopIteration) as e:
@@ -298,14 +311,6 @@ class Engine:
         pending, self._pending_aborts = self._pending_aborts, []
         for request_id in pending:
             self._abort_now(request_id)
-
-    def most_requests_at_once(self, prompt_tokens: int, max_tokens: int | None) -> int:
-        """How many requests of this size the engine can ever hold at once: those that can run together (state
-        slots, and whole reservations in the KV pool) plus a full queue. More copies than this (a large `n`)
-        could never be admitted together."""
-        policy = self.scheduler.policy
-        pages = max(1, policy.reservation(prompt_tokens, max_tokens).kv_pages)
-        return min(policy.state_slots, policy.kv_pool_pages // pages) + policy.max_queue
 
     def flush_cache(self) -> int:
         """Drop every cached page and checkpoint no running request uses (thread-safe); returns pages freed."""

@@ -17,7 +17,7 @@ import time
 import weakref
 from collections.abc import Callable
 
-from deltaserve.server import anthropic, protocol
+from deltaserve.server import anthropic_wire, protocol
 
 RETRY_AFTER_S = 5  # a client told to come back: by then a router sends it to another instance, or this one is back
 CUT_GRACE_S = 5.0  # after the cut, how long the cut responses have to send their last event
@@ -96,7 +96,7 @@ class DrainGate:
             body = protocol.error_body("draining: the server is shutting down; send requests elsewhere",
                                        protocol.error_type(status), None, "draining")
         elif path.startswith(self.anthropic_path):
-            body = anthropic.error_body(status, REFUSED)
+            body = anthropic_wire.error_body(status, REFUSED)
         else:
             body = protocol.error_body(REFUSED, protocol.error_type(status), None, "shutting_down")
         self.on_error(status, protocol.error_type(status))

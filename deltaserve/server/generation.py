@@ -1,5 +1,5 @@
-"""The engine requests behind one HTTP request (prompts × n choices), read on the event loop as one stream,
-and relayed as server-sent events."""
+"""The engine requests behind one HTTP request (prompts × n choices): submitted through the engine's door, read on
+the event loop as one stream, collected whole or relayed as server-sent events."""
 
 from __future__ import annotations
 
@@ -7,14 +7,21 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
 
+from fastapi import Request
 from fastapi.responses import StreamingResponse
+from starlette.requests import ClientDisconnect
 
+from deltaserve.engine.door import Refused, Submission
 from deltaserve.engine.engine import Engine
 from deltaserve.engine.errors import internal_error
-from deltaserve.engine.request import RequestOutput, RequestStream, TokenLogprob
-from deltaserve.server import protocol
+from deltaserve.engine.request import RequestOutput, RequestStream, SamplingParams, TokenLogprob
+from deltaserve.server import openai_translate, protocol
+from deltaserve.server.drain import REFUSED, RETRY_AFTER_S
 from deltaserve.server.metrics import ServerMetrics
+from deltaserve.server.state import ApiError, ServerState, refused_error
 from deltaserve.text.chat_output import ChatOutputParser, OutputDelta
+
+DISCONNECT_POLL_S = 0.1  # how often a non-streamed request checks that its client is still there
 
 
 class GenerationFailed(Exception):
@@ -113,12 +120,12 @@ class Generation:
         if out.finish_reason == "abort":
             raise GenerationFailed("the request was aborted by the server (shutting down?)", 503, "aborted")
 
-    def results(self) -> list[protocol.ChoiceResult]:
+    def results(self) -> list[openai_translate.ChoiceResult]:
         """Each finished choice's whole text, reason and logprobs."""
-        return [protocol.ChoiceResult(i, "".join(self.texts[i]), self.finish_reasons[i], self.logprobs[i])
+        return [openai_translate.ChoiceResult(i, "".join(self.texts[i]), self.finish_reasons[i], self.logprobs[i])
                 for i in range(len(self.streams))]
 
-    def usage(self) -> protocol.Usage:
+    def usage(self) -> openai_translate.Usage:
         """Prompt tokens count once per prompt (not per choice); completion tokens add up over choices.
 
         A prompt's cached tokens are its first choice's (the choices of one prompt are computed once each)."""
@@ -127,7 +134,7 @@ class Generation:
             first_choice.setdefault(p, i)
         cached = sum(self.cached_tokens[i] for i in first_choice.values())
         prompt_tokens = sum(self.prompt_len(i) for i in first_choice.values())
-        return protocol.usage(prompt_tokens, sum(self.completion_tokens), cached)
+        return openai_translate.usage(prompt_tokens, sum(self.completion_tokens), cached)
 
     def prompt_len(self, i: int) -> int:
         """Choice i's prompt tokens as the engine counts them (image tokens included)."""
@@ -150,13 +157,52 @@ class Generation:
                 self.engine.abort(stream.request_id)
 
 
-async def chat_events(gen: Generation, meta: protocol.ResponseMeta, include_usage: bool,
+def submit(state: ServerState, engine: Engine, prompts: list[list[int]], params: list[SamplingParams],
+           received_s: float, *, images=None, boundaries=(), prompt_param: str = "prompt") -> Generation:
+    """One API request through the engine's door (engine/door.py): each prompt once per entry of `params` (the n
+    choices), all queued or none; a refusal is the error response it names. `images` and `boundaries` belong to a
+    chat's one prompt; `prompt_param` is the field a refused prompt is named by."""
+    if state.drain.cut:  # admitted before the drain, but reached the engine after its deadline
+        raise ApiError(503, REFUSED, code="shutting_down", headers={"Retry-After": str(RETRY_AFTER_S)})
+    try:
+        streams = engine.submit_all(Submission(prompts, params, images, tuple(boundaries), prompt_param))
+    except Refused as e:
+        raise refused_error(e) from None
+    choice_prompt = [i // len(params) for i in range(len(streams))]
+    gen = Generation(engine, state.metrics, prompts, choice_prompt, streams, received_s, state.log)
+    state.drain.track(gen)
+    return gen
+
+
+async def collect(request: Request, gen: Generation, state: ServerState) -> None:
+    """Read every output of a non-streamed request, aborting it if the client leaves meanwhile."""
+
+    async def drain() -> None:
+        async for _ in gen.events():
+            pass
+
+    task = asyncio.create_task(drain())
+    try:
+        while not task.done():
+            await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if not task.done() and await request.is_disconnected():
+                state.metrics.disconnects.inc()
+                raise ClientDisconnect()
+        task.result()
+    except GenerationFailed as e:
+        raise ApiError(e.status, e.message, code=e.code) from None
+    finally:
+        task.cancel()
+        gen.close()
+
+
+async def chat_events(gen: Generation, meta: openai_translate.ResponseMeta, include_usage: bool,
                       token_bytes: Callable[[int], bytes],
                       parsers: list[ChatOutputParser] | None = None) -> AsyncIterator[bytes]:
     """The chat stream: each choice's role, its deltas (text, reasoning, tool calls, with logprobs), its finish;
     usage; [DONE]. `parsers[i]` splits choice i's text (none: the text is all content)."""
     for i in range(len(gen.streams)):
-        yield protocol.chat_chunk(meta, i, role=True)
+        yield openai_translate.chat_chunk(meta, i, role=True)
     async for i, out in _failures_as_events(gen):
         if isinstance(out, bytes):
             yield out
@@ -168,35 +214,36 @@ async def chat_events(gen: Generation, meta: protocol.ResponseMeta, include_usag
             delta = OutputDelta(delta.reasoning + rest.reasoning, delta.content + rest.content,
                                 delta.calls + rest.calls)
         if delta or out.logprobs:
-            yield protocol.chat_chunk(meta, i, text=delta.content or (None if delta.reasoning or delta.calls else ""),
-                                      reasoning=delta.reasoning, calls=delta.calls, logprobs=out.logprobs,
-                                      token_bytes=token_bytes)
+            yield openai_translate.chat_chunk(
+                meta, i, text=delta.content or (None if delta.reasoning or delta.calls else ""),
+                reasoning=delta.reasoning, calls=delta.calls, logprobs=out.logprobs, token_bytes=token_bytes)
         if out.finished:
-            yield protocol.chat_chunk(meta, i, text=None, finish=out.finish_reason,
-                                      called=bool(parser and parser.called))
+            yield openai_translate.chat_chunk(meta, i, text=None, finish=out.finish_reason,
+                                              called=bool(parser and parser.called))
     if include_usage:
-        yield protocol.chat_usage_chunk(meta, gen.usage())
+        yield openai_translate.chat_usage_chunk(meta, gen.usage())
     yield protocol.SSE_DONE
 
 
-async def completion_events(gen: Generation, meta: protocol.ResponseMeta, include_usage: bool,
+async def completion_events(gen: Generation, meta: openai_translate.ResponseMeta, include_usage: bool,
                             echoes: list[str]) -> AsyncIterator[bytes]:
     """The completions stream: echoed prompts, text deltas (with logprobs), finishes; usage; [DONE]."""
     offsets = [len(e) for e in echoes]
     for i, echo in enumerate(echoes):
         if echo:
-            yield protocol.completion_chunk(meta, i, echo)
+            yield openai_translate.completion_chunk(meta, i, echo)
     async for i, out in _failures_as_events(gen):
         if isinstance(out, bytes):
             yield out
             return
         if out.text or out.logprobs:
-            yield protocol.completion_chunk(meta, i, out.text, logprobs=out.logprobs, text_start=offsets[i])
+            yield openai_translate.completion_chunk(meta, i, out.text, logprobs=out.logprobs,
+                                                    text_start=offsets[i])
             offsets[i] += len(out.text)
         if out.finished:
-            yield protocol.completion_chunk(meta, i, "", finish=out.finish_reason)
+            yield openai_translate.completion_chunk(meta, i, "", finish=out.finish_reason)
     if include_usage:
-        yield protocol.completion_usage_chunk(meta, gen.usage())
+        yield openai_translate.completion_usage_chunk(meta, gen.usage())
     yield protocol.SSE_DONE
 
 

@@ -1,0 +1,272 @@
+"""Anthropic's Messages API in engine terms: a request as the shared chat step's ChatRequest (server/chat.py), its
+SamplingParams, and engine outputs as the response body and stream events (message_start, content blocks,
+message_delta, message_stop, ping).
+
+Only this module and anthropic_wire.py know Anthropic's field names; the routes in anthropic.py hand it engine outputs.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from pydantic import ValidationError
+
+from deltaserve.engine.request import SamplingParams
+from deltaserve.images import ImageSource, data_url
+from deltaserve.server.anthropic_wire import Block, MessagesRequest, _Body, error_body
+from deltaserve.server.chat import ChatRequest
+from deltaserve.server.protocol import ProtocolError, validation_message
+from deltaserve.text.chat_output import ChatOutputParser, OutputDelta
+from deltaserve.text.tool_parsers import ToolCall
+
+def parse(model: type[_Body], body: Any) -> MessagesRequest:
+    """Validate a decoded body; a problem becomes a ProtocolError naming the field."""
+    try:
+        return model.model_validate(body)
+    except ValidationError as e:
+        raise ProtocolError(*validation_message(e)) from None
+
+
+def to_chat(req: MessagesRequest, image_marker: str | None = None) -> ChatRequest:
+    """System, messages (tool results become tool messages), tools and tool_choice in OpenAI chat terms.
+
+    With `image_marker` (the model's; "" where it takes no images, which the door then refuses), each image block of
+    a user turn becomes the marker in its text and its source is listed in the chat's `images`; without, image
+    blocks are refused (count_tokens)."""
+    images: list[ImageSource] | None = [] if image_marker is not None else None
+    messages = []
+    if req.system:
+        messages.append({"role": "system", "content": _text_of(req.system, "system")})
+    for i, message in enumerate(req.messages):
+        blocks = [Block(type="text", text=message.content)] if isinstance(message.content, str) else message.content
+        messages += (_user_messages(blocks, i, images, image_marker or "") if message.role == "user"
+                     else [_assistant_message(blocks, i)])
+    tools = [{"type": "function", "function": {"name": t.name, "description": t.description or "",
+                                               "parameters": t.input_schema}} for t in req.tools or []] or None
+    choice, name = "auto", None
+    if req.tool_choice is not None:
+        choice = {"auto": "auto", "any": "required", "tool": "named", "none": "none"}[req.tool_choice.type]
+        name = req.tool_choice.name
+        if choice in ("required", "named") and not tools:
+            raise ProtocolError(f"tool_choice: {req.tool_choice.type!r} needs a non-empty 'tools' list", "tool_choice")
+        if choice == "named" and name not in {t.name for t in req.tools}:
+            raise ProtocolError(f"tool_choice.name: tool {name!r} is not among the tools "
+                                f"({', '.join(t.name for t in req.tools)})", "tool_choice.name")
+    kwargs: dict = {"tools": tools} if tools else {}
+    if req.thinking is not None and req.thinking.type == "disabled":
+        kwargs["enable_thinking"] = False
+    parallel = not (req.tool_choice and req.tool_choice.disable_parallel_tool_use)
+    return ChatRequest(messages, tools, kwargs, choice, name, parallel, images=images or [])
+
+
+def _text_of(content: str | list[Block], where: str) -> str:
+    if isinstance(content, str):
+        return content
+    for j, block in enumerate(content):
+        if block.type != "text" or block.text is None:
+            raise ProtocolError(f"{where}[{j}]: only text blocks are supported here, not {block.type!r}",
+                                f"{where}[{j}]")
+    return "".join(block.text for block in content)
+
+
+def _user_messages(blocks: list[Block], i: int, images: list[ImageSource] | None = None,
+                   image_marker: str = "") -> list[dict]:
+    """Tool results become tool messages (first, as they answer the previous turn), text the user's message."""
+    out, texts = [], []
+    for j, block in enumerate(blocks):
+        where = f"messages[{i}].content[{j}]"
+        if block.type == "image" and images is not None:
+            images.append(ImageSource(f"{where}.source", _image_url(block, where)))
+            texts.append(image_marker)
+        elif block.type == "tool_result":
+            content = _text_of(block.content or "", f"{where}.content")
+            out.append({"role": "tool", "tool_call_id": block.tool_use_id or "",
+                        "content": ("Error: " + content) if block.is_error else content})
+        elif block.type == "text" and block.text is not None:
+            texts.append(block.text)
+        else:
+            raise ProtocolError(f"{where}: a user turn may hold text and tool_result blocks, not {block.type!r}",
+                                where)
+    if texts:
+        out.append({"role": "user", "content": "".join(texts)})
+    return out
+
+
+def _image_url(block: Block, where: str) -> str:
+    source = block.source
+    if source is None:
+        raise ProtocolError(f"{where}: an image block needs a 'source'", f"{where}.source")
+    if source.type == "base64" and source.data is not None:
+        return data_url(source.media_type or "application/octet-stream", source.data)
+    if source.type == "url" and source.url:
+        return source.url  # refused when read: the server fetches nothing
+    raise ProtocolError(f"{where}.source: only base64 image sources (with 'data') are served, not {source.type!r}",
+                        f"{where}.source")
+
+
+def _assistant_message(blocks: list[Block], i: int) -> dict:
+    """An earlier assistant turn: its thinking as reasoning_content, its tool_use blocks as tool_calls."""
+    texts, reasoning, calls = [], [], []
+    for j, block in enumerate(blocks):
+        if block.type == "text" and block.text is not None:
+            texts.append(block.text)
+        elif block.type in ("thinking", "redacted_thinking"):
+            reasoning.append(block.thinking or "")
+        elif block.type == "tool_use" and block.name:
+            calls.append({"id": block.id or f"toolu_{uuid.uuid4().hex[:24]}", "type": "function",
+                          "function": {"name": block.name, "arguments": block.input or {}}})
+        else:
+            where = f"messages[{i}].content[{j}]"
+            raise ProtocolError(f"{where}: an assistant turn may hold text, thinking and tool_use blocks, "
+                                f"not {block.type!r}", where)
+    message = {"role": "assistant", "content": "".join(texts)}
+    if reasoning:
+        message["reasoning_content"] = "".join(reasoning)
+    if calls:
+        message["tool_calls"] = calls
+    return message
+
+
+def sampling_params(req: MessagesRequest, grammar: str | None) -> SamplingParams:
+    """The engine's sampling settings for a Messages request."""
+    return SamplingParams(max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p or 1.0,
+                          top_k=req.top_k or 0, stop=tuple(s for s in req.stop_sequences or () if s),
+                          grammar=grammar)
+
+
+def stop_reason(finish: str | None, called: bool, stop_sequence: str | None) -> str:
+    """Anthropic's stop_reason for the engine's finish."""
+    if finish == "length":
+        return "max_tokens"
+    if called:
+        return "tool_use"
+    return "stop_sequence" if stop_sequence else "end_turn"
+
+
+def matched_stop(req: MessagesRequest, finish: str | None, last_token_was_eos: bool, tail: str) -> str | None:
+    """Which stop sequence ended the output (`tail`: the decoded end of the output, stop text included)."""
+    if finish != "stop" or last_token_was_eos or not req.stop_sequences:
+        return None
+    found = [(tail.rfind(s), s) for s in req.stop_sequences if s and s in tail]
+    return max(found)[1] if found else None
+
+
+def usage(prompt_tokens: int, cached_tokens: int) -> dict:
+    """Anthropic's input counts: `input_tokens` are the prompt tokens read, `cache_read_input_tokens` those the
+    prefix cache supplied (their sum is the prompt); the cache is written without a charge."""
+    return {"input_tokens": prompt_tokens - cached_tokens, "cache_creation_input_tokens": 0,
+            "cache_read_input_tokens": cached_tokens}
+
+
+def message_body(msg_id: str, model: str, reasoning: str, text: str, calls: list[ToolCall], reason: str,
+                 stop_sequence: str | None, input_tokens: int, output_tokens: int, cached_tokens: int = 0) -> dict:
+    """The non-streamed response; `input_tokens` counts the whole prompt, `cached_tokens` of it came from the
+    prefix cache."""
+    content = []
+    if reasoning:
+        content.append({"type": "thinking", "thinking": reasoning, "signature": ""})
+    if text or not calls:
+        content.append({"type": "text", "text": text})
+    content += [{"type": "tool_use", "id": _tool_id(c.id), "name": c.name, "input": json.loads(c.arguments)}
+                for c in calls]
+    return {"id": msg_id, "type": "message", "role": "assistant", "model": model, "content": content,
+            "stop_reason": reason, "stop_sequence": stop_sequence,
+            "usage": {**usage(input_tokens, cached_tokens), "output_tokens": output_tokens}}
+
+
+def _tool_id(call_id: str) -> str:
+    return "toolu_" + call_id.removeprefix("call_")
+
+
+def event(name: str, data: dict) -> bytes:
+    """One server-sent event with Anthropic's `event:` line."""
+    return f"event: {name}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n".encode()
+
+
+class BlockStream:
+    """Turns OutputDeltas into content_block_* events: one block per kind in order (thinking, text, each call)."""
+
+    def __init__(self):
+        self.index = -1
+        self.open: tuple | None = None  # ("thinking",) | ("text",) | ("tool", call index)
+        self.called = False
+
+    def events(self, delta: OutputDelta) -> list[bytes]:
+        out: list[bytes] = []
+        if delta.reasoning:
+            out += self._ensure(("thinking",), {"type": "thinking", "thinking": "", "signature": ""})
+            out.append(self._delta({"type": "thinking_delta", "thinking": delta.reasoning}))
+        if delta.content:
+            out += self._ensure(("text",), {"type": "text", "text": ""})
+            out.append(self._delta({"type": "text_delta", "text": delta.content}))
+        for piece in delta.calls:
+            if piece.name is not None:
+                self.called = True
+                out += self._ensure(("tool", piece.index), {"type": "tool_use", "id": _tool_id(piece.id),
+                                                            "name": piece.name, "input": {}})
+            if piece.arguments:
+                out.append(self._delta({"type": "input_json_delta", "partial_json": piece.arguments}))
+        return out
+
+    def close(self) -> list[bytes]:
+        """The stop of the open block (an answer with no block at all gets one empty text block)."""
+        out = [] if self.open is not None else self._ensure(("text",), {"type": "text", "text": ""})
+        out.append(event("content_block_stop", {"type": "content_block_stop", "index": self.index}))
+        self.open = None
+        return out
+
+    def _ensure(self, kind: tuple, block: dict) -> list[bytes]:
+        if self.open == kind:
+            return []
+        out = self.close() if self.open is not None else []
+        self.index += 1
+        self.open = kind
+        out.append(event("content_block_start", {"type": "content_block_start", "index": self.index,
+                                                 "content_block": block}))
+        return out
+
+    def _delta(self, delta: dict) -> bytes:
+        return event("content_block_delta", {"type": "content_block_delta", "index": self.index, "delta": delta})
+
+
+async def stream_events(outputs: AsyncIterator, parser: ChatOutputParser, msg_id: str, model: str,
+                        input_tokens: int, finish_info: Callable[[], tuple[str | None, bool, str]],
+                        req: MessagesRequest) -> AsyncIterator[bytes]:
+    """The Messages stream: message_start, ping, content blocks, message_delta, message_stop.
+
+    `outputs` yields engine RequestOutputs and raises on failure (sent as an `error` event);
+    `finish_info()` gives (finish reason, last token was EOS, decoded output tail) once it ends. The prefix
+    cache's part of the prompt is known once the request starts: message_start counts the whole prompt as read,
+    message_delta's cumulative usage says what the cache supplied.
+    """
+    start = {"id": msg_id, "type": "message", "role": "assistant", "model": model, "content": [],
+             "stop_reason": None, "stop_sequence": None, "usage": {**usage(input_tokens, 0), "output_tokens": 0}}
+    yield event("message_start", {"type": "message_start", "message": start})
+    yield event("ping", {"type": "ping"})
+    blocks, output_tokens, cached_tokens = BlockStream(), 0, 0
+    try:
+        async for out in outputs:
+            output_tokens = max(output_tokens, out.completion_tokens)
+            cached_tokens = max(cached_tokens, out.cached_tokens)
+            delta = parser.push(out.text)
+            for piece in blocks.events(delta):
+                yield piece
+            if out.finished:
+                for piece in blocks.events(parser.flush()):
+                    yield piece
+    except Exception as e:  # the status line has gone out: the failure is an error event
+        status = getattr(e, "status", 500)
+        yield event("error", error_body(status, getattr(e, "message", f"{type(e).__name__}: {e}")))
+        return
+    for piece in blocks.close():
+        yield piece
+    finish, eos, tail = finish_info()
+    stop_sequence = matched_stop(req, finish, eos, tail)
+    reason = stop_reason(finish, parser.called, stop_sequence)
+    yield event("message_delta", {"type": "message_delta", "delta": {"stop_reason": reason,
+                                                                     "stop_sequence": stop_sequence},
+                                  "usage": {**usage(input_tokens, cached_tokens), "output_tokens": output_tokens}})
+    yield event("message_stop", {"type": "message_stop"})
