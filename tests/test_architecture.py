@@ -13,7 +13,9 @@ The rules, in DESIGN.md's words:
       it imports from ever importing budget/ back, so everyone above weights/ may import budget/);
   (d) arrows point down deploy -> server -> engine -> (cache, models, text) -> kernels, never up; nothing imports
       server/ but deploy/ and cli, nothing imports deploy/ or the plan command but cli (so `plan` and `deploy`
-      never import each other: both use budget/).
+      never import each other: both use budget/);
+  (e) the server enters the engine through one door (engine/door.py): of engine/ it imports only SERVER_DOOR, and
+      of an Engine it touches only ENGINE_SURFACE (any `engine.x`, `state.engine.x`, `self.engine.x` in server/).
 """
 
 from __future__ import annotations
@@ -42,6 +44,14 @@ IMPORTED_ONLY_BY = {
 # (d): arrows that break a rule today, each with the file, the issue that removes it, and why it waits. Entries are
 # (importing module, imported unit). None today.
 ALLOWED: set[tuple[str, str]] = set()
+# (e): the engine modules server/ may import: the Engine (its class, for loading it, and EngineStats), the door's
+# types (EngineInfo, Submission, Refused, prepare_images), SamplingParams and the streams, and internal_error (the
+# one wording of an internal error for clients)
+SERVER_DOOR = {"deltaserve.engine.engine", "deltaserve.engine.door", "deltaserve.engine.request",
+               "deltaserve.engine.errors"}
+# (e): what server/ may touch of an Engine: its description, its tokenizer (text/'s Tokenizer: encode, decode, chat
+# templates), the door, and the calls an operator's routes and the drain make
+ENGINE_SURFACE = {"info", "tokenizer", "submit_all", "abort", "stats", "flush_cache", "start", "shutdown"}
 
 
 def _module_name(path: Path) -> str:
@@ -175,3 +185,32 @@ def test_the_walk_sees_imports_inside_functions():
     arrows = _arrows(_graph())
     assert ("deltaserve.cli", "engine") in arrows
     assert len(_modules()) > 50
+
+
+def test_server_enters_the_engine_by_its_door():
+    wrong = [f"{m} imports {t}" for m, targets in _graph().items() if _unit(m) == "server"
+             for t in targets if _unit(t) == "engine" and t not in SERVER_DOOR]
+    assert not wrong, "server/ may import of engine/ only " + ", ".join(sorted(SERVER_DOOR)) + ":\n" + "\n".join(wrong)
+
+
+def test_server_touches_only_the_engines_surface():
+    wrong = []
+    for path in sorted((PACKAGE / "server").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not isinstance(node, ast.Attribute):
+                continue
+            held = node.value  # `engine`, or `<anything>.engine`
+            named_engine = (isinstance(held, ast.Name) and held.id == "engine") or \
+                (isinstance(held, ast.Attribute) and held.attr == "engine")
+            if named_engine and node.attr not in ENGINE_SURFACE:
+                wrong.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno} uses engine.{node.attr}")
+    assert not wrong, "server/ reads an Engine through " + ", ".join(sorted(ENGINE_SURFACE)) + " only:\n" + \
+        "\n".join(wrong)
+
+
+def test_the_surface_rule_sees_engine_uses():
+    """The surface rule is not vacuous: the server does touch engines, through names it can see."""
+    touched = {node.attr for path in (PACKAGE / "server").rglob("*.py")
+               for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.Attribute)
+               and isinstance(node.value, ast.Name) and node.value.id == "engine"}
+    assert {"info", "submit_all", "tokenizer"} <= touched
