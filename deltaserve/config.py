@@ -27,7 +27,8 @@ DTYPE_ALIASES = {
 }
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
 SIZE_FLAGS = {"headroom": "--headroom", "device_memory": "--device-memory", "max_body_bytes": "--max-body-bytes",
-              "cuda_graph_reserve": "--cuda-graph-reserve", "max_image_bytes": "--max-image-bytes"}
+              "cuda_graph_reserve": "--cuda-graph-reserve", "max_image_bytes": "--max-image-bytes",
+              "responses_store_bytes": "--responses-store-bytes"}
 STATE_DTYPES = ("float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "portable", "paged")
 PREFILL_DTYPES = ("float32", "bfloat16")  # the packed 4-bit GEMM's arithmetic (kernels/int4_cpu.py)
@@ -130,6 +131,7 @@ class EngineConfig:
     shutdown_timeout_s: float = 30.0  # on SIGTERM, running requests finish within this; 0: cut them at once
     served_model_name: str | None = None
     max_body_bytes: int = 8 * MiB  # a 100K-token prompt is ~0.5 MB of JSON; escaping can multiply it
+    responses_store_bytes: int = 64 * MiB  # Responses API store (previous_response_id), as JSON; 0: none kept
     seed: int = 0
     attention_backend: str = "auto"  # auto = paged: decode in place, prefill tiled (CPU: kernels built at start)
     dequantize_weights: bool | None = None  # None: packed (on CPU the float32 kernel of kernels/int4.py)
@@ -257,6 +259,9 @@ def _validate(c: EngineConfig) -> None:
     if c.max_total_tokens is not None and 0 < c.max_total_tokens < c.page_size:
         raise ConfigError(f"--max-total-tokens {c.max_total_tokens} is less than one KV page of --page-size "
                           f"{c.page_size} tokens: the pool holds whole pages")
+    if c.responses_store_bytes < 0:
+        raise ConfigError(f"--responses-store-bytes {c.responses_store_bytes} is negative: it must be >= 0 bytes "
+                          f"(0 keeps no responses)")
     if c.cuda_graph_reserve is not None and c.cuda_graph_reserve < 0:
         raise ConfigError(f"--cuda-graph-reserve {c.cuda_graph_reserve} is negative: it must be >= 0 bytes")
     if c.max_new_tokens_cap is not None and c.context_length is not None and c.max_new_tokens_cap > c.context_length:
@@ -319,6 +324,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--served-model-name", help="the model name the API reports and accepts "
                    "(default: the checkpoint's name)")
     g.add_argument("--max-body-bytes", help="largest request body; a larger one gets 413 (8MiB)")
+    g.add_argument("--responses-store-bytes", help="memory for stored Responses API responses (previous_response_id, "
+                   "GET /v1/responses/{id}), oldest evicted first; 0 keeps none (64MiB)")
     g.add_argument("--seed", type=int, help="seed of the engine's seed stream: a request that names no seed "
                    "draws one from it, so runs repeat from start to start (0)")
     g.add_argument("--attention-backend", help="auto (= paged: decode reads KV pages in place and prefill runs a "

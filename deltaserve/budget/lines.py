@@ -92,8 +92,11 @@ def draft_ledger(spec: ModelMemorySpec, config: EngineConfig, device_total: int,
 def _fixed_lines(spec: ModelMemorySpec, c: EngineConfig, context: int, kind: str) -> dict[str, tuple[int, str]]:
     """Every consumer but the KV pool: (bytes, reason) by line name."""
     rows = c.prefill_chunk_tokens + c.max_running_requests  # one step: a prefill chunk beside every decode row
+    # The Responses API's store is host memory: on CPU it shares the device; on a GPU it is outside this ledger.
     runtime = ((CUDA_CONTEXT_BYTES, "CUDA context and kernel images (outside torch's allocator)") if kind == "cuda"
-               else (CPU_RUNTIME_BYTES, "Python, torch, tokenizer and HTTP server resident memory"))
+               else (CPU_RUNTIME_BYTES + c.responses_store_bytes,
+                     f"Python, torch, tokenizer and HTTP server resident memory ({mib(CPU_RUNTIME_BYTES)} MiB), "
+                     f"stored Responses API responses ({mib(c.responses_store_bytes)} MiB, --responses-store-bytes)"))
     return {
         "weights": _weights_line(spec, c),
         "vision_weights": _vision_weights_line(spec, c),
