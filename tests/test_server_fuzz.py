@@ -35,12 +35,14 @@ def _server_errors(text: str) -> list[dict]:
             continue
         if isinstance(body, dict) and isinstance(body.get("error"), dict):
             bodies.append(body["error"])
+        if isinstance(body, dict) and body.get("type") == "response.failed":  # the Responses stream's failure
+            bodies.append({"type": "server_error", **body["response"]["error"]})
     return [b for b in bodies if b.get("type") == "server_error"]
 
 
 def test_generated_requests_never_get_a_5xx(server):
     schema = schemathesis.openapi.from_url(server.url + "/openapi.json")
-    posts = [schema[path]["POST"] for path in ("/v1/chat/completions", "/v1/completions")]
+    posts = [schema[path]["POST"] for path in ("/v1/chat/completions", "/v1/completions", "/v1/responses")]
     gets = [schema[path]["GET"] for path in ("/v1/models", "/v1/budget", "/health", "/metrics")]
     modes = (GenerationMode.POSITIVE, GenerationMode.NEGATIVE)
     cases = st.one_of([op.as_strategy(mode) for op in posts for mode in modes] + [op.as_strategy() for op in gets])

@@ -27,7 +27,7 @@ from starlette.requests import ClientDisconnect
 from deltaserve.config import EngineConfig
 from deltaserve.engine.engine import Engine
 from deltaserve.engine.errors import internal_error
-from deltaserve.server import admin, anthropic, anthropic_wire, openai, protocol
+from deltaserve.server import admin, anthropic, anthropic_wire, openai, protocol, responses
 from deltaserve.server.drain import DrainGate
 from deltaserve.server.guard import LOOPBACK_HOSTS, RequestGuard, is_loopback
 from deltaserve.server.openai_wire import request_body_schemas
@@ -83,6 +83,7 @@ def create_app(config: EngineConfig, *, load_engine: Callable[[EngineConfig], En
     admin.add_routes(app, state)
     openai.add_routes(app, state)
     anthropic.add_routes(app, state)
+    responses.add_routes(app, state)
     _use_request_schemas(app)
     return app
 

@@ -1,0 +1,108 @@
+"""The Responses API's routes: `POST /v1/responses`, `GET` and `DELETE /v1/responses/{id}`.
+
+A request becomes a ChatRequest (responses_translate.py), takes the shared chat-preparation step (chat.py: images, template,
+output settings and grammar), enters the engine through its door (generation.py `submit`), and its output comes
+back as items, whole or as the Responses event stream (responses_stream.py).
+"""
+
+from __future__ import annotations
+
+import time
+
+from fastapi import FastAPI, Request
+
+from deltaserve.engine.request import SamplingParams
+from deltaserve.server import responses_translate as translate
+from deltaserve.server.chat import prepare_chat
+from deltaserve.server.generation import EventStream, collect, submit
+from deltaserve.server.response_store import ResponseStore
+from deltaserve.server.responses_stream import stream_events
+from deltaserve.server.responses_wire import ResponsesRequest
+from deltaserve.server.state import ApiError, ServerState, read_json
+from deltaserve.text.chat_output import ChatOutputParser, parse_whole
+
+
+def add_routes(app: FastAPI, state: ServerState) -> ResponseStore:
+    """Register the routes on `app`; the store they share (--responses-store-bytes) is returned."""
+    store = ResponseStore(state.config.responses_store_bytes)
+
+    def stored(response_id: str, field: str):
+        entry = store.get(response_id)
+        if entry is None:  # a follow-up naming a lost response is the request's fault; a lookup is not found
+            raise ApiError(400 if field == "previous_response_id" else 404, store.missing(response_id, field),
+                           param=field, code="response_not_found")
+        return entry
+
+    @app.post("/v1/responses", openapi_extra=_body_schema())
+    async def create_response(request: Request):
+        received_s = time.monotonic()
+        engine = state.ready_engine()
+        state.metrics.requests.labels("responses").inc()
+        req = translate.parse(await read_json(request, state.config))
+        state.check_model(req.model)
+        earlier = stored(req.previous_response_id, "previous_response_id").conversation \
+            if req.previous_response_id else []
+        conversation = earlier + translate.input_items(req)
+        chat = await prepare_chat(state, engine, translate.to_chat(req, conversation, engine.info.image_marker))
+        try:
+            params = SamplingParams(max_tokens=req.max_output_tokens, grammar=chat.grammar,
+                                    temperature=1.0 if req.temperature is None else req.temperature,
+                                    top_p=1.0 if req.top_p is None else req.top_p)
+        except ValueError as e:
+            raise ApiError(400, str(e)) from None
+        gen = submit(state, engine, [chat.prompt_ids], [params], received_s, images=chat.images,
+                     boundaries=chat.boundaries, prompt_param="input")
+        meta = translate.Meta(translate.new_id("resp"), int(time.time()), state.served_name(), req)
+
+        def usage_of(items: list[dict]) -> dict:
+            thought = "".join(c["text"] for i in items if i["type"] == "reasoning" for c in i["content"])
+            reasoning_tokens = len(engine.tokenizer.encode(thought, False)) if thought else 0
+            return translate.usage(gen.prompt_len(0), gen.cached_tokens[0], gen.completion_tokens[0],
+                                   min(reasoning_tokens, gen.completion_tokens[0]))
+
+        def keep(body: dict) -> None:
+            if req.store:
+                store.put(body, conversation + body["output"])
+
+        if req.stream:
+            outputs = (out async for _, out in gen.events())
+            return EventStream(stream_events(outputs, ChatOutputParser(chat.settings), meta,
+                                             lambda: gen.finish_reasons[0], usage_of, keep), gen)
+        await collect(request, gen, state)
+        reasoning, text, calls = parse_whole(chat.settings, gen.results()[0].text)
+        status = translate.status_of(gen.finish_reasons[0])
+        items = translate.output_items(reasoning, text, calls, status)
+        body = translate.response_body(meta, items, status, usage_of(items))
+        keep(body)
+        return body
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str):
+        state.ready_engine()
+        return stored(response_id, "response_id").body
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str):
+        state.ready_engine()
+        if not store.delete(response_id):
+            stored(response_id, "response_id")
+        return translate.deleted_body(response_id)
+
+    return store
+
+
+def _body_schema() -> dict:
+    """The request body's JSON schema for /openapi.json, its few nested models written in place (the app's
+    component list holds the OpenAI chat bodies only)."""
+    schema = ResponsesRequest.model_json_schema()
+    defs = schema.pop("$defs", {})
+
+    def inline(node):
+        if isinstance(node, dict):
+            ref = node.get("$ref", "")
+            if ref.startswith("#/$defs/"):
+                return inline(defs[ref.removeprefix("#/$defs/")])
+            return {k: inline(v) for k, v in node.items()}
+        return [inline(v) for v in node] if isinstance(node, list) else node
+
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": inline(schema)}}}}
