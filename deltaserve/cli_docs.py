@@ -54,6 +54,7 @@ UNITS = {
     "allowed_local_media_path": "folder",
     "checkpoint_slots": "checkpoints",
     "checkpoint_interval_tokens": "tokens",
+    "speculative_tokens": "draft tokens per request per step",
     "api_key": "text",
     "api_key_file": "path",
     "allowed_hosts": "comma-separated host names",

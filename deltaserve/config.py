@@ -99,6 +99,8 @@ def normalize_dtype(name: str, allowed: tuple[str, ...], setting: str) -> str:
 # The parsers of deltaserve.text (named here: config is a leaf and imports nothing of ours).
 TOOL_CALL_PARSERS = ("auto", "none", "qwen3_coder", "hermes", "llama3_json")
 REASONING_PARSERS = ("auto", "none", "think")
+SPECULATIVE_METHODS = ("off", "ngram", "mtp")
+MAX_SPECULATIVE_TOKENS = 8  # drafts a step verifies per request; each costs a GDN state (engine/speculative.py)
 
 
 @dataclass(frozen=True)
@@ -144,6 +146,8 @@ class EngineConfig:
     prefix_cache: bool = True  # reuse the KV pages (and GDN checkpoints) of prompts seen before
     checkpoint_slots: int = 8  # GDN state checkpoints the prefix cache keeps (hybrid models; its own ledger line)
     checkpoint_interval_tokens: int = 2048  # a GDN checkpoint every this many prompt tokens
+    speculative: str = "off"  # off | ngram (prompt lookup) | mtp (the checkpoint's own head: not built yet)
+    speculative_tokens: int = 3  # draft tokens a decode step verifies at most, per request
     language_model_only: bool = False  # skip a multimodal checkpoint's vision tower: its memory becomes context
     max_images_per_request: int = 8
     max_image_bytes: int = 5 * MiB  # of one encoded image (Anthropic's limit too)
@@ -284,6 +288,14 @@ def _validate(c: EngineConfig) -> None:
     if c.tool_call_parser not in TOOL_CALL_PARSERS:
         raise ConfigError(f"--tool-call-parser {c.tool_call_parser!r} is not supported: "
                           f"choose {', '.join(TOOL_CALL_PARSERS)}")
+    if c.speculative not in SPECULATIVE_METHODS:
+        raise ConfigError(f"--speculative {c.speculative!r} is not supported: choose {', '.join(SPECULATIVE_METHODS)}")
+    if c.speculative == "mtp":
+        raise ConfigError("--speculative mtp: drafting with the checkpoint's MTP head is not built yet (issue 40); "
+                          "--speculative ngram drafts from the prompt and needs no weights")
+    if not 1 <= c.speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+        raise ConfigError(f"--speculative-tokens {c.speculative_tokens} is out of range: it must be in "
+                          f"1..{MAX_SPECULATIVE_TOKENS}")
     if c.reasoning_parser not in REASONING_PARSERS:
         raise ConfigError(f"--reasoning-parser {c.reasoning_parser!r} is not supported: "
                           f"choose {', '.join(REASONING_PARSERS)}")
@@ -364,6 +376,14 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                    "hybrid model (8); each costs what `plan` shows in KV tokens")
     g.add_argument("--checkpoint-interval-tokens", type=int,
                    help="store a GDN checkpoint every this many prompt tokens (2048)")
+    g.add_argument("--speculative", choices=SPECULATIVE_METHODS, help="speculative decoding: off (default), ngram "
+                   "(prompt lookup: draft tokens copied from where the request's last tokens occurred earlier in its "
+                   "prompt or output, verified as extra rows of the same step; greedy output is unchanged, sampled "
+                   "output keeps its distribution), mtp (the checkpoint's MTP head: not built yet, refused)")
+    g.add_argument("--speculative-tokens", type=int, help=f"draft tokens one decode step verifies at most per "
+                   f"request, 1..{MAX_SPECULATIVE_TOKENS} (3); on a hybrid model each costs one GDN state per "
+                   f"running request (the ledger's speculative_states line). A request whose drafts are rarely "
+                   f"accepted drafts fewer")
     _add_http_arguments(parser)
 
 

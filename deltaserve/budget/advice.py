@@ -142,6 +142,13 @@ def option_costs(spec: ModelMemorySpec, config: EngineConfig, device_total: int,
         if (n := delta(prefix_cache=False)) is not None:
             costs.append(OptionCost("--no-prefix-cache", n, "no checkpoints: every turn of a conversation is read "
                                                             "again from its first token"))
+    if spec.gdn_layers and c.speculative == "off":
+        if (n := delta(speculative="ngram")) is not None:
+            costs.append(OptionCost(f"--speculative ngram (--speculative-tokens {c.speculative_tokens})", n,
+                                    f"{c.speculative_tokens} GDN states per running request, to roll back "
+                                    f"rejected drafts"))
+    elif spec.gdn_layers and (n := delta(speculative="off")) is not None:
+        costs.append(OptionCost("--speculative off", n, "no draft states kept"))
     if spec.gdn_layers:
         scales = 4 * spec.gdn_num_v_heads * spec.gdn_key_head_dim  # one fp32 scale per state row
         int8_slot = spec.gdn_layers * (spec.state_elements_per_layer() + scales)

@@ -17,9 +17,10 @@ CPU_RUNTIME_BYTES = 512 * MiB  # Python + torch + tokenizer + HTTP server, resid
 CUDA_CONTEXT_BYTES = 512 * MiB  # CUDA context and kernel images, outside torch's allocator
 CUDA_GRAPH_BASE_BYTES = 256 * MiB  # graph memory pool segments and per-stream cuBLAS workspaces
 CUDA_GRAPH_PER_SIZE_BYTES = 16 * MiB  # per captured decode batch size (1, 2, 4, ... max_running_requests)
-CONSUMER_LINES = ("weights", "vision_weights", "kv_pool", "state_pool", "checkpoint_pool", "prefill_activations",
-                  "gdn_workspace", "attention_workspace", "vision_workspace", "sampler", "cuda_graphs")
-POOL_LINES = ("weights", "vision_weights", "kv_pool", "state_pool", "checkpoint_pool")
+CONSUMER_LINES = ("weights", "vision_weights", "kv_pool", "state_pool", "checkpoint_pool", "speculative_states",
+                  "prefill_activations", "gdn_workspace", "attention_workspace", "vision_workspace", "sampler",
+                  "cuda_graphs")
+POOL_LINES = ("weights", "vision_weights", "kv_pool", "state_pool", "checkpoint_pool", "speculative_states")
 
 
 @dataclass
@@ -92,6 +93,8 @@ def draft_ledger(spec: ModelMemorySpec, config: EngineConfig, device_total: int,
 def _fixed_lines(spec: ModelMemorySpec, c: EngineConfig, context: int, kind: str) -> dict[str, tuple[int, str]]:
     """Every consumer but the KV pool: (bytes, reason) by line name."""
     rows = c.prefill_chunk_tokens + c.max_running_requests  # one step: a prefill chunk beside every decode row
+    # a request's drafts are rows of its step too: taken from the chunk's rows, but each one is a logits row
+    logits_rows = c.max_running_requests * (1 + (c.speculative_tokens if c.speculative != "off" else 0))
     # The Responses API's store is host memory: on CPU it shares the device; on a GPU it is outside this ledger.
     runtime = ((CUDA_CONTEXT_BYTES, "CUDA context and kernel images (outside torch's allocator)") if kind == "cuda"
                else (CPU_RUNTIME_BYTES + c.responses_store_bytes,
@@ -103,13 +106,16 @@ def _fixed_lines(spec: ModelMemorySpec, c: EngineConfig, context: int, kind: str
         "vision_workspace": _vision_workspace_line(spec, c),
         "state_pool": _state_line(spec, c),
         "checkpoint_pool": _checkpoint_line(spec, c),
+        "speculative_states": _speculative_line(spec, c),
         "prefill_activations": (rows * _activation_elements_per_row(spec) * DTYPE_BYTES[c.dtype],
                                 f"one step of {rows} rows ({c.prefill_chunk_tokens} prefill + "
                                 f"{c.max_running_requests} decode) through the widest layer, {c.dtype}"),
         "gdn_workspace": _gdn_workspace_line(spec, rows),
         "attention_workspace": _attention_line(spec, c, context),
-        "sampler": (spec.vocab_size * c.max_running_requests * 4 * SAMPLER_PASSES,
-                    f"vocab {spec.vocab_size:,} x batch {c.max_running_requests} x 4 bytes x {SAMPLER_PASSES} passes"),
+        "sampler": (spec.vocab_size * logits_rows * 4 * SAMPLER_PASSES,
+                    f"vocab {spec.vocab_size:,} x {logits_rows} logits rows x 4 bytes x {SAMPLER_PASSES} passes"
+                    + (f" ({c.max_running_requests} requests x (1 + {c.speculative_tokens} drafts))"
+                       if c.speculative != "off" else "")),
         "cuda_graphs": _cuda_graph_line(spec, c, kind),
         "runtime": runtime,
     }
@@ -192,6 +198,25 @@ def _checkpoint_line(spec: ModelMemorySpec, c: EngineConfig) -> tuple[int, str]:
         f"{c.state_dtype}); one checkpoint costs as much as {kv_tokens:,.0f} tokens of KV ({c.kv_dtype}); the pool "
         f"buys hits for {c.checkpoint_slots} prefixes at once (about {max(c.checkpoint_slots // 2, 1)} "
         f"conversations: each keeps its last message's end and a branch point)")
+
+
+def speculative_state_slots(spec: ModelMemorySpec, c: EngineConfig) -> int:
+    """GDN states speculation keeps: one per draft token per running request (the state after each draft, to roll
+    back to the last accepted one); none for a dense model (rejected KV is only not kept) or speculation off."""
+    if c.speculative == "off" or not spec.gdn_layers:
+        return 0
+    return c.max_running_requests * c.speculative_tokens
+
+
+def _speculative_line(spec: ModelMemorySpec, c: EngineConfig) -> tuple[int, str]:
+    if c.speculative == "off":
+        return 0, "speculative decoding off (--speculative)"
+    if not spec.gdn_layers:
+        return 0, "no GDN layers: rejected drafts' KV is only not kept"
+    per_slot = spec.state_bytes_per_slot(c.state_dtype)
+    return speculative_state_slots(spec, c) * per_slot, (
+        f"{c.max_running_requests} requests x {c.speculative_tokens} drafts (--speculative-tokens) x "
+        f"{per_slot / MiB:,.1f} MiB: the GDN state after each draft, so a rejection rolls back by one copy")
 
 
 def _activation_elements_per_row(spec: ModelMemorySpec) -> int:

@@ -34,8 +34,24 @@ class StatePool:
             self.conv[i] = torch.zeros((num_slots, g.conv_dim, g.conv_width - 1), dtype=dtype, device=self.device)
             self.recurrent[i] = torch.zeros((num_slots, g.num_v_heads, g.key_head_dim, g.value_head_dim),
                                             dtype=dtype, device=self.device)
+        self.offset = 0  # where slot 0 lies in the tensors (a view's slots follow its parent's first ones)
         self._free: list[int] = list(range(num_slots - 1, -1, -1))
         self._slot_of: dict[Hashable, int] = {}
+
+    def view(self, first: int, num_slots: int) -> StatePool:
+        """A pool of this one's slots first .. first + num_slots - 1, sharing its tensors (and so the per-layer
+        tensors a forward writes snapshots into): its slot s is this pool's slot `first + s`. Only the view hands
+        those slots out: a parent whose slots are split into views is a storage, not a pool to take from."""
+        if first < 0 or num_slots < 1 or first + num_slots > self.num_slots:
+            raise ValueError(f"state pool view {first}..{first + num_slots - 1} outside {self.num_slots} slots")
+        pool = StatePool.__new__(StatePool)
+        pool.geometry, pool.num_slots, pool.dtype, pool.device = self.geometry, num_slots, self.dtype, self.device
+        pool.conv = [t[first:first + num_slots] if t is not None else None for t in self.conv]
+        pool.recurrent = [t[first:first + num_slots] if t is not None else None for t in self.recurrent]
+        pool.offset = self.offset + first
+        pool._free = list(range(num_slots - 1, -1, -1))
+        pool._slot_of = {}
+        return pool
 
     @property
     def free_slots(self) -> int:
@@ -98,6 +114,12 @@ class StatePool:
         for t in self.conv + self.recurrent:
             if t is not None:
                 t[dst].copy_(t[src])
+
+    def copy_into(self, src: int, other: StatePool, dst: int) -> None:
+        """Copy one slot's state onto slot `dst` of another pool of the same geometry."""
+        for a, b in zip(self.conv + self.recurrent, other.conv + other.recurrent):
+            if a is not None:
+                b[dst].copy_(a[src])
 
     def check(self) -> None:
         """Raise PoolCorruption unless free list and owner table partition the slots."""

@@ -42,7 +42,7 @@ from deltaserve.engine.loader import LoadedModel, load_model
 from deltaserve.engine.multimodal import ImagePromptError, PromptImages, expand_prompt
 from deltaserve.engine.request import Request, RequestStream, SamplingParams, TokenLogprob
 from deltaserve.engine.runner import ModelRunner
-from deltaserve.engine.sampler import sample
+from deltaserve.engine.speculative import NgramDrafter, Speculation, sample_step
 from deltaserve.engine.scheduler import QueueFull, RequestRefused, Scheduler
 from deltaserve.kernels import decode_cpu, fused_cpu, int4_cpu, int4_int8, linear_cpu, paged_cpu, prefill_cpu
 
@@ -76,6 +76,9 @@ class EngineStats:
     checkpoints_used: int = 0
     checkpoints_total: int = 0
     checkpoints_evicted_total: int = 0
+    speculative_drafted_total: int = 0  # draft tokens verified (--speculative), and those accepted
+    speculative_accepted_total: int = 0
+    speculative_verify_steps_total: int = 0
 
 
 class Engine:
@@ -114,18 +117,28 @@ class Engine:
                                     device=self.device)
         self.checkpoint_pool = None
         self.prefix_cache = None
+        # GDN states a forward writes from inside a chunk: the prefix cache's checkpoints, then speculation's
+        # per-draft snapshots (engine/speculative.py), one storage so one set of tensors reaches the model
+        draft_slots = budget.state_slots * c.speculative_tokens if c.speculative != "off" else 0
+        ckpt_slots = budget.checkpoint_slots if c.prefix_cache else 0
+        snapshots = (StatePool(geometry, ckpt_slots + draft_slots, dtype=getattr(torch, c.state_dtype),
+                               device=self.device) if geometry.gdn_layers and ckpt_slots + draft_slots else None)
         if c.prefix_cache:
             if geometry.gdn_layers:
-                self.checkpoint_pool = CheckpointPool(StatePool(geometry, budget.checkpoint_slots,
-                                                                dtype=getattr(torch, c.state_dtype), device=self.device))
+                self.checkpoint_pool = CheckpointPool(snapshots.view(0, ckpt_slots))
             self.prefix_cache = PrefixCache(self.kv_pool, self.checkpoint_pool)
+        self.speculation = None
+        if c.speculative != "off":
+            self.speculation = Speculation(NgramDrafter(), c.speculative_tokens, snapshot_pool=(
+                snapshots.view(ckpt_slots, draft_slots) if snapshots is not None else None))
         policy = AdmissionPolicy.from_budget(budget, c.max_queue)
         self.scheduler = Scheduler(self.kv_pool, self.state_pool, policy, prefill_chunk_tokens=c.prefill_chunk_tokens,
                                    token_names=self.tokenizer.token_str, prefix_cache=self.prefix_cache,
-                                   checkpoint_interval_tokens=c.checkpoint_interval_tokens)
+                                   checkpoint_interval_tokens=c.checkpoint_interval_tokens,
+                                   speculation=self.speculation)
         self.runner = ModelRunner(loaded.model, self.kv_pool, self.state_pool, self.device,
                                   paged_kernel=c.attention_backend == "paged",
-                                  snapshot_pool=self.checkpoint_pool.states if self.checkpoint_pool else None)
+                                  snapshot_pool=snapshots)
         if self.device.type == "cpu":
             if c.dtype != "float32":  # measured on SmolLM2, Zen 4, 2 threads: decode 55 vs 165 tok/s, prefill no faster
                 self._log(f"note: --dtype {c.dtype} on CPU: the native kernels take float32 only, so each step goes "
@@ -228,7 +241,9 @@ class Engine:
         vision = {t.data_ptr(): t.numel() * t.element_size() for n, t in state.items() if n.startswith("visual.")}
         return {"weights": sum(weights.values()), "vision_weights": sum(vision.values()),
                 "kv_pool": self.kv_pool.bytes, "state_pool": self.state_pool.bytes,
-                "checkpoint_pool": self.checkpoint_pool.bytes if self.checkpoint_pool is not None else 0}
+                "checkpoint_pool": self.checkpoint_pool.bytes if self.checkpoint_pool is not None else 0,
+                "speculative_states": (self.speculation.snapshot_pool.bytes
+                                       if self.speculation and self.speculation.snapshot_pool else 0)}
 
     # -- requests ---------------------------------------------------------------------------------------------
 
@@ -326,7 +341,14 @@ class Engine:
                 kv_pages_reserved=s.ledger.in_use_kv_pages, kv_pages_total=self.kv_pool.num_pages,
                 state_slots_used=self.state_pool.used_slots, state_slots_total=self.state_pool.num_slots,
                 prompt_tokens_total=s.prompt_tokens_total, generation_tokens_total=s.generation_tokens_total,
-                finished=dict(s.finished_by_reason), refused=dict(s.refused_by_reason), **self._cache_stats())
+                finished=dict(s.finished_by_reason), refused=dict(s.refused_by_reason), **self._cache_stats(),
+                **self._speculative_stats())
+
+    def _speculative_stats(self) -> dict[str, int]:
+        spec = self.speculation
+        return {} if spec is None else dict(speculative_drafted_total=spec.drafted_total,
+                                            speculative_accepted_total=spec.accepted_total,
+                                            speculative_verify_steps_total=spec.verify_steps_total)
 
     def _cache_stats(self) -> dict[str, int]:
         cache, ckpt = self.prefix_cache, self.checkpoint_pool
@@ -393,7 +415,7 @@ class Engine:
             self._hook("after_schedule")
             logits = self.runner.forward(plan)
             self._hook("during_forward")
-            sampled = sample(logits, plan.sampling)
+            sampled = sample_step(logits, plan)
             self._hook("after_sampling")
             self._hook("before_complete")
         except Exception as e:  # includes torch.OutOfMemoryError: this step's requests fail, not the process

@@ -97,6 +97,7 @@ class RequestOutput:
     completion_tokens: int
     error: str | None = None
     cached_tokens: int = 0  # of prompt_tokens, how many came from the prefix cache
+    speculative: dict[str, int] | None = None  # {"drafted", "accepted"} so far, when the engine speculates
 
 
 class RequestStream:
@@ -185,6 +186,7 @@ class Request:
     first_token_s: float | None = None
     grammar: object = None  # (Grammars, its matcher) when params.grammar is set
     images: PromptImages | None = None  # the prompt's images (engine/multimodal.py), when it has any
+    speculative: object = None  # engine/speculative.py SpecState, when the engine speculates
     detokenizer: IncrementalDetokenizer = field(init=False)
     stop_matcher: StopStringMatcher = field(init=False)
 
@@ -194,6 +196,11 @@ class Request:
         self.stop_matcher = StopStringMatcher(list(self.params.stop))
         self._stop_ids = frozenset(self.params.stop_token_ids) | (
             frozenset() if self.params.ignore_eos else self.eos_token_ids)
+
+    @property
+    def stop_ids(self) -> frozenset[int]:
+        """Token ids that end the request (its stop_token_ids, and EOS unless ignored)."""
+        return self._stop_ids
 
     @property
     def cache_ids(self) -> list[int]:
@@ -215,8 +222,10 @@ class Request:
 
     def output(self, text: str = "", token_ids: list[int] | None = None, logprobs=None,
                finish_reason: str | None = None, error: str | None = None) -> RequestOutput:
+        spec = self.speculative
         return RequestOutput(self.request_id, text, token_ids or [], logprobs, finish_reason is not None,
-                             finish_reason, self.prompt_len, len(self.output_ids), error, self.cached_tokens)
+                             finish_reason, self.prompt_len, len(self.output_ids), error, self.cached_tokens,
+                             None if spec is None else {"drafted": spec.drafted, "accepted": spec.accepted})
 
     def append_token(self, token_id: int, logprob: TokenLogprob | None) -> RequestOutput:
         """Add a sampled token; decide whether the request stops; return the stream's delta.

@@ -31,12 +31,12 @@ class ModelRunner:
 
     def build_batch(self, plan: StepPlan) -> ForwardBatch:
         """The packed batch of one step; positions and slots follow each request's cached length."""
-        if not plan.prefill and not plan.snapshots and not any(r.images for r in plan.decode):
+        if not plan.prefill and not plan.verify and not plan.snapshots and not any(r.images for r in plan.decode):
             return self.decode_batch(plan)
         return self.packed_batch(plan)
 
     def packed_batch(self, plan: StepPlan) -> ForwardBatch:
-        """build_batch of any step: decode rows, prefill chunks, images, GDN snapshots."""
+        """build_batch of any step: decode rows, verifying requests' drafts, prefill chunks, images, GDN snapshots."""
         sequences = plan.sequences
         ids: list[int] = []
         q_lens, cached_lens, contexts, new_slots = [], [], [], []
@@ -44,6 +44,7 @@ class ModelRunner:
             start = request.num_cached
             if request.prefilled:
                 ids.append(request.output_ids[-1])
+                ids.extend(plan.drafts.get(request, ()))
             else:
                 ids.extend(request.prompt_ids[start:start + n])
             slots = self.kv_pool.slots(request)
@@ -59,12 +60,15 @@ class ModelRunner:
         # position of row t = t - (start row of its sequence) + (tokens its sequence already cached)
         positions = torch.arange(total) + torch.repeat_interleave(cached - cu_q[:-1], q)
         sampling = set(map(id, plan.sampling))
-        rows = [int(cu_q[b + 1]) - 1 for b, (request, _) in enumerate(sequences) if id(request) in sampling]
+        # the last row of each sampling sequence; every row of a verifying one (row j scores draft j + 1)
+        rows = [row for b, (request, _) in enumerate(sequences) if id(request) in sampling
+                for row in range(int(cu_q[b]) if request in plan.drafts else int(cu_q[b + 1]) - 1, int(cu_q[b + 1]))]
         state_slots = [self.state_pool.slot(request) for request, _ in sequences]
         to = self.device
         images = self.image_inputs(plan, positions, cu_q) if any(r.images for r, _ in sequences) else {}
         index = {id(request): b for b, (request, _) in enumerate(sequences)}
-        snapshots = tuple(sorted((index[id(r)], p - r.num_cached, slot) for r, p, slot in plan.snapshots))
+        snapshots = tuple(sorted([(index[id(r)], p - r.num_cached, slot) for r, p, slot in plan.snapshots]
+                                 + [(index[id(r)], read, slot) for r, read, slot in plan.draft_snapshots]))
         return ForwardBatch(
             input_ids=torch.tensor(ids, dtype=torch.long).to(to),
             positions=positions.to(to),
@@ -129,7 +133,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, plan: StepPlan) -> torch.Tensor:
-        """Logits [len(plan.sampling), vocab] float32, in the order of plan.sampling."""
+        """Logits float32 [rows, vocab], in the order of plan.sampling: one row per request, 1 + k rows for a
+        verifying request with k drafts."""
         batch = self.build_batch(plan)
         with decode_rows_first(batch.num_decode):  # --prefill-dtype bfloat16 rounds the prefill rows only
             return self.model(batch, self.caches)

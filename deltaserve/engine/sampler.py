@@ -77,6 +77,27 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[Sampled]:
     return _with_logprobs(raw, tokens, rows)
 
 
+def distribution(logits: torch.Tensor, row: SamplingRow) -> torch.Tensor:
+    """The probabilities [V] a sampled (not greedy) row draws its token from, from its logits [V]: penalties,
+    logit_bias, the grammar mask (the matcher is not advanced), temperature, top-k, top-p, min-p; what `sample`
+    draws from (engine/speculative.py verifies drafts against it). Not normalized after min-p, as in `sample`."""
+    x = _apply_logit_bias(_apply_penalties(logits.float()[None], [row]), [row])
+    if row.grammar is not None:
+        x = x.clone()
+        row.grammar[0].mask(x, [0], [row.grammar[1]])
+    return _filtered_probs(x, [row.params])[0]
+
+
+def draw(probs: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor:
+    """One token per row of probs [R, V] (need not sum to 1), each from its own generator: `sample`'s draw."""
+    return _draw(probs, generators)
+
+
+def with_logprobs(raw: torch.Tensor, tokens: torch.Tensor, rows: list[SamplingRow]) -> list[Sampled]:
+    """Sampled choices of `tokens`, with the raw log-probabilities of the rows that ask for them."""
+    return _with_logprobs(raw.float(), tokens, rows)
+
+
 def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     """Presence and frequency penalties count generated tokens; the repetition penalty sees prompt and output."""
     penalized = [i for i, r in enumerate(rows) if r.params.penalized]

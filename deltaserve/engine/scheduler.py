@@ -14,6 +14,10 @@ end is copied from the request's state slot. A cut chunk would cost a whole step
 few tokens: at 9.6K tokens of history a turn's 1,700 new tokens took 6 steps instead of 4. Pages only the cache
 holds count as free: they are evicted when a request grows into them, so the reservations alone still decide
 admission.
+
+With speculation (engine/speculative.py), a decode request that has drafts is fed them as a chunk of 1 + k rows
+(`StepPlan.verify`), their rows taken from the step's chunk budget; `complete` keeps the tokens the verifier
+accepted, advances the request by them alone and rolls its GDN state back to the last one kept.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from deltaserve.cache.state_pool import StatePool
 from deltaserve.engine.admission import AdmissionLedger, AdmissionPolicy, Reservation
 from deltaserve.engine.request import Request, TokenLogprob
 from deltaserve.engine.sampler import Sampled
+from deltaserve.engine.speculative import Speculation, SpecState
 
 
 class RequestRefused(Exception):
@@ -51,25 +56,31 @@ class QueueFull(Exception):
 
 @dataclass
 class StepPlan:
-    """What one step feeds: decode requests first (one token each), then prefill chunks (request, tokens)."""
+    """What one step feeds: decode requests first (one token each), then verifying requests (their last token and
+    drafts), then prefill chunks (request, tokens)."""
 
     decode: list[Request]
     prefill: list[tuple[Request, int]]
-    sampling: list[Request] | None = None  # filled in: decode requests, and prefills that read their prompt's end
+    sampling: list[Request] | None = None  # filled in: decode, verifying, and prefills that read their prompt's end
     # GDN states to write in the middle of a prefill chunk: (request, prompt position, checkpoint slot)
     snapshots: list[tuple[Request, int, int]] = field(default_factory=list)
+    verify: list[Request] = field(default_factory=list)  # decode requests fed drafts this step
+    drafts: dict[Request, list[int]] = field(default_factory=dict)  # of each verifying request
+    # GDN states after each draft row of a verifying request: (request, rows read, slot in the snapshot tensors)
+    draft_snapshots: list[tuple[Request, int, int]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.sampling is None:
-            self.sampling = self.decode + [r for r, n in self.prefill if r.num_cached + n >= r.prompt_len]
+            self.sampling = self.decode + self.verify + [r for r, n in self.prefill
+                                                          if r.num_cached + n >= r.prompt_len]
 
     @property
     def sequences(self) -> list[tuple[Request, int]]:
-        return [(r, 1) for r in self.decode] + self.prefill
+        return [(r, 1) for r in self.decode] + [(r, 1 + len(self.drafts[r])) for r in self.verify] + self.prefill
 
     @property
     def requests(self) -> list[Request]:
-        return self.decode + [r for r, _ in self.prefill]
+        return self.decode + self.verify + [r for r, _ in self.prefill]
 
 
 class Scheduler:
@@ -77,7 +88,7 @@ class Scheduler:
 
     def __init__(self, kv_pool: KVPool, state_pool: StatePool, policy: AdmissionPolicy, *,
                  prefill_chunk_tokens: int, token_names=None, prefix_cache: PrefixCache | None = None,
-                 checkpoint_interval_tokens: int = 0):
+                 checkpoint_interval_tokens: int = 0, speculation: Speculation | None = None):
         self.kv_pool = kv_pool
         self.state_pool = state_pool
         self.policy = policy
@@ -85,6 +96,7 @@ class Scheduler:
         self.prefill_chunk_tokens = prefill_chunk_tokens
         self.prefix_cache = prefix_cache
         self.checkpoint_interval_tokens = checkpoint_interval_tokens  # 0: no periodic checkpoints
+        self.speculation = speculation  # None: one token a step per decode request
         self.token_names = token_names or (lambda token_id: "")  # token id -> text, for logprobs
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -127,6 +139,8 @@ class Scheduler:
             self.waiting.popleft()
             self.state_pool.take(request)
             self.running.append(request)
+            if self.speculation is not None:
+                request.speculative = SpecState()
             if self.prefix_cache is not None:
                 self._take_hit(request)
 
@@ -160,6 +174,8 @@ class Scheduler:
         decode = [r for r in self.running if r.prefilled]
         prefill = []
         budget = self.prefill_chunk_tokens
+        drafts = self._drafts(decode, budget)
+        budget -= sum(map(len, drafts.values()))
         # The ledger prices a step of a chunk beside one decode row per state slot. A prompt whose rest fits in the
         # chunk plus the decode rows this step leaves unused ends in it: a step of its own for the last few tokens
         # reads every weight again (SmolLM2's 528-token prompt: 512 + 16 rows took ~0.85 + ~0.05 s, 528 at once ~0.88).
@@ -179,13 +195,33 @@ class Scheduler:
                 prefill.append((request, n))
                 spare -= max(0, n - budget)
                 budget -= n
-        plan = StepPlan(decode, prefill)
+        plan = StepPlan([r for r in decode if r not in drafts], prefill, verify=[r for r in decode if r in drafts],
+                        drafts=drafts)
         for request, n in plan.sequences:
             self._grow(request, request.num_cached + n)
-        plan = StepPlan([r for r in plan.decode if not r.finished], [(r, n) for r, n in plan.prefill if not r.finished])
+        verify = [r for r in plan.verify if not r.finished]
+        plan = StepPlan([r for r in plan.decode if not r.finished], [(r, n) for r, n in plan.prefill if not r.finished],
+                        verify=verify, drafts={r: drafts[r] for r in verify})
         if self.prefix_cache is not None and self.prefix_cache.checkpoints is not None:
             plan.snapshots = self._reserve_snapshots(plan.prefill)
-        return plan if plan.decode or plan.prefill else None
+        if verify and self.speculation.snapshot_pool is not None:
+            plan.draft_snapshots = [(r, j, self.speculation.snapshot_slot(self.state_pool.slot(r), j))
+                                    for r in verify for j in range(1, len(drafts[r]) + 1)]
+        return plan if plan.decode or plan.prefill or plan.verify else None
+
+    def _drafts(self, decode: list[Request], budget: int) -> dict[Request, list[int]]:
+        """Each decode request's drafts this step, within the chunk's rows and its own token budget (its last
+        token and k drafts yield at most k + 1 tokens, so its KV never passes its reservation)."""
+        drafts: dict[Request, list[int]] = {}
+        if self.speculation is None:
+            return drafts
+        for request in decode:
+            limit = min(self.speculation.max_tokens, request.max_new_tokens - len(request.output_ids) - 1, budget)
+            proposed = self.speculation.propose(request, limit)
+            if proposed:
+                drafts[request] = proposed
+                budget -= len(proposed)
+        return drafts
 
     def _scores_fit(self, cached: int, rows: int) -> bool:
         """Whether `rows` prompt rows after `cached` stay within the attention workspace the ledger prices: the
@@ -217,15 +253,19 @@ class Scheduler:
         except PoolExhausted as e:
             self.finish(request, "error", f"KV allocation failed: {e}")
 
-    def complete(self, plan: StepPlan, sampled: list[Sampled]) -> list[tuple[Request, Exception]]:
+    def complete(self, plan: StepPlan, sampled: list[Sampled | list[Sampled]]) -> list[tuple[Request, Exception]]:
         """Advance the caches' fill, append the sampled tokens, stream the deltas, finish what stopped.
+
+        `sampled`: per request of plan.sampling, its token, or its tokens (engine/speculative.py's sample_step).
 
         A request whose own token fails (decoding, a stop check) is returned with its error, for the engine to
         fail alone; the others in the step go on."""
         failures = []
         snapshots = {(r, p) for r, p, _ in plan.snapshots}
         for request, n in plan.sequences:
-            if not request.finished:  # ended early by an allocation failure at schedule time
+            # (not when ended early by an allocation failure at schedule time; a verifying request advances by
+            # the tokens it keeps, below)
+            if not request.finished and request not in plan.drafts:
                 start = request.num_cached
                 request.num_cached += n
                 if request.images is not None:
@@ -233,19 +273,45 @@ class Scheduler:
                 if self.prefix_cache is not None and start < request.prompt_len:
                     self._store_checkpoints(request, start, snapshots)
         self.prompt_tokens_total += sum(n for _, n in plan.prefill)
-        for request, choice in zip(plan.sampling, sampled):
+        for request, choices in zip(plan.sampling, sampled):
             if request.finished:
                 continue
-            try:
-                output = request.append_token(choice.token_id, self._logprob(request, choice))
-            except Exception as e:
-                failures.append((request, e))
-                continue
-            self.generation_tokens_total += 1
-            request.stream.put(output)
-            if output.finished:
-                self._release(request, output.finish_reason)
+            choices = choices if isinstance(choices, list) else [choices]
+            if request in plan.drafts:
+                self._record_drafts(request, plan.drafts[request], choices)
+            outputs = []
+            for choice in choices:
+                try:
+                    outputs.append(request.append_token(choice.token_id, self._logprob(request, choice)))
+                except Exception as e:
+                    failures.append((request, e))
+                    break
+                if outputs[-1].finished:
+                    break
+            if request in plan.drafts and outputs:
+                self._keep(request, len(outputs), len(plan.drafts[request]))
+            self.generation_tokens_total += len(outputs)
+            for output in outputs:
+                request.stream.put(output)
+            if outputs and outputs[-1].finished:
+                self._release(request, outputs[-1].finish_reason)
         return failures
+
+    def _record_drafts(self, request: Request, drafts: list[int], choices: list[Sampled]) -> None:
+        accepted = 0
+        while accepted < min(len(drafts), len(choices)) and choices[accepted].token_id == drafts[accepted]:
+            accepted += 1
+        request.speculative.record(len(drafts), accepted)
+        self.speculation.drafted_total += len(drafts)
+        self.speculation.accepted_total += accepted
+        self.speculation.verify_steps_total += 1
+
+    def _keep(self, request: Request, kept: int, drafted: int) -> None:
+        """A verifying request keeps `kept` of its 1 + drafted rows fed (its last token and the accepted drafts
+        before its newest token): the caches hold exactly those, its GDN state is the one after them."""
+        request.num_cached += kept
+        if kept < 1 + drafted and self.speculation.snapshot_pool is not None:
+            self.speculation.roll_back(self.state_pool, self.state_pool.slot(request), kept)
 
     def _store_checkpoints(self, request: Request, start: int, snapshots: set) -> None:
         """Store the request's pages up to each checkpoint position this step read past, with the GDN state there:

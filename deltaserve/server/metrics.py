@@ -54,6 +54,12 @@ class EngineCollector(Collector):
                                   value=s.prefix_cache_evicted_pages_total)
         yield CounterMetricFamily(f"{PREFIX}_checkpoints_evicted", "GDN state checkpoints evicted for room",
                                   value=s.checkpoints_evicted_total)
+        yield CounterMetricFamily(f"{PREFIX}_speculative_draft_tokens", "draft tokens verified (--speculative)",
+                                  value=s.speculative_drafted_total)
+        yield CounterMetricFamily(f"{PREFIX}_speculative_accepted_tokens", "draft tokens the model agreed with",
+                                  value=s.speculative_accepted_total)
+        yield CounterMetricFamily(f"{PREFIX}_speculative_verify_steps", "decode steps of a request that verified "
+                                  "drafts", value=s.speculative_verify_steps_total)
         yield _by_reason("requests_finished", "requests finished, by finish reason", s.finished)
         yield _by_reason("requests_refused", "requests the engine refused, by reason", s.refused)
 
