@@ -12,6 +12,7 @@ tool-call parser, a forced call's grammar). The route then submits (generation.p
 from __future__ import annotations
 
 import asyncio
+import functools
 from dataclasses import dataclass, field
 
 from deltaserve.config import EngineConfig
@@ -26,6 +27,9 @@ from deltaserve.text.tokenizer import ChatTemplateError, Tokenizer
 from deltaserve.text.tool_parsers import pick_tool_parser
 
 PROMPT_TAIL_TOKENS = 4  # enough of the prompt's end to see whether it opens a <think> block
+LATER_SYSTEM_MARK = "later system message"  # what the probe of a template looks for in its rendering
+LATER_SYSTEM_PROBE = ({"role": "system", "content": "first"}, {"role": "user", "content": "question"},
+                      {"role": "system", "content": LATER_SYSTEM_MARK}, {"role": "user", "content": "question"})
 
 
 @dataclass
@@ -85,12 +89,51 @@ def chat_ids(engine: Engine, messages: list[dict], add_generation_prompt: bool, 
     """(the chat's prompt ids, where its messages end: the prefix cache keeps checkpoints there)."""
     try:
         return engine.tokenizer.encode_chat_boundaries(
-            messages, add_generation_prompt, with_boundaries=with_boundaries and engine.info.prefix_cache, **kwargs)
+            template_messages(engine.tokenizer, messages), add_generation_prompt,
+            with_boundaries=with_boundaries and engine.info.prefix_cache, **kwargs)
     except ChatTemplateError as e:
         raise ApiError(400, f"messages: {e}", param="messages") from None
     except Exception as e:  # the template ran on the client's data (messages, tools, chat_template_kwargs)
         raise ApiError(400, f"messages: the chat template failed on this request: {type(e).__name__}: {e}",
                        param="messages") from None
+
+
+def template_messages(tokenizer: Tokenizer, messages: list[dict]) -> list[dict]:
+    """The messages as this chat template can render them.
+
+    A `developer` message (OpenAI's newer name for a system message) is a system message where the template knows no
+    developer role: such templates drop it without a word. A system message after the first stays in place where
+    the template renders it there (Qwen3's does); where it cannot (Qwen3.5's raises), system messages before any
+    other join the first, and a later one joins the end of the user turn it follows, or becomes a user turn of its
+    own after an assistant or tool turn. Its place never depends on what comes after it, so a conversation that
+    grows keeps its prompt's prefix, and its prefix-cache hits."""
+    template = tokenizer.chat_template or ""
+    if "developer" not in template:
+        messages = [{**m, "role": "system"} if m.get("role") == "developer" else m for m in messages]
+    if all(m.get("role") != "system" for m in messages[1:]) or _renders_later_system(tokenizer, template):
+        return messages
+    out: list[dict] = []
+    for message in messages:
+        text = message.get("content")
+        if message.get("role") != "system" or not out or not isinstance(text, str):
+            out.append(message)
+            continue
+        last = out[-1]
+        leading = all(m.get("role") == "system" for m in out)
+        if (leading or last.get("role") == "user") and isinstance(last.get("content"), str):
+            out[-1] = {**last, "content": f"{last['content']}\n\n{text}" if last["content"] else text}
+        else:
+            out.append({"role": "user", "content": text})
+    return out
+
+
+@functools.lru_cache(maxsize=8)
+def _renders_later_system(tokenizer: Tokenizer, template: str) -> bool:
+    """Whether the template renders a system message after the first one, in place (asked once per template)."""
+    try:
+        return LATER_SYSTEM_MARK in tokenizer.apply_chat_template(list(LATER_SYSTEM_PROBE))
+    except Exception:  # the template refuses it (raise_exception) or fails on it: fold instead
+        return False
 
 
 class OutputRequestError(ValueError):
