@@ -5,10 +5,12 @@ become the chat the template expects."""
 import asyncio
 import json
 
+import pytest
 from anthropic.lib.streaming._messages import accumulate_event
 
 from deltaserve.engine.request import RequestOutput
 from deltaserve.server import anthropic_translate as wire
+from deltaserve.server.protocol import ProtocolError
 from deltaserve.text.chat_output import ChatOutputParser, ChatOutputSettings, parse_whole
 
 TOOLS = [{"type": "function", "function": {"name": "run", "parameters": {
@@ -75,3 +77,41 @@ def test_blocks_become_the_templates_chat():
         {"role": "tool", "tool_call_id": "toolu_1", "content": "a.py"}, {"role": "user", "content": "now?"}]
     assert chat.tool_choice == "required" and chat.template_kwargs["enable_thinking"] is False
     assert chat.tools[0]["function"]["name"] == "run"
+
+
+def test_claude_code_requests_become_the_templates_chat():
+    """Claude Code's shape: its billing-header line first in the system prompt (dropped: it changes from request to
+    request), cache_control on blocks, a system message after the first user turn (kept in place, as a system
+    message), adaptive thinking with an effort, context_management and metadata (read, not acted on)."""
+    stamp = "x-anthropic-billing-header: cc_version=2.1.332.862; cc_entrypoint=sdk-cli;"
+    body = {"max_tokens": 5, "thinking": {"type": "adaptive", "display": "updates"},
+            "output_config": {"effort": "high"}, "metadata": {"user_id": "u"},
+            "context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]},
+            "system": [{"type": "text", "text": stamp},
+                       {"type": "text", "text": "Be brief.", "cache_control": {"type": "ephemeral"}}],
+            "messages": [{"role": "user", "content": [{"type": "text", "text": "list"}]},
+                         {"role": "system", "content": [{"type": "text", "text": "# Environment",
+                                                         "cache_control": {"type": "ephemeral"}}]}]}
+    chat = wire.to_chat(wire.parse(wire.MessagesRequest, body))
+    assert chat.messages == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "list"},
+                             {"role": "system", "content": "# Environment"}]
+    assert chat.template_kwargs["enable_thinking"] is True and chat.response_schema is None
+    low = wire.to_chat(wire.parse(wire.MessagesRequest, {**body, "output_config": {"effort": "low"}}))
+    assert low.template_kwargs["enable_thinking"] is False  # adaptive at low effort: no thinking
+    on = wire.to_chat(wire.parse(wire.MessagesRequest, {**body, "thinking": {"type": "enabled",
+                                                                              "budget_tokens": 1024}}))
+    assert on.template_kwargs["enable_thinking"] is True
+    plain = wire.to_chat(wire.parse(wire.MessagesRequest, {**body, "system": stamp + "\nBe brief.", "thinking": None}))
+    assert plain.messages[0] == {"role": "system", "content": "Be brief."}
+    assert "enable_thinking" not in plain.template_kwargs  # no thinking field: the template's default
+
+
+def test_output_config_format_is_the_answers_schema():
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    body = {"max_tokens": 5, "messages": [{"role": "user", "content": "hi"}],
+            "output_config": {"format": {"type": "json_schema", "schema": schema}}}
+    assert wire.to_chat(wire.parse(wire.MessagesRequest, body)).response_schema == schema
+    with pytest.raises(ProtocolError, match="output_config.format"):
+        wire.to_chat(wire.parse(wire.MessagesRequest, {**body, "output_config": {"format": {"type": "yaml"}}}))
+    with pytest.raises(ProtocolError, match="effort"):
+        wire.parse(wire.MessagesRequest, {**body, "output_config": {"effort": "extreme"}})

@@ -304,6 +304,54 @@ def test_anthropic_stream_events_and_multi_turn(claude, oracle):
         model=model, messages=unthought + [follow], tools=ANTHROPIC_TOOLS).input_tokens
 
 
+CODER = "You are a coding agent. " + " ".join(f"Rule {i}: read before you write, and say what you changed."
+                                             for i in range(1, 25))
+
+
+def claude_code_system(version: str, entrypoint: str) -> list[dict]:
+    """A system prompt as Claude Code sends it: its billing-header stamp first, then its text with cache_control."""
+    return [{"type": "text", "text": f"x-anthropic-billing-header: cc_version={version}; cc_entrypoint={entrypoint};"},
+            {"type": "text", "text": CODER, "cache_control": {"type": "ephemeral"}}]
+
+
+def test_anthropic_takes_claude_codes_requests(claude, server):
+    """What Claude Code sends beside plain Messages: a system message after the first user turn (rendered in place by
+    this template, which renders later system messages), adaptive thinking with an effort, context_management,
+    metadata and cache_control (read, not acted on), and a billing-header line first in the system prompt that
+    changes from version to version and entry point to entry point. The line is not part of the prompt, so the
+    second turn, stamped differently, finds the first turn's prompt in the prefix cache."""
+    model = "SmolLM2-135M-Instruct"
+    env = {"role": "system", "content": [{"type": "text", "text": "# Environment\nWorking directory: /tmp/project",
+                                          "cache_control": {"type": "ephemeral"}}]}
+    messages = [{"role": "user", "content": "Show me line 3 of setup.py."}, env]
+    extra = {"thinking": {"type": "adaptive"}, "output_config": {"effort": "high"},
+             "context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]},
+             "metadata": {"user_id": "someone"}}
+    first = claude.messages.create(model=model, max_tokens=8, messages=messages,
+                                   system=claude_code_system("2.1.332.862", "sdk-cli"), extra_body={**GREEDY, **extra})
+    assert first.stop_reason in ("end_turn", "max_tokens")
+    as_chat = [{"role": "system", "content": CODER}, messages[0],
+               {"role": "system", "content": "# Environment\nWorking directory: /tmp/project"}]
+    rendered = server.post("/tokenize", json={"messages": as_chat}).json()["count"]
+    assert sum_input(first.usage) == rendered  # the stamp is not in the prompt, the later system message is
+
+    def count(**changes) -> int:
+        body = {"model": model, "messages": messages, "system": claude_code_system("2.1.332.862", "sdk-cli"),
+                **extra, **changes}
+        return claude.messages.count_tokens(**{k: body.pop(k) for k in ("model", "messages", "system")},
+                                            extra_body=body).input_tokens
+
+    assert count() == count(system=claude_code_system("2.1.340.1", "cli")) == count(system=CODER) == rendered
+    off = count(thinking={"type": "disabled"})
+    assert off > rendered and count(output_config={"effort": "low"}) == off  # adaptive at low effort: no thinking
+
+    messages += [{"role": "assistant", "content": [{"type": "text", "text": first.content[0].text}]},
+                 {"role": "user", "content": "Thanks. And line 4?"}]
+    second = claude.messages.create(model=model, max_tokens=8, messages=messages,
+                                    system=claude_code_system("2.1.333.117", "cli"), extra_body={**GREEDY, **extra})
+    assert second.usage.cache_read_input_tokens >= 0.8 * sum_input(first.usage), (first.usage, second.usage)
+
+
 def test_anthropic_errors_in_its_shape(server, claude):
     import anthropic
 

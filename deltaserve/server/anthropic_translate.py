@@ -22,6 +22,9 @@ from deltaserve.server.protocol import ProtocolError, validation_message
 from deltaserve.text.chat_output import ChatOutputParser, OutputDelta
 from deltaserve.text.tool_parsers import ToolCall
 
+BILLING_HEADER = "x-anthropic-billing-header:"  # Claude Code's first system line (see _system_text)
+
+
 def parse(model: type[_Body], body: Any) -> MessagesRequest:
     """Validate a decoded body; a problem becomes a ProtocolError naming the field."""
     try:
@@ -33,14 +36,21 @@ def parse(model: type[_Body], body: Any) -> MessagesRequest:
 def to_chat(req: MessagesRequest, image_marker: str | None = None) -> ChatRequest:
     """System, messages (tool results become tool messages), tools and tool_choice in OpenAI chat terms.
 
+    A system message among the messages stays a system message where it stands; the shared chat step
+    (chat.template_messages) places it where the template cannot render it there.
+
     With `image_marker` (the model's; "" where it takes no images, which the door then refuses), each image block of
     a user turn becomes the marker in its text and its source is listed in the chat's `images`; without, image
     blocks are refused (count_tokens)."""
     images: list[ImageSource] | None = [] if image_marker is not None else None
     messages = []
-    if req.system:
-        messages.append({"role": "system", "content": _text_of(req.system, "system")})
+    system = _system_text(req.system) if req.system else ""
+    if system:
+        messages.append({"role": "system", "content": system})
     for i, message in enumerate(req.messages):
+        if message.role == "system":
+            messages.append({"role": "system", "content": _text_of(message.content, f"messages[{i}].content")})
+            continue
         blocks = [Block(type="text", text=message.content)] if isinstance(message.content, str) else message.content
         messages += (_user_messages(blocks, i, images, image_marker or "") if message.role == "user"
                      else [_assistant_message(blocks, i)])
@@ -56,10 +66,49 @@ def to_chat(req: MessagesRequest, image_marker: str | None = None) -> ChatReques
             raise ProtocolError(f"tool_choice.name: tool {name!r} is not among the tools "
                                 f"({', '.join(t.name for t in req.tools)})", "tool_choice.name")
     kwargs: dict = {"tools": tools} if tools else {}
-    if req.thinking is not None and req.thinking.type == "disabled":
-        kwargs["enable_thinking"] = False
+    thinking = _thinking(req)
+    if thinking is not None:
+        kwargs["enable_thinking"] = thinking
     parallel = not (req.tool_choice and req.tool_choice.disable_parallel_tool_use)
-    return ChatRequest(messages, tools, kwargs, choice, name, parallel, images=images or [])
+    return ChatRequest(messages, tools, kwargs, choice, name, parallel, response_schema=_output_schema(req),
+                       images=images or [])
+
+
+def _system_text(system: str | list[Block]) -> str:
+    """The system prompt less Claude Code's first line, `x-anthropic-billing-header: cc_version=...;
+    cc_entrypoint=...;`: a stamp that changes between versions, entry points and requests, and at the top of the
+    prompt would leave the prefix cache nothing to share between them (llama.cpp strips it too)."""
+    if isinstance(system, str):
+        return _unstamped(system)
+    blocks = list(system)
+    if blocks and blocks[0].type == "text" and blocks[0].text is not None:
+        first = _unstamped(blocks[0].text)
+        blocks = ([blocks[0].model_copy(update={"text": first})] if first else []) + blocks[1:]
+    return _text_of(blocks, "system")
+
+
+def _unstamped(text: str) -> str:
+    return text.partition("\n")[2] if text.startswith(BILLING_HEADER) else text
+
+
+def _thinking(req: MessagesRequest) -> bool | None:
+    """The template's thinking switch: on for enabled, off for disabled, on for adaptive unless the effort is low
+    (at low effort Claude skips thinking where it can); None leaves the template's default."""
+    if req.thinking is None:
+        return None
+    effort = req.output_config.effort if req.output_config else None
+    return req.thinking.type == "enabled" or (req.thinking.type == "adaptive" and effort != "low")
+
+
+def _output_schema(req: MessagesRequest) -> dict | None:
+    """output_config.format's JSON schema (Anthropic's structured outputs), which the grammar holds the answer to."""
+    fmt = req.output_config.format if req.output_config else None
+    if fmt is None:
+        return None
+    if fmt.get("type") != "json_schema" or not isinstance(fmt.get("schema"), dict):
+        raise ProtocolError("output_config.format: must be {'type': 'json_schema', 'schema': {...}} "
+                            f"(got {json.dumps(fmt)[:80]})", "output_config.format")
+    return fmt["schema"]
 
 
 def _text_of(content: str | list[Block], where: str) -> str:

@@ -42,7 +42,7 @@ class Block(_Body):
 
 
 class Message(_Body):
-    role: Literal["user", "assistant"]
+    role: Literal["user", "assistant", "system"]  # Claude Code sends system messages after the first turn too
     content: str | list[Block]
 
 
@@ -60,7 +60,12 @@ class ToolChoice(_Body):
 
 class Thinking(_Body):
     type: Literal["enabled", "disabled", "adaptive"]
-    budget_tokens: int | None = None
+    budget_tokens: int | None = None  # read, not enforced: max_tokens bounds the thinking and the answer together
+
+
+class OutputConfig(_Body):
+    effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None  # low turns adaptive thinking off
+    format: dict[str, Any] | None = None  # {"type": "json_schema", "schema": ...}: the grammar holds the answer to it
 
 
 class MessagesRequest(_Body):
@@ -76,6 +81,11 @@ class MessagesRequest(_Body):
     top_k: int | None = Field(None, ge=0, le=MAX_COUNT)
     stream: bool = False
     thinking: Thinking | None = None
+    output_config: OutputConfig | None = None
+    # Read and not acted on: no context edit is applied (the prompt is served whole, and one that does not fit is
+    # refused), and metadata (user_id) is no one's business here.
+    context_management: dict[str, Any] | None = None
+    metadata: dict[str, Any] | None = None
 
 
 class CountTokensRequest(MessagesRequest):
