@@ -6,6 +6,12 @@ PIP := $(PY) -m pip
 # beside the venv (<venv>/node), not installed globally.
 OPENCODE_VERSION := 1.18.33
 OPENCODE := $(VENV)/node/.opencode-$(OPENCODE_VERSION)
+# Codex CLI (npm @openai/codex, the Responses API) and Claude Code (npm @anthropic-ai/claude-code, the Messages API),
+# driven by the same tests; each in its own npm prefix under <venv>/node, so that one install never prunes another.
+CODEX_VERSION := 0.171.0
+CODEX := $(VENV)/node/codex/.codex-$(CODEX_VERSION)
+CLAUDE_CODE_VERSION := 2.1.332
+CLAUDE_CODE := $(VENV)/node/claude-code/.claude-code-$(CLAUDE_CODE_VERSION)
 
 .PHONY: install serve generate test fuzz bench clean
 
@@ -30,13 +36,27 @@ $(OPENCODE): | $(VENV)/.installed
 		|| echo "npm install opencode-ai failed: its test will skip"; \
 	else echo "npm not found: opencode is not installed and its test will skip"; fi
 
+$(CODEX): | $(VENV)/.installed
+	@if command -v npm >/dev/null 2>&1; then \
+		npm install --prefix $(VENV)/node/codex --no-save --no-audit --no-fund --loglevel=error \
+			@openai/codex@$(CODEX_VERSION) && touch $@ \
+		|| echo "npm install @openai/codex failed: its test will skip"; \
+	else echo "npm not found: Codex CLI is not installed and its test will skip"; fi
+
+$(CLAUDE_CODE): | $(VENV)/.installed
+	@if command -v npm >/dev/null 2>&1; then \
+		npm install --prefix $(VENV)/node/claude-code --no-save --no-audit --no-fund --loglevel=error \
+			@anthropic-ai/claude-code@$(CLAUDE_CODE_VERSION) && touch $@ \
+		|| echo "npm install @anthropic-ai/claude-code failed: its test will skip"; \
+	else echo "npm not found: Claude Code is not installed and its test will skip"; fi
+
 serve: install
 	$(VENV)/bin/deltaserve serve $(ARGS)
 
 generate: install
 	$(VENV)/bin/deltaserve generate --chat "What is the capital of France?" $(ARGS)
 
-test: install $(OPENCODE)  # opencode only for its test: `make serve` does not need 350 MB of npm
+test: install $(OPENCODE) $(CODEX) $(CLAUDE_CODE)  # the agents only for their tests: `make serve` needs no npm
 	$(PY) -m pytest -q -p no:cacheprovider $(ARGS)
 
 # The differential fuzzer alone (tests/fuzz): N drawn cases from seed START against transformers, with a summary;

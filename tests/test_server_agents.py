@@ -16,6 +16,7 @@ import jsonschema
 import openai
 import pytest
 
+from agent_proxy import RecordingProxy, sse_chunks, sse_events
 from server_util import SMALL_POOL, assert_openai_error, hf_tokenizer, running_server
 
 TEMPLATE = Path(__file__).parent / "data" / "chat_templates" / "qwen3.jinja"
@@ -427,88 +428,6 @@ OPENCODE_OFFLINE = {"OPENCODE_DISABLE_AUTOUPDATE": "1", "OPENCODE_DISABLE_MODELS
                     "OPENCODE_DISABLE_EXTERNAL_SKILLS": "1"}
 
 
-class RecordingProxy:
-    """A pass-through HTTP proxy on 127.0.0.1 in front of the server that keeps every exchange: method, path,
-    request body, status and response body. Responses are relayed chunk by chunk as they arrive (streams stay
-    streams) and the connection is closed after each (HTTP/1.0)."""
-
-    def __init__(self, upstream: str):
-        import http.server
-        import threading
-
-        import httpx
-
-        self.exchanges: list[dict] = []
-        proxy = self
-
-        class Relay(http.server.BaseHTTPRequestHandler):
-            def log_message(self, *args):
-                pass
-
-            def relay(self):
-                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-                headers = {k: v for k, v in self.headers.items() if k.lower() not in ("host", "connection")}
-                record = {"method": self.command, "path": self.path, "request": body, "status": None,
-                          "response": b""}
-                proxy.exchanges.append(record)
-                with httpx.stream(self.command, upstream + self.path, content=body, headers=headers,
-                                  timeout=600, trust_env=False) as answer:
-                    record["status"] = answer.status_code
-                    self.send_response(answer.status_code)
-                    for key, value in answer.headers.items():
-                        if key.lower() not in ("content-length", "transfer-encoding", "connection"):
-                            self.send_header(key, value)
-                    self.end_headers()
-                    for chunk in answer.iter_raw():
-                        record["response"] += chunk
-                        self.wfile.write(chunk)
-                        self.wfile.flush()
-
-            do_GET = do_POST = relay
-
-        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Relay)
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
-
-    def __enter__(self):
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self.httpd.shutdown()
-        self.httpd.server_close()
-
-    def log(self) -> str:
-        """One block per exchange: the request's gist, the status, and the answer (a stream as its chunk count,
-        text, finish reasons and usage)."""
-        blocks = []
-        for x in self.exchanges:
-            try:
-                body = json.loads(x["request"] or b"{}")
-            except ValueError:
-                body = {"unparsed": x["request"][:200].decode(errors="replace")}
-            gist = {k: body[k] for k in ("model", "stream", "max_tokens", "tool_choice") if k in body}
-            gist["messages"] = [m.get("role") for m in body.get("messages", [])]
-            gist["tools"] = [t.get("function", {}).get("name") for t in body.get("tools", [])]
-            answer = x["response"].decode(errors="replace")
-            if body.get("stream") and x["status"] == 200:
-                chunks = sse_chunks(x["response"])
-                answer = json.dumps({"chunks": len(chunks), "usage": chunks[-1].get("usage"),
-                                     "finish_reasons": [ch["finish_reason"] for c in chunks for ch in c["choices"]
-                                                        if ch["finish_reason"]],
-                                     "content": "".join(ch["delta"].get("content") or "" for c in chunks
-                                                        for ch in c["choices"])})
-            blocks.append(f"> {x['method']} {x['path']} {json.dumps(gist)}\n< {x['status']} {answer[:2000]}")
-        return "\n".join(blocks)
-
-
-def sse_chunks(raw: bytes) -> list[dict]:
-    """The JSON chunks of an OpenAI stream; each `data:` line must parse, and the stream must end with [DONE]."""
-    data = [line[len("data: "):] for line in raw.decode().split("\n") if line.startswith("data: ")]
-    assert data and data[-1] == "[DONE]", raw[-300:]
-    return [json.loads(d) for d in data[:-1]]
-
-
 @pytest.mark.skipif(opencode_binary() is None, reason="opencode is not installed: `make install` puts npm's "
                     "opencode-ai under .venv/node when npm is on PATH (or set OPENCODE_BIN)")
 def test_opencode_runs_a_task_against_the_server(server, tmp_path):
@@ -565,3 +484,221 @@ def error_count(server) -> float:
     """All error responses the server has counted, whatever their status."""
     lines = server.get("/metrics").text.splitlines()
     return sum(float(line.split(" ")[1]) for line in lines if line.startswith("deltaserve_http_errors_total{"))
+
+
+# -- Codex CLI (npm @openai/codex, Responses API) and Claude Code (npm @anthropic-ai/claude-code, Messages API) ----
+
+def agent_binary(variable: str, package_dir: str, name: str) -> str | None:
+    """`variable` from the environment, else the agent `make test` puts beside the venv (npm's package under
+    <venv>/node/<package_dir>), else `name` on PATH; None skips its test."""
+    local = Path(sys.prefix) / "node" / package_dir / "node_modules" / ".bin" / name
+    return os.environ.get(variable) or (str(local) if local.exists() else None) or shutil.which(name)
+
+
+CODEX = agent_binary("CODEX_BIN", "codex", "codex")
+CLAUDE = agent_binary("CLAUDE_BIN", "claude-code", "claude")
+AGENT_PROMPT = "You are a coding agent. Answer briefly."
+
+
+def one_value(field: str, value: str) -> dict:
+    """A tool's parameters narrowed to one argument value: the forced call's grammar writes exactly it, so the
+    agent runs nothing else."""
+    return {"type": "object", "additionalProperties": False, "required": [field],
+            "properties": {field: {"enum": [value]}}}
+
+
+ANSWER = {"type": "string", "enum": ["It prints hello."]}  # the forced answer: one that ends (a cut one fails a turn)
+
+
+def force_codex(path: str, body: dict) -> dict:
+    """The model is too small to call a tool of its own accord: until a call's output comes back, the proxy forces
+    exec_command (tool_choice), then the answer (tool_choice none and a JSON schema of one string). The tool's
+    schema is narrowed on every turn alike, so the prompt's prefix stays the same from turn to turn."""
+    if path.split("?")[0] != "/v1/responses":
+        return body
+    for tool in body.get("tools", []):
+        if tool.get("name") == "exec_command":
+            tool["parameters"] = one_value("cmd", "cat hello.py")
+    if not any(isinstance(item, dict) and item.get("type") == "function_call_output" for item in body["input"]):
+        return {**body, "tool_choice": {"type": "function", "name": "exec_command"}, "max_output_tokens": 24}
+    return {**body, "tool_choice": "none", "max_output_tokens": 24,
+            "text": {"format": {"type": "json_schema", "name": "answer", "schema": ANSWER}}}
+
+
+def force_claude(target: str):
+    """As force_codex, for Claude Code's Read tool."""
+    def rewrite(path: str, body: dict) -> dict:
+        if path.split("?")[0] != "/v1/messages":
+            return body
+        for tool in body.get("tools", []):
+            if tool.get("name") == "Read":
+                tool["input_schema"] = one_value("file_path", target)
+        last = body["messages"][-1]["content"]
+        if not (isinstance(last, list) and any(block.get("type") == "tool_result" for block in last)):
+            return {**body, "tool_choice": {"type": "tool", "name": "Read"}, "max_tokens": 120}  # a long path
+        return {**body, "tool_choice": {"type": "none"}, "max_tokens": 24,
+                "output_config": {**body.get("output_config", {}), "format": {"type": "json_schema",
+                                                                               "schema": ANSWER}}}
+    return rewrite
+
+
+def agent_project(tmp_path: Path) -> tuple[Path, Path]:
+    project, home = tmp_path / "project", tmp_path / "home"
+    project.mkdir()
+    home.mkdir()
+    (project / "hello.py").write_text('print("hello")\n')
+    return project, home
+
+
+def streamed_events(exchange: dict, adapter) -> list:
+    """A streamed answer's events as the SDK's own types parse them (Anthropic's SDK skips `ping`)."""
+    assert exchange["status"] == 200, exchange["response"][:500]
+    return [adapter.validate_python(data) for _, data in sse_events(exchange["response"]) if data["type"] != "ping"]
+
+
+# Codex, offline: a custom provider on the Responses API, no login, no update check, no analytics, no web search
+# (a built-in tool this server does not run), no sub-agent, goal or app tools, short instructions.
+CODEX_CONFIG = """
+model = "{model}"
+model_provider = "deltaserve"
+model_instructions_file = "{instructions}"
+approval_policy = "never"
+sandbox_mode = "read-only"
+web_search = "disabled"
+check_for_update_on_startup = false
+include_apps_instructions = false
+include_environment_context = false
+include_permissions_instructions = false
+project_doc_max_bytes = 0
+
+[features]
+goals = false
+apps = false
+plugins = false
+
+[agents]
+enabled = false
+
+[analytics]
+enabled = false
+
+[model_providers.deltaserve]
+name = "deltaserve"
+base_url = "{url}/v1"
+env_key = "DELTASERVE_API_KEY"
+wire_api = "responses"
+request_max_retries = 0
+stream_max_retries = 0
+"""
+
+
+@pytest.mark.skipif(CODEX is None, reason="Codex CLI is not installed: `make test` puts npm's @openai/codex under "
+                    ".venv/node/codex when npm is on PATH (or set CODEX_BIN)")
+def test_codex_runs_a_tool_call_session(server, tmp_path):
+    """`codex exec` with deltaserve as a Responses API provider, through the recording proxy: a forced
+    exec_command call, which Codex runs (`cat hello.py`, read-only sandbox) and sends back as a
+    function_call_output, then the answer. Every event streamed parses as the openai package's own
+    ResponseStreamEvent, the second turn's prompt came partly from the prefix cache, and what Codex shows is what the
+    server streamed."""
+    from openai.types.responses import ResponseStreamEvent
+    from pydantic import TypeAdapter
+
+    model = server.get("/v1/models").json()["data"][0]["id"]
+    project, home = agent_project(tmp_path)
+    (home / "instructions.md").write_text(AGENT_PROMPT + "\n")
+    with RecordingProxy(server.url, force_codex) as proxy:
+        (home / "config.toml").write_text(CODEX_CONFIG.format(model=model, url=proxy.url,
+                                                              instructions=home / "instructions.md"))
+        env = {"HOME": str(home), "CODEX_HOME": str(home), "PATH": "/usr/bin:/bin", "DELTASERVE_API_KEY": "unused"}
+        done = subprocess.run([CODEX, "exec", "--strict-config", "--skip-git-repo-check", "--ephemeral", "--json",
+                               "What does hello.py print?"], cwd=project, env=env, stdin=subprocess.DEVNULL,
+                              capture_output=True, text=True, timeout=600)
+    print("the exchange:\n" + proxy.log() + "\ncodex stdout:\n" + done.stdout + "\nstderr:\n" + done.stderr[-3000:])
+    assert done.returncode == 0
+    events = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    items = [e["item"] for e in events if e["type"] == "item.completed"]
+    runs = [i for i in items if i["type"] == "command_execution"]
+    assert len(runs) == 1 and runs[0]["exit_code"] == 0 and 'print("hello")' in runs[0]["aggregated_output"]
+    said = [i["text"] for i in items if i["type"] == "agent_message"]
+    assert [e["type"] for e in events if e["type"].startswith("turn.")] == ["turn.started", "turn.completed"]
+
+    turns = proxy.posts("/v1/responses")
+    assert len(turns) == 2 and all(x["status"] == 200 for x in proxy.exchanges), proxy.log()
+    adapter = TypeAdapter(ResponseStreamEvent)
+    first, second = (streamed_events(x, adapter) for x in turns)
+    assert first[0].type == "response.created" and first[-1].type == "response.completed"
+    call = [i for i in first[-1].response.output if i.type == "function_call"][0]
+    assert call.name == "exec_command" and json.loads(call.arguments) == {"cmd": "cat hello.py"}
+    sent = json.loads(turns[1]["original"])["input"]  # what Codex itself sent back
+    assert [i["call_id"] for i in sent if i.get("type") == "function_call_output"] == [call.call_id]
+    final = second[-1].response
+    assert second[-1].type == "response.completed" and final.usage.input_tokens_details.cached_tokens > 0
+    assert said == [final.output_text]
+    cached = [t[-1].response.usage.input_tokens_details.cached_tokens for t in (first, second)]
+    print("Codex prefix cache, cached/prompt tokens per turn:",
+          [f"{c}/{t[-1].response.usage.input_tokens}" for c, t in zip(cached, (first, second))])
+
+
+def claude_env(home: Path, url: str, model: str) -> dict:
+    """Claude Code against deltaserve: its base URL and a key (sent as x-api-key, which a server without
+    --api-key does not read), every model alias mapped to the served model, and no traffic but the API's:
+    no telemetry, error reports or update checks; its settings live in the test's folder."""
+    return {"HOME": str(home), "CLAUDE_CONFIG_DIR": str(home / ".claude"), "PATH": "/usr/bin:/bin",
+            "ANTHROPIC_BASE_URL": url, "ANTHROPIC_API_KEY": "unused", "ANTHROPIC_MODEL": model,
+            "ANTHROPIC_DEFAULT_OPUS_MODEL": model, "ANTHROPIC_DEFAULT_SONNET_MODEL": model,
+            "ANTHROPIC_DEFAULT_HAIKU_MODEL": model, "ANTHROPIC_SMALL_FAST_MODEL": model,
+            "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "DISABLE_TELEMETRY": "1", "DISABLE_AUTOUPDATER": "1",
+            "DISABLE_ERROR_REPORTING": "1", "CLAUDE_CODE_MAX_RETRIES": "0",
+            "CLAUDE_CODE_MAX_OUTPUT_TOKENS": "1024"}  # its default (32000) is more than this model's context
+
+
+@pytest.mark.skipif(CLAUDE is None, reason="Claude Code is not installed: `make test` puts npm's "
+                    "@anthropic-ai/claude-code under .venv/node/claude-code when npm is on PATH (or set CLAUDE_BIN)")
+def test_claude_code_runs_a_tool_call_session(server, tmp_path):
+    """`claude -p` with deltaserve as its Anthropic endpoint, through the recording proxy: a forced Read call, which
+    Claude Code runs and answers with a tool_result, then the answer. Its requests carry what it sends Anthropic
+    (a system message after the first user turn, adaptive thinking, output_config, context_management,
+    cache_control, the billing-header line first in the system prompt) and every one is accepted; every event
+    streamed parses as the anthropic package's own RawMessageStreamEvent; the second turn's prompt came partly from
+    the prefix cache."""
+    from anthropic.types import RawMessageStreamEvent
+    from pydantic import TypeAdapter
+
+    model = server.get("/v1/models").json()["data"][0]["id"]
+    project, home = agent_project(tmp_path)
+    target = str(project / "hello.py")
+    with RecordingProxy(server.url, force_claude(target)) as proxy:
+        done = subprocess.run(
+            [CLAUDE, "-p", "--output-format", "stream-json", "--verbose", "--no-session-persistence",
+             "--tools", "Read", "--allowed-tools", "Read", "--permission-mode", "dontAsk", "--strict-mcp-config",
+             "--setting-sources", "", "--system-prompt", AGENT_PROMPT, "What does hello.py print?"],
+            cwd=project, env=claude_env(home, proxy.url, model), stdin=subprocess.DEVNULL, capture_output=True,
+            text=True, timeout=600)
+    print("the exchange:\n" + proxy.log() + "\nclaude stdout:\n" + done.stdout + "\nstderr:\n" + done.stderr[-3000:])
+    assert done.returncode == 0
+    events = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    result = [e for e in events if e["type"] == "result"]
+    assert len(result) == 1 and result[0]["subtype"] == "success" and not result[0]["is_error"]
+    blocks = [b for e in events if e["type"] in ("assistant", "user") for b in e["message"]["content"]
+              if isinstance(b, dict)]
+    uses = [b for b in blocks if b["type"] == "tool_use"]
+    assert [(u["name"], u["input"]) for u in uses] == [("Read", {"file_path": target})]
+    results = [b for b in blocks if b["type"] == "tool_result"]
+    assert len(results) == 1 and 'print("hello")' in str(results[0]["content"]) and not results[0].get("is_error")
+
+    turns = proxy.posts("/v1/messages")
+    assert len(turns) == 2 and all(x["status"] == 200 for x in proxy.exchanges), proxy.log()
+    first_body = json.loads(turns[0]["original"])
+    assert "system" in [m["role"] for m in first_body["messages"]]  # the shape it sends Anthropic, served
+    assert first_body["system"][0]["text"].startswith("x-anthropic-billing-header:")
+    adapter = TypeAdapter(RawMessageStreamEvent)
+    first, second = (streamed_events(x, adapter) for x in turns)
+    for turn in (first, second):
+        assert turn[0].type == "message_start" and turn[-1].type == "message_stop"
+    assert [e.delta.stop_reason for e in first if e.type == "message_delta"] == ["tool_use"]
+    assert [e.delta.stop_reason for e in second if e.type == "message_delta"] == ["end_turn"]
+    assert result[0]["result"] == '"It prints hello."'  # what Claude Code shows is what the server streamed
+    usage = [[e.usage for e in turn if e.type == "message_delta"][0] for turn in (first, second)]
+    assert usage[1].cache_read_input_tokens > 0
+    print("Claude Code prefix cache, cached/prompt tokens per turn:",
+          [f"{u.cache_read_input_tokens}/{u.input_tokens + u.cache_read_input_tokens}" for u in usage])
