@@ -310,3 +310,22 @@ def test_prefix_cache_resumes_from_the_rolled_back_state(hybrid_folder):
     on.flush_cache()
     assert_pools_full(on)
     assert on.checkpoint_pool.used_slots == 0
+
+
+def test_usage_reports_drafts_only_when_speculating(hybrid_folder, tmp_path):
+    """A real server with --speculative ngram: /v1/completions' usage carries the drafted and accepted counts
+    (the engine's per-request counters); a server without speculation sends no such key."""
+    from deltaserve.server import openai_translate
+    from server_util import running_server
+
+    assert "speculative" not in openai_translate.usage(3, 4, 0).model_dump()
+    prompt = random_prompt(20, 9, HYBRID_VOCAB) * 4  # repeats itself: prompt lookup finds drafts
+    with running_server(tmp_path, "--model", hybrid_folder, "--speculative", "ngram", "--max-total-tokens", "4096",
+                        "--max-running-requests", "2") as server:
+        model = server.get("/v1/models").json()["data"][0]["id"]
+        body = server.post("/v1/completions", json={"model": model, "prompt": prompt, "max_tokens": 24,
+                                                    "temperature": 0, "ignore_eos": True}).json()
+        metrics = server.get("/metrics").text
+    spec = body["usage"]["speculative"]
+    assert spec["drafted"] > 0 and 0 <= spec["accepted"] <= spec["drafted"]
+    assert f"deltaserve_speculative_draft_tokens_total {float(spec['drafted'])}" in metrics

@@ -46,10 +46,10 @@ NGRAM_MIN = 1
 ACCEPTANCE_SMOOTHING = 0.3  # weight of the newest verification in a request's acceptance estimate
 ACCEPTANCE_PRIOR = 0.6  # the estimate before a request's first verification
 # The cost of a verifying step relative to a plain decode step: a fixed part (a step with a chunk leaves the native
-# decode path) plus each draft row. Measured on SmolLM2-135M, 2 threads (shared machine, 2026-12-06): see
-# tests/test_speculative.py's notes and bench/ when it exists; only the argmax of draft_len depends on them.
-STEP_FIXED_COST = 0.6
-DRAFT_ROW_COST = 0.1
+# decode path) plus each draft row. bench/spec.py measured a verifying step (k <= 3) at 1.26 plain steps on SmolLM2,
+# 2 threads, on a shared and overloaded machine (2026-12-06): an estimate; only draft_len's argmax depends on it.
+STEP_FIXED_COST = 0.2
+DRAFT_ROW_COST = 0.05
 PROBE_EVERY = 16  # decode steps at k = 0 before a one-draft probe
 
 

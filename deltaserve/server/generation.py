@@ -47,6 +47,7 @@ class Generation:
         self.completion_tokens = [0] * count
         self.token_ids: list[list[int]] = [[] for _ in range(count)]  # each choice's output ids (stop reasons)
         self.cached_tokens = [0] * count  # prompt tokens each choice took from the prefix cache
+        self.speculative: list[dict[str, int] | None] = [None] * count  # each choice's draft counts (--speculative)
         # each choice's prompt as the engine counts it (an image's placeholder widened into its tokens)
         self.engine_prompt_tokens = [stream.prompt_tokens for stream in streams]
         self._seen_token = [False] * count
@@ -108,6 +109,8 @@ class Generation:
             self.logprobs[i] = (self.logprobs[i] or []) + list(out.logprobs)
         self.completion_tokens[i] = max(self.completion_tokens[i], out.completion_tokens)
         self.cached_tokens[i] = max(self.cached_tokens[i], out.cached_tokens)
+        if out.speculative is not None:
+            self.speculative[i] = out.speculative
         if not out.finished:
             return
         self.finish_reasons[i] = out.finish_reason
@@ -134,7 +137,9 @@ class Generation:
             first_choice.setdefault(p, i)
         cached = sum(self.cached_tokens[i] for i in first_choice.values())
         prompt_tokens = sum(self.prompt_len(i) for i in first_choice.values())
-        return openai_translate.usage(prompt_tokens, sum(self.completion_tokens), cached)
+        counted = [s for s in self.speculative if s is not None]
+        speculative = {k: sum(s[k] for s in counted) for k in ("drafted", "accepted")} if counted else None
+        return openai_translate.usage(prompt_tokens, sum(self.completion_tokens), cached, speculative)
 
     def prompt_len(self, i: int) -> int:
         """Choice i's prompt tokens as the engine counts them (image tokens included)."""

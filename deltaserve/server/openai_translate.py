@@ -20,8 +20,8 @@ from deltaserve.server.openai_wire import (AssistantMessage, ChatChoice, ChatChu
                                            ChatCompletionChunk, ChatCompletionRequest, ChatDelta, ChatLogprobs,
                                            ChatTokenLogprob, Completion, CompletionChoice, CompletionLogprobs,
                                            CompletionRequest, FinishReason, FunctionCall, ModelCard, ModelList,
-                                           PromptTokensDetails, ToolCallOut, TopLogprob, Usage, _Body,
-                                           _SamplingFields)
+                                           PromptTokensDetails, SpeculativeUsage, ToolCallOut, TopLogprob, Usage,
+                                           _Body, _SamplingFields)
 from deltaserve.server.protocol import MAX_COUNT, MAX_STOPS, ProtocolError, sse_event, validation_message
 
 LOGPROB_FLOOR = -9999.0  # JSON has no -inf; OpenAI reports impossible tokens this way
@@ -216,11 +216,14 @@ def logit_bias(req: _SamplingFields) -> tuple[tuple[int, float], ...] | None:
     return tuple(pairs)
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> Usage:
-    """OpenAI's usage object; `cached_tokens` (of `prompt_tokens`) came from the prefix cache."""
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0,
+          speculative: dict[str, int] | None = None) -> Usage:
+    """OpenAI's usage object; `cached_tokens` (of `prompt_tokens`) came from the prefix cache; `speculative`
+    ({"drafted", "accepted"} draft tokens) only where the server speculates."""
     return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
                  total_tokens=prompt_tokens + completion_tokens,
-                 prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens))
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens),
+                 speculative=SpeculativeUsage(**speculative) if speculative is not None else None)
 
 
 def _logprob(value: float) -> float:

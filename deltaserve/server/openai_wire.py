@@ -105,11 +105,24 @@ class PromptTokensDetails(BaseModel):
     cached_tokens: int = 0  # prompt tokens the prefix cache supplied instead of computing them
 
 
+class SpeculativeUsage(BaseModel):
+    drafted: int = 0  # draft tokens verified for the response's choices (--speculative)
+    accepted: int = 0  # of them, those the model agreed with (each saved a step)
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
+    speculative: SpeculativeUsage | None = None  # only from a server that speculates
+
+    @model_serializer(mode="wrap")
+    def _speculative_when_on(self, handler) -> dict[str, Any]:
+        data = handler(self)
+        if data.get("speculative") is None:
+            data.pop("speculative", None)
+        return data
 
 
 class TopLogprob(BaseModel):
