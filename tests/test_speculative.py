@@ -329,3 +329,22 @@ def test_usage_reports_drafts_only_when_speculating(hybrid_folder, tmp_path):
     spec = body["usage"]["speculative"]
     assert spec["drafted"] > 0 and 0 <= spec["accepted"] <= spec["drafted"]
     assert f"deltaserve_speculative_draft_tokens_total {float(spec['drafted'])}" in metrics
+
+
+def test_measured_step_cost_decides_the_draft_length():
+    """A verifying step measured at 3 plain steps makes a 0.6 acceptance rate not worth drafting; at 1.2 it is."""
+    from types import SimpleNamespace
+
+    from deltaserve.engine.speculative import NgramDrafter, Speculation
+
+    spec = Speculation(NgramDrafter(), 3)
+    plain, verify, mixed = (SimpleNamespace(prefill=p, verify=v) for p, v in (([], []), ([], [1]), ([1], [1])))
+    for _ in range(50):
+        spec.observe(plain, 0.010)
+        spec.observe(verify, 0.030)
+        spec.observe(mixed, 1.0)  # a step with a prompt chunk is not a verifying step's cost
+    assert spec.fixed_cost == pytest.approx(2.0, rel=1e-3)
+    assert draft_len(0.6, 3, spec.fixed_cost) == 0 and draft_len(0.95, 3, spec.fixed_cost) == 3
+    for _ in range(200):
+        spec.observe(verify, 0.012)
+    assert spec.fixed_cost == pytest.approx(0.2, rel=1e-2) and draft_len(0.6, 3, spec.fixed_cost) == 3

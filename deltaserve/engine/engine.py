@@ -435,6 +435,8 @@ class Engine:
             elapsed = time.perf_counter() - started
             s = self.scheduler
             s.seconds_per_token += STEP_TIME_SMOOTHING * (elapsed - s.seconds_per_token)
+            if self.speculation is not None:
+                self.speculation.observe(plan, elapsed)
 
     def _hook(self, point: str) -> None:
         if self.step_hook is not None:

@@ -24,8 +24,8 @@ and which admission holds by construction: snapshot slots s*k .. s*k+k-1 belong 
 that holds a state slot holds its snapshots.
 
 When drafting does not pay: each request keeps a running estimate of its acceptance rate and drafts the k that
-maximizes expected tokens per unit of step cost (`draft_len`); a request at k = 0 probes with one draft now and
-then, so an estimate that recovers is seen.
+maximizes expected tokens per unit of step cost (`draft_len`), the cost of a verifying step measured against a plain
+one while serving; a request at k = 0 probes with one draft now and then, so an estimate that recovers is seen.
 
 Not speculated (they decode plainly, one token a step): requests with images (their rotary positions come from
 the image grid).
@@ -46,10 +46,13 @@ NGRAM_MIN = 1
 ACCEPTANCE_SMOOTHING = 0.3  # weight of the newest verification in a request's acceptance estimate
 ACCEPTANCE_PRIOR = 0.6  # the estimate before a request's first verification
 # The cost of a verifying step relative to a plain decode step: a fixed part (a step with a chunk leaves the native
-# decode path) plus each draft row. bench/spec.py measured a verifying step (k <= 3) at 1.26 plain steps on SmolLM2,
-# 2 threads, on a shared and overloaded machine (2026-12-06): an estimate; only draft_len's argmax depends on it.
-STEP_FIXED_COST = 0.2
+# decode path: on CPU it runs layer by layer) plus each draft row. The fixed part is measured while serving
+# (`Speculation.observe`: decode-only steps against steps with drafts and no prompt chunk); this is its value before
+# the first measurement. bench/spec.py saw a verifying step (k <= 3) cost 1.3 to 3 plain SmolLM2 steps on a shared
+# 2-core machine (2026-12-06).
+STEP_FIXED_COST = 1.0
 DRAFT_ROW_COST = 0.05
+STEP_TIME_SMOOTHING = 0.1  # weight of the newest step in the running step times
 PROBE_EVERY = 16  # decode steps at k = 0 before a one-draft probe
 
 
@@ -69,13 +72,14 @@ class SpecState:
         self.rate += ACCEPTANCE_SMOOTHING * (accepted / drafted - self.rate)
 
 
-def draft_len(rate: float, k_max: int) -> int:
+def draft_len(rate: float, k_max: int, fixed_cost: float = STEP_FIXED_COST) -> int:
     """The number of drafts (0..k_max) with the most expected tokens per unit of step cost, when each draft is
-    accepted with probability `rate` independently: E[tokens] = 1 + rate + .. + rate^k."""
+    accepted with probability `rate` independently: E[tokens] = 1 + rate + .. + rate^k, and a step with k drafts
+    costs 1 + fixed_cost + DRAFT_ROW_COST x k plain decode steps."""
     best, best_value = 0, 1.0
     for k in range(1, k_max + 1):
         tokens = sum(rate ** i for i in range(k + 1))
-        value = tokens / (1 + STEP_FIXED_COST + DRAFT_ROW_COST * k)
+        value = tokens / (1 + fixed_cost + DRAFT_ROW_COST * k)
         if value > best_value:
             best, best_value = k, value
     return best
@@ -118,13 +122,31 @@ class Speculation:
     drafted_total: int = 0
     accepted_total: int = 0
     verify_steps_total: int = 0
+    plain_step_s: float | None = None  # running wall time of a decode-only step
+    verify_step_s: float | None = None  # ... of a step with drafts and no prompt chunk
+
+    @property
+    def fixed_cost(self) -> float:
+        """What a verifying step costs beyond a plain one, in plain steps, as measured (the prior until both are)."""
+        if self.plain_step_s is None or self.verify_step_s is None:
+            return STEP_FIXED_COST
+        return max(0.0, self.verify_step_s / self.plain_step_s - 1)
+
+    def observe(self, plan, seconds: float) -> None:
+        """Fold one step's wall time into the running step times (steps with a prompt chunk say nothing here)."""
+        if plan.prefill:
+            return
+        name = "verify_step_s" if plan.verify else "plain_step_s"
+        old = getattr(self, name)
+        setattr(self, name, seconds if old is None else old + STEP_TIME_SMOOTHING * (seconds - old))
 
     def propose(self, request, limit: int) -> list[int]:
         """Drafts for a decode request this step (at most `limit`); [] when it decodes plainly."""
         if request.images is not None or limit <= 0:
             return []
         state = request.speculative
-        k = min(draft_len(state.rate, self.max_tokens) if self.adaptive else self.max_tokens, limit)
+        k = min(draft_len(state.rate, self.max_tokens, self.fixed_cost) if self.adaptive else self.max_tokens,
+                limit)
         if k == 0:
             state.idle_steps += 1
             if state.idle_steps < PROBE_EVERY:
