@@ -348,3 +348,17 @@ def test_measured_step_cost_decides_the_draft_length():
     for _ in range(200):
         spec.observe(verify, 0.012)
     assert spec.fixed_cost == pytest.approx(0.2, rel=1e-2) and draft_len(0.6, 3, spec.fixed_cost) == 3
+
+
+def test_deploy_file_sets_speculation_per_role(tmp_path):
+    from deltaserve.deploy.schema import DeployError, load_deployment
+
+    path = tmp_path / "deploy.toml"
+    path.write_text('[instances.chat]\ndevice = "cpu"\nport = 9101\nspeculative = "ngram"\nspeculative_tokens = 5\n'
+                    '[instances.agents]\ndevice = "cpu"\nport = 9102\n')
+    configs = {i.name: i.config for i in load_deployment(path).instances}
+    assert (configs["chat"].speculative, configs["chat"].speculative_tokens) == ("ngram", 5)
+    assert configs["agents"].speculative == "off"
+    path.write_text('[instances.chat]\ndevice = "cpu"\nport = 9101\nspeculative = "mtp"\n')
+    with pytest.raises(DeployError, match="not built yet"):
+        load_deployment(path)
