@@ -3,6 +3,9 @@
 `openai` package. The small model is too weak to call tools of its own accord, so the calls here are forced
 (tool_choice required / named, enforced by the grammar); the parsers of free calls are proven on the families'
 template texts in test_text_parsers.py. Arguments are checked with `jsonschema`, never against fixed strings.
+
+One file over 500 lines on purpose: opencode, Codex CLI and Claude Code share one module-scoped server and the
+recording proxy (tests/agent_proxy.py).
 """
 
 import json

@@ -11,6 +11,9 @@ A step holds its requests' pages and state slots from `schedule` to `complete`, 
 lock; so `abort` only queues while a step is in flight, and the step applies the queued aborts once it completes.
 Freeing under a running forward would let the next submit take the same slot mid-step (PoolCorruption, and every
 co-batched request failed). Error text reaching a client never carries a request's content: see engine/errors.py.
+
+One file over 500 lines on purpose: the pools and the step loop that owns them are one concern; the door's checks
+live in door.py, speculation in speculative.py, admission in admission.py and scheduler.py.
 """
 
 from __future__ import annotations

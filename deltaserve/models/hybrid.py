@@ -5,6 +5,9 @@ Each decoder layer is pre-norm: a token mixer (a Gated DeltaNet "linear_attentio
 Every RMSNorm of the residual stream and of q/k is zero-centred (y = norm(x) * (1 + weight)); the norm on the GDN
 output is a plain-weight RMSNorm gated by silu(z). Parameter names are the Hugging Face checkpoints' own; the
 files qwen3_next.py and qwen3_5.py only choose the GDN in-projection layout and the MLP of each layer.
+
+One file over 500 lines on purpose: a model file reads like the paper, the whole architecture top to bottom
+(DESIGN.md); the layers it shares with llama.py are in layers.py.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 // Whole decode-step blocks in one native call (kernels/decode_cpu.py loads and wraps them); the few-row linear,
 // packed 4-bit, paged attention and GDN step pieces come from their modules' headers, one namespace each.
+// One file over 500 lines on purpose: the blocks share their argument unpacking and the whole-stack loop.
 #include "prelude.h"
 #include <algorithm>
 #include <cmath>
