@@ -24,7 +24,11 @@ PACKINGS = {"auto_round": qlinear_torch, "auto_round:gptqmodel": qlinear_torch,
             "auto_round:auto_gptq": qlinear_torch_zp}
 
 
-def packed_module(layer_module, n: int, k: int, group: int, act_order: bool, seed: int):
+def packed_module(layer_module, n: int, k: int, group: int, act_order: bool, seed: int, exact: bool = False):
+    """A random [n, k] linear packed by the package's QuantLinear, and its [n, k] weight by the package's own forward:
+    in float16 as it runs (each weight rounded to float16), or with `exact` in float64, where the float16 scales widen
+    exactly and no product is rounded (the differential fuzzer's oracle: a rounding that flips an MoE router's choice
+    would otherwise be the oracle's own, seed 251)."""
     torch.manual_seed(seed)
     linear = torch.nn.Linear(k, n, bias=False)
     w = linear.weight.data.view(n, k // group, group)
@@ -36,11 +40,11 @@ def packed_module(layer_module, n: int, k: int, group: int, act_order: bool, see
     layer.pack(linear, scales, zeros.int())
     if act_order:  # activation order: column j read from group g_idx[j] (the layer's forward honours it)
         layer.g_idx = layer.g_idx[torch.randperm(k)].contiguous()
-    with torch.no_grad():
-        expected = layer(torch.eye(k)).t()  # [N, K], the package's own dequantization
     tensors = {"m.qweight": layer.qweight, "m.qzeros": layer.qzeros, "m.scales": layer.scales}
     if act_order:
         tensors["m.g_idx"] = layer.g_idx
+    with torch.no_grad():  # [N, K], the package's own dequantization (double() leaves the packed tensors above as they are)
+        expected = layer.double()(torch.eye(k, dtype=torch.float64)).t().float() if exact else layer(torch.eye(k)).t()
     return tensors, expected
 
 
@@ -62,8 +66,9 @@ def test_auto_gptq_stores_zero_minus_one(tmp_path):
                                rtol=2**-11, atol=0)
 
 
-def awq_module(n: int, k: int, group: int, symmetric: bool, seed: int):
-    """A random [n, k] linear packed by AutoRound's AWQ packer, and its [n, k] weight by AWQ's own unpacker."""
+def awq_module(n: int, k: int, group: int, symmetric: bool, seed: int, exact: bool = False):
+    """A random [n, k] linear packed by AutoRound's AWQ packer, and its [n, k] weight by AWQ's own unpacker (with
+    `exact`, on the float16 scales widened to float64, so no product is rounded to float16)."""
     torch.manual_seed(seed)
     linear = torch.nn.Linear(k, n, bias=False)
     w = linear.weight.data.view(n, k // group, group)
@@ -75,7 +80,8 @@ def awq_module(n: int, k: int, group: int, symmetric: bool, seed: int):
         zeros = torch.round(-lo / scales).clamp(0, 15).t().contiguous()  # [groups, n], as its exporter passes it
     layer = WQLinear_GEMM.from_linear(linear, 4, group, scales=scales.t().contiguous(), zeros=zeros, device="cpu")
     tensors = {"m.qweight": layer.qweight, "m.qzeros": layer.qzeros, "m.scales": layer.scales}
-    return tensors, dequantize_gemm(layer.qweight, layer.qzeros, layer.scales, 4, group).t().float()
+    scales = layer.scales.double() if exact else layer.scales
+    return tensors, dequantize_gemm(layer.qweight, layer.qzeros, scales, 4, group).t().float()
 
 
 AWQ_CONFIGS = {

@@ -118,11 +118,12 @@ def save_gptq(model, fmt: Format, folder: Path, seed: int):
         if k % group or k % 32 or n % (8 if fmt.kind == "awq" else 32):
             continue
         if fmt.kind == "awq":
-            tensors, expected = awq_module(n, k, group, symmetric=fmt.symmetric, seed=seed + i)
+            tensors, expected = awq_module(n, k, group, symmetric=fmt.symmetric, seed=seed + i, exact=True)
         else:
             # the package's own forward (its dequantization) fails with a g_idx where out-features exceed in-features
             act_order = fmt.act_order and n <= k and bool(rng.integers(2))
-            tensors, expected = packed_module(PACKINGS[packing], n, k, group, act_order=act_order, seed=seed + i)
+            tensors, expected = packed_module(PACKINGS[packing], n, k, group, act_order=act_order, seed=seed + i,
+                                                  exact=True)
         with torch.no_grad():
             linear.weight.copy_(expected)
         del state[name + ".weight"]
