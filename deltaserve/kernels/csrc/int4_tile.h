@@ -206,12 +206,7 @@ inline void tile(const float* __restrict x, const Weight& w, int64_t n0, float* 
       }
     }
   }
-  for (int i0 = 0; i0 < MR * NR; i0 += 16) {
-    f16v part[16];
-    for (int i = 0; i < 16; ++i) part[i] = i0 + i < MR * NR ? acc[i0 + i] : f16v{};
-    const f16v sums = sum16(part);
-    for (int i = 0; i < 16 && i0 + i < MR * NR; ++i) y[(i0 + i) / NR * ldy + (i0 + i) % NR] = sums[i];
-  }
+  store_tile_sums<MR, NR>(acc, y, ldy);
 }
 #endif
 

@@ -46,12 +46,7 @@ inline void tile(const float* __restrict x, const float* __restrict w, int64_t K
       for (int n = 0; n < NR; ++n) acc[m * NR + n] += xv * wv[n];
     }
   }
-  for (int i0 = 0; i0 < MR * NR; i0 += 16) {
-    f16v part[16];
-    for (int i = 0; i < 16; ++i) part[i] = i0 + i < MR * NR ? acc[i0 + i] : f16v{};
-    const f16v sums = sum16(part);
-    for (int i = 0; i < 16 && i0 + i < MR * NR; ++i) y[(i0 + i) / NR * ldy + (i0 + i) % NR] = sums[i];
-  }
+  store_tile_sums<MR, NR>(acc, y, ldy);
 }
 #endif
 

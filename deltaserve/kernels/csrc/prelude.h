@@ -131,6 +131,17 @@ inline f16v sum16(const f16v* x) {
          SHUFFLE(d[0], d[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
 }
 
+// An MR x NR tile's accumulators (row-major) summed across their lanes into y: row m at y + m * ldy, columns 0..NR-1.
+template <int MR, int NR>
+inline void store_tile_sums(const f16v* acc, float* y, int64_t ldy) {
+  for (int i0 = 0; i0 < MR * NR; i0 += 16) {
+    f16v part[16];
+    for (int i = 0; i < 16; ++i) part[i] = i0 + i < MR * NR ? acc[i0 + i] : f16v{};
+    const f16v sums = sum16(part);
+    for (int i = 0; i < 16 && i0 + i < MR * NR; ++i) y[(i0 + i) / NR * ldy + (i0 + i) % NR] = sums[i];
+  }
+}
+
 #if defined(__AVX2__)
 // The sum of v's 8 lanes.
 inline float sum8(__m256 v) {
