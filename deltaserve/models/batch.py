@@ -84,6 +84,9 @@ class ForwardBatch:
     # GDN states to keep from the middle of a prefill chunk: (sequence index, tokens of its chunk read, slot in
     # caches.snapshot_conv / snapshot_recurrent), 0 < tokens < q_len, rising tokens within a sequence
     snapshots: tuple[tuple[int, int, int], ...] = ()
+    # A batch of decode rows made from chunks (as_decode_rows): per row, the slot in caches.snapshot_conv /
+    # snapshot_recurrent its GDN state goes to after it, or -1; None: no row keeps one
+    row_snapshots: torch.Tensor | None = None  # [T] int64
 
     @property
     def num_seqs(self) -> int:
@@ -120,6 +123,35 @@ def rows_as_decode(batch: ForwardBatch, rows: torch.Tensor) -> ForwardBatch:
         slot_mapping=batch.slot_mapping[rows], context_slots=batch.context_slots[seq],
         state_slots=batch.state_slots[seq], logits_indices=torch.arange(len(rows)), paged_kernel=batch.paged_kernel,
     )
+
+
+DECODE_ROWS_CHUNK = 9  # the longest chunk run as decode rows: a verifying request's 1 + k rows (k <= 8)
+
+
+def as_decode_rows(batch: ForwardBatch, max_rows: int) -> ForwardBatch | None:
+    """The step as decode rows only, for the native decode path (kernels/decode_cpu.py), or None where it cannot be.
+
+    A decode-only batch is itself. A step with short chunks (a verifying request's [last, d1..dk], engine/
+    speculative.py) becomes one decode row per packed row: row j of a chunk at position L + j, over its sequence's
+    context up to itself (length L + j + 1, the sequence's page table). The attention block writes every row's K/V
+    before any row attends, so each row sees the chunk's earlier rows: causal attention within the chunk. Rows of
+    one sequence share its GDN state slot and follow each other (gdn_block chains them, in order); a snapshot asked
+    for after `read` rows of a chunk becomes that row's `row_snapshots` entry. None: images, more than `max_rows`
+    rows, or a chunk longer than DECODE_ROWS_CHUNK (a prompt's chunk is a prefill's work)."""
+    if batch.num_decode == batch.num_seqs:
+        return batch
+    total = batch.input_ids.shape[0]
+    if (batch.image_rows is not None or batch.rope_positions is not None or total > max_rows
+            or max(batch.q_lens) > DECODE_ROWS_CHUNK):
+        return None
+    rows = rows_as_decode(batch, torch.arange(total, device=batch.input_ids.device))
+    if batch.snapshots:
+        snaps = torch.full((total,), -1, dtype=torch.long)
+        starts = batch.cu_q.tolist()
+        for b, read, slot in batch.snapshots:
+            snaps[starts[b] + read - 1] = slot
+        rows.row_snapshots = snaps.to(batch.input_ids.device)
+    return rows
 
 
 def single_sequence_batch(

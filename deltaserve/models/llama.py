@@ -11,7 +11,8 @@ import torch.nn as nn
 
 from deltaserve.kernels import decode_cpu, fused_cpu
 from deltaserve.kernels.attention import paged_attention, write_kv
-from deltaserve.models.batch import ATTENTION, CacheGeometry, ForwardBatch, ModelCaches, rows_as_decode
+from deltaserve.models.batch import (ATTENTION, CacheGeometry, ForwardBatch, ModelCaches, as_decode_rows,
+                                     rows_as_decode)
 from deltaserve.models.layers import (FusedParts, Int4Linear, Int8Linear, RMSNorm, Rotary, TorchInt4Linear,
                                      announce_refusals, apply_rotary, attention_parts, attention_refusals,
                                      by_row_blocks, current_parts, embedding, linear, mlp_parts, mlp_refusals,
@@ -128,12 +129,14 @@ class LlamaModel(nn.Module):
         """Hidden states [R, hidden] of the batch's logits rows (before the final norm)."""
         x = self.embed_tokens(batch.input_ids).to(self.norm.weight.dtype)  # a bf16-held vocab: back to compute
         rows = batch.logits_indices
-        parts = current_parts(self.layers) if decode_cpu.serves(x, batch, caches.k[0]) else None
+        # a decode-only step, or one whose chunks are short (a verifying request's rows), as decode rows
+        flat = as_decode_rows(batch, decode_cpu.MAX_ROWS)
+        parts = current_parts(self.layers) if flat is not None and decode_cpu.serves(x, flat, caches.k[0]) else None
         if parts is not None and all(p is not None for p in parts):
-            x = x.contiguous()  # a decode-only step: every layer in one native call, the residual stream in place
+            x = x.contiguous()  # every layer in one native call, the residual stream in place
             cos, sin = self.rotary.rows(batch.positions)
             self.stack.run(x, (caches, *parts), lambda: [layer.stack_args(caches) for layer in self.layers], cos, sin,
-                           batch)
+                           flat)
             return x.index_select(0, rows)
         cos_sin = self.rotary.cos_sin(batch.positions)
         for layer in self.layers[:-1]:
