@@ -146,7 +146,7 @@ class EngineConfig:
     prefix_cache: bool = True  # reuse the KV pages (and GDN checkpoints) of prompts seen before
     checkpoint_slots: int = 8  # GDN state checkpoints the prefix cache keeps (hybrid models; its own ledger line)
     checkpoint_interval_tokens: int = 2048  # a GDN checkpoint every this many prompt tokens
-    speculative: str = "off"  # off | ngram (prompt lookup) | mtp (the checkpoint's own head: not built yet)
+    speculative: str = "off"  # off | ngram (prompt lookup) | mtp (the checkpoint's own multi-token-prediction head)
     speculative_tokens: int = 3  # draft tokens a decode step verifies at most, per request
     language_model_only: bool = False  # skip a multimodal checkpoint's vision tower: its memory becomes context
     max_images_per_request: int = 8
@@ -290,9 +290,6 @@ def _validate(c: EngineConfig) -> None:
                           f"choose {', '.join(TOOL_CALL_PARSERS)}")
     if c.speculative not in SPECULATIVE_METHODS:
         raise ConfigError(f"--speculative {c.speculative!r} is not supported: choose {', '.join(SPECULATIVE_METHODS)}")
-    if c.speculative == "mtp":
-        raise ConfigError("--speculative mtp: drafting with the checkpoint's MTP head is not built yet (issue 40); "
-                          "--speculative ngram drafts from the prompt and needs no weights")
     if not 1 <= c.speculative_tokens <= MAX_SPECULATIVE_TOKENS:
         raise ConfigError(f"--speculative-tokens {c.speculative_tokens} is out of range: it must be in "
                           f"1..{MAX_SPECULATIVE_TOKENS}")
@@ -379,7 +376,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--speculative", choices=SPECULATIVE_METHODS, help="speculative decoding: off (default), ngram "
                    "(prompt lookup: draft tokens copied from where the request's last tokens occurred earlier in its "
                    "prompt or output, verified as extra rows of the same step; greedy output is unchanged, sampled "
-                   "output keeps its distribution), mtp (the checkpoint's MTP head: not built yet, refused)")
+                   "output keeps its distribution), mtp (drafts from the checkpoint's multi-token-prediction "
+                   "head, mtp.*, loaded with the model; its attention layer's KV is one more layer of the KV pool; "
+                   "refused for a checkpoint without one)")
     g.add_argument("--speculative-tokens", type=int, help=f"draft tokens one decode step verifies at most per "
                    f"request, 1..{MAX_SPECULATIVE_TOKENS} (3); on a hybrid model each costs one GDN state per "
                    f"running request (the ledger's speculative_states line). A request whose drafts are rarely "

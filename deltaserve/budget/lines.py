@@ -5,8 +5,9 @@ before plan_budget judges it (budget/ledger.py) or option_costs prices a change 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+from deltaserve.budget.errors import SpecError
 from deltaserve.budget.spec import ModelMemorySpec
 from deltaserve.config import DTYPE_BYTES, EngineConfig, MiB, torch_int4_layout
 
@@ -49,6 +50,7 @@ def draft_ledger(spec: ModelMemorySpec, config: EngineConfig, device_total: int,
     `pricing` (option costs): the pool is not capped and not checked against --context-length.
     """
     c = config.for_device(kind)
+    spec = with_mtp_head(spec, c)
     total = c.device_memory or device_total
     context = c.context_length or spec.max_position_embeddings
     budgeted = int(c.mem_fraction * total)
@@ -81,13 +83,26 @@ def draft_ledger(spec: ModelMemorySpec, config: EngineConfig, device_total: int,
         shortfall = (c.context_length - kv_pages * c.page_size) * bpt
         problem = f"--context-length {c.context_length} is longer than the KV pool of {kv_pages * c.page_size} tokens"
     kv_bytes = kv_pages * page_bytes
+    mtp = " (1 of them the MTP head's, --speculative mtp)" if c.speculative == "mtp" else ""
     lines["kv_pool"] = (kv_bytes, f"{kv_pages * c.page_size:,} tokens x {bpt:,} bytes/token ({spec.attention_layers} "
-                                  f"attention layers x K,V x {spec.num_kv_heads} heads x {spec.head_dim} x "
+                                  f"attention layers{mtp} x K,V x {spec.num_kv_heads} heads x {spec.head_dim} x "
                                   f"{c.kv_dtype}) in {kv_pages:,} pages of {c.page_size}")
     lines["headroom"] = (c.headroom, "kept free for other processes (--headroom)")
     lines["free"] = (remaining - kv_bytes, free_reason)
     lines["outside_fraction"] = (total - budgeted, f"1 - mem-fraction {c.mem_fraction} of the device: not budgeted")
     return Draft(c, total, lines, usable, kv_pages, bpt, context, shortfall, problem)
+
+
+def with_mtp_head(spec: ModelMemorySpec, c: EngineConfig) -> ModelMemorySpec:
+    """The spec as --speculative mtp serves it: the checkpoint's MTP head loaded (its weight group counted), and its
+    attention layer's K/V one more layer of every KV page (models/mtp.py). SpecError where there is no head."""
+    if c.speculative != "mtp":
+        return spec
+    if not any(g.name == "mtp" for g in spec.weight_groups):
+        raise SpecError(f"--speculative mtp: the {spec.model_type} checkpoint has no multi-token-prediction head "
+                        "(mtp.*); --speculative ngram drafts from the prompt and needs no weights")
+    groups = [replace(g, excluded=False) if g.name == "mtp" else g for g in spec.weight_groups]
+    return replace(spec, weight_groups=groups, attention_layers=spec.attention_layers + 1)
 
 
 def _fixed_lines(spec: ModelMemorySpec, c: EngineConfig, context: int, kind: str) -> dict[str, tuple[int, str]]:

@@ -45,6 +45,7 @@ from deltaserve.engine.loader import LoadedModel, load_model
 from deltaserve.engine.multimodal import ImagePromptError, PromptImages, expand_prompt
 from deltaserve.engine.request import Request, RequestStream, SamplingParams, TokenLogprob
 from deltaserve.engine.runner import ModelRunner
+from deltaserve.engine.mtp_drafter import MtpDrafter
 from deltaserve.engine.speculative import NgramDrafter, Speculation, sample_step
 from deltaserve.engine.scheduler import QueueFull, RequestRefused, Scheduler
 from deltaserve.kernels import decode_cpu, fused_cpu, int4_cpu, int4_int8, linear_cpu, paged_cpu, prefill_cpu
@@ -101,7 +102,8 @@ class Engine:
         for note in self.budget.notes:  # e.g. --max-total-tokens rounded down to whole pages
             self._log(f"note: {note}")
         loaded = load_model(config.model, dtype=getattr(torch, self.config.dtype), device=self.config.device,
-                            dequantize=self.config.dequantize_weights, vision=not config.language_model_only)
+                            dequantize=self.config.dequantize_weights, vision=not config.language_model_only,
+                            mtp=self.config.speculative == "mtp")
         self._setup(loaded)
         self._log(f"deltaserve: {loaded.name} ready {time.monotonic() - started:.1f} s after the engine started")
 
@@ -131,8 +133,11 @@ class Engine:
                 self.checkpoint_pool = CheckpointPool(snapshots.view(0, ckpt_slots))
             self.prefix_cache = PrefixCache(self.kv_pool, self.checkpoint_pool)
         self.speculation = None
+        self.mtp_drafter = None
+        if c.speculative == "mtp":  # the ledger refused a checkpoint without a head (budget/lines.py)
+            self.mtp_drafter = MtpDrafter(loaded.model, self.kv_pool)
         if c.speculative != "off":
-            self.speculation = Speculation(NgramDrafter(), c.speculative_tokens, snapshot_pool=(
+            self.speculation = Speculation(self.mtp_drafter or NgramDrafter(), c.speculative_tokens, snapshot_pool=(
                 snapshots.view(ckpt_slots, draft_slots) if snapshots is not None else None))
         policy = AdmissionPolicy.from_budget(budget, c.max_queue)
         self.scheduler = Scheduler(self.kv_pool, self.state_pool, policy, prefill_chunk_tokens=c.prefill_chunk_tokens,
@@ -414,6 +419,7 @@ class Engine:
     def _run(self, plan) -> None:
         """Forward, sample and complete one planned step; failures fail only the requests they belong to."""
         started = time.perf_counter()
+        fed = [(request, request.num_cached, n) for request, n in plan.sequences]  # what the MTP head reads after
         try:
             self._hook("after_schedule")
             logits = self.runner.forward(plan)
@@ -432,6 +438,11 @@ class Engine:
                         self._log, f"request {request.request_id} failed while completing a step", error))
             except Exception as e:
                 self._fail(plan.requests, e)
+            if self.mtp_drafter is not None:
+                try:
+                    self.mtp_drafter.observe(fed)
+                except Exception as e:
+                    self._fail([r for r in plan.requests if not r.finished], e)
             for request in plan.requests:
                 if request.finished and self._live.get(request.request_id) is request:
                     del self._live[request.request_id]

@@ -39,16 +39,18 @@ def model_name(path: Path, default: bool) -> str:
 
 
 def load_model(model: str | Path | None, *, dtype: torch.dtype = torch.float32,
-               device: torch.device | str = "cpu", dequantize: bool = True, vision: bool = False) -> LoadedModel:
+               device: torch.device | str = "cpu", dequantize: bool = True, vision: bool = False,
+               mtp: bool = False) -> LoadedModel:
     """Read the checkpoint (None: the default model) and build its architecture on `device`.
 
     `dequantize=False` keeps 4-bit matrices packed (kernels/int4.py) on every device.
-    `vision` loads a multimodal checkpoint's vision tower too (else it is not even read)."""
+    `vision` loads a multimodal checkpoint's vision tower too (else it is not even read); `mtp` its
+    multi-token-prediction head (--speculative mtp)."""
     path = Path(model) if model else default_model_path()
-    prefixes = skip_prefixes(read_config(path), vision=vision)
+    prefixes = skip_prefixes(read_config(path), vision=vision, mtp=mtp)
     checkpoint = load_checkpoint(path, dtype=dtype, skip_prefixes=prefixes, keep_int4=not dequantize)
     try:
-        net = build_model(checkpoint.config, checkpoint.tensors, dtype=dtype, device=device, vision=vision)
+        net = build_model(checkpoint.config, checkpoint.tensors, dtype=dtype, device=device, vision=vision, mtp=mtp)
     except ValueError as e:  # a tensor missing, unknown or of the wrong shape: the checkpoint's fault, one line
         raise CheckpointError(checkpoint.path, str(e)) from e
     checkpoint.tensors = {}  # the model holds what it keeps; the rest (raw parts, temporaries) is garbage now

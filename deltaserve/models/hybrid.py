@@ -22,7 +22,8 @@ import torch.nn.functional as F
 from deltaserve.kernels import (conv_decode, conv_prefill, decode_cpu, fused_cpu, gated_delta_decode_in_place,
                                 gated_delta_prefill)
 from deltaserve.kernels.attention import paged_attention, write_kv
-from deltaserve.models.batch import ATTENTION, GDN, CacheGeometry, ForwardBatch, ModelCaches, rows_as_decode
+from deltaserve.models.batch import (ATTENTION, GDN, CacheGeometry, ForwardBatch, ModelCaches, as_decode_rows,
+                                     rows_as_decode)
 from deltaserve.models.layers import (FusedParts, Rotary, add_then_norm, announce_refusals, apply_rotary,
                                      attention_parts, attention_refusals, by_row_blocks, current_parts, embedding,
                                      linear, mlp_parts, mlp_refusals, projection_parts, refusal, rope_parameters)
@@ -409,10 +410,11 @@ class HybridDecoderLayer(nn.Module):
         norm, mlp_eps = self.input_layernorm, self.post_attention_layernorm.eps
         if self.kind == LINEAR_ATTENTION:
             i = self.linear_attn.layer_idx
-            if not decode_cpu.serves_gdn(caches.conv[i], caches.recurrent[i]):
+            snaps = (caches.snapshot_conv[i], caches.snapshot_recurrent[i]) if caches.snapshot_conv else (None, None)
+            if not decode_cpu.serves_gdn(caches.conv[i], caches.recurrent[i], *(t for t in snaps if t is not None)):
                 return None
             return (decode_cpu.gdn_args(mixer, caches.conv[i], caches.recurrent[i], norm.eps, 1.0,
-                                        self.linear_attn.norm.eps), decode_cpu.mlp_args(mlp, mlp_eps, 1.0))
+                                        self.linear_attn.norm.eps, *snaps), decode_cpu.mlp_args(mlp, mlp_eps, 1.0))
         i = self.self_attn.layer_idx
         return (decode_cpu.attention_args(mixer, caches.k[i], caches.v[i], norm.eps, 1.0, self.self_attn.scale),
                 decode_cpu.mlp_args(mlp, mlp_eps, 1.0))
@@ -463,31 +465,37 @@ class HybridModel(nn.Module):
         self.stack = decode_cpu.Stack()
         announce_refusals([layer.refusals() for layer in self.layers])
 
-    def forward(self, batch: ForwardBatch, caches: ModelCaches) -> torch.Tensor:
-        """Hidden states [R, hidden] of the batch's logits rows (before the final norm)."""
+    def forward(self, batch: ForwardBatch, caches: ModelCaches, all_rows: bool = False) -> torch.Tensor:
+        """Hidden states [R, hidden] of the batch's logits rows (before the final norm); of every row if `all_rows`
+        (what an MTP head reads)."""
         x = self.embed_tokens(batch.input_ids)
         if batch.image_rows is not None:  # image tokens read the vision tower's embeddings instead
             x = x.index_copy(0, batch.image_rows, batch.image_embeds.to(x.dtype))
         positions = batch.positions if batch.rope_positions is None else batch.rope_positions
         rows = batch.logits_indices
         k_cache = next((k for k in caches.k if k is not None), None)
-        if decode_cpu.serves(x, batch, k_cache):
-            x = x.contiguous()  # a decode-only step: the residual stream updated in place
-            cos_sin = self.rotary.rows(positions)
+        # a decode-only step, or one whose chunks are short (a verifying request's rows) as decode rows: those only
+        # where every layer goes in one call (gdn_block chains a sequence's rows; the per-op decode path does not)
+        flat = as_decode_rows(batch, decode_cpu.MAX_ROWS)
+        args = None
+        if flat is not None and decode_cpu.serves(x, flat, k_cache):
             parts = current_parts(self.layers)
             args = self.stack.args_for((caches, *parts), lambda: [layer.stack_args(caches) for layer in self.layers])
+        if args is not None or (flat is batch and decode_cpu.serves(x, batch, k_cache)):
+            x = x.contiguous()  # the residual stream updated in place
+            cos_sin = self.rotary.rows(positions)
             if args is not None:  # every layer in one native call
-                self.stack.run_with(args, x, *cos_sin, batch)
+                self.stack.run_with(args, x, *cos_sin, flat)
             else:  # a block some layer's weights do not take: layer by layer
                 for layer in self.layers:
                     layer.decode(x, cos_sin, batch, caches)
-            return x.index_select(0, rows)
+            return x if all_rows else x.index_select(0, rows)
         cos_sin = self.rotary.cos_sin(positions)
         for layer in self.layers[:-1]:
             x = layer(x, cos_sin, batch, caches)
-        keep = batch.last_layer_rows
+        keep = None if all_rows else batch.last_layer_rows
         x = self.layers[-1](x, cos_sin, batch, caches, keep)
-        return x if keep is not None else x.index_select(0, rows)
+        return x if keep is not None or all_rows else x.index_select(0, rows)
 
 
 class HybridForCausalLM(nn.Module):
@@ -503,14 +511,19 @@ class HybridForCausalLM(nn.Module):
         self.lm_head = linear(config["hidden_size"], config["vocab_size"])
         self.tie_word_embeddings = tie_word_embeddings
         self.geometry = hybrid_geometry(self.model)
+        self.mtp = None  # the checkpoint's MTP head where built (models/mtp.py attach)
 
     @property
     def tied_weights(self) -> dict[str, str]:
         return {"lm_head.weight": "model.embed_tokens.weight"} if self.tie_word_embeddings else {}
 
     def forward(self, batch: ForwardBatch, caches: ModelCaches) -> torch.Tensor:
-        hidden = self.model.norm(self.model(batch, caches))
-        return self.lm_head(hidden).float()
+        if self.mtp is None:
+            hidden = self.model.norm(self.model(batch, caches))
+            return self.lm_head(hidden).float()
+        hidden = self.model.norm(self.model(batch, caches, all_rows=True))
+        self.mtp.target_hidden = hidden  # every row's, for the MTP drafter (engine/mtp_drafter.py)
+        return self.lm_head(hidden.index_select(0, batch.logits_indices)).float()
 
 
 def hybrid_geometry(model: HybridModel) -> CacheGeometry:
@@ -536,14 +549,15 @@ SKIP_PREFIXES = (*VISION_PREFIXES, *MTP_PREFIXES)
 FUSED_EXPERTS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
 
 
-def announce_unloaded_parts(config: dict, name: str, vision_loaded: bool = False) -> tuple[bool, bool]:
+def announce_unloaded_parts(config: dict, name: str, vision_loaded: bool = False,
+                            mtp_loaded: bool = False) -> tuple[bool, bool]:
     """Log once, when the model is built, the checkpoint parts it never loads (a reader may skip them unread).
 
     Returns whether the (vision tower, MTP head) were announced, so the tensor mapping does not repeat it.
     """
     text = config.get("text_config") or config
     vision = "vision_config" in config and not vision_loaded
-    mtp = bool(config.get("mtp_num_hidden_layers") or text.get("mtp_num_hidden_layers"))
+    mtp = bool(config.get("mtp_num_hidden_layers") or text.get("mtp_num_hidden_layers")) and not mtp_loaded
     if vision:
         log.info("%s: loading the language model only; the vision tower (model.visual.*) is not loaded", name)
     if mtp:
@@ -552,13 +566,14 @@ def announce_unloaded_parts(config: dict, name: str, vision_loaded: bool = False
 
 
 def language_model_tensors(tensors: Mapping[str, torch.Tensor], name: str,
-                           announced: tuple[bool, bool] = (False, False)) -> dict[str, torch.Tensor]:
+                           announced: tuple[bool, bool] = (False, False), mtp: bool = False) -> dict[str, torch.Tensor]:
     """The checkpoint tensors a hybrid model loads, under its own parameter names.
 
     A multimodal checkpoint keeps the language model under `model.language_model.`: it moves to `model.`. The
     vision tower and the multi-token-prediction head are skipped by name, never read (`tensors` may be lazy);
     either is logged here unless `announced` (see announce_unloaded_parts) already said so.
     Experts stored fused ([E, 2I, H] gate_up_proj, [E, H, I] down_proj) become per-expert views, no copy.
+    `mtp`: the model built the MTP head (models/mtp.py): its tensors are kept, as `mtp.*`.
     """
     out: dict[str, torch.Tensor] = {}
     skipped_vision = skipped_mtp = 0
@@ -567,9 +582,14 @@ def language_model_tensors(tensors: Mapping[str, torch.Tensor], name: str,
             skipped_vision += 1
             continue
         if key.startswith(MTP_PREFIXES):
-            skipped_mtp += 1
-            continue
-        own = "model." + key[len(LANGUAGE_MODEL_PREFIX):] if key.startswith(LANGUAGE_MODEL_PREFIX) else key
+            if not mtp:
+                skipped_mtp += 1
+                continue
+            own = "mtp." + key.split("mtp.", 1)[1]
+        elif key.startswith(LANGUAGE_MODEL_PREFIX):
+            own = "model." + key[len(LANGUAGE_MODEL_PREFIX):]
+        else:
+            own = key
         if own.endswith(FUSED_EXPERTS):
             out.update(split_fused_experts(own, tensors[key]))
         else:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from deltaserve.models import mtp as mtp_head
 from deltaserve.models.hybrid import (
     SKIP_PREFIXES,
     HybridForCausalLM,
@@ -33,8 +34,9 @@ def text_config(config: dict) -> dict:
 class Qwen3_5ForCausalLM(HybridForCausalLM):
     skip_prefixes = SKIP_PREFIXES  # checkpoint tensors never read (the vision tower's unless it is built)
     vision_capable = True
+    mtp_capable = True  # mtp.* built and loaded when asked (models/mtp.py)
 
-    def __init__(self, config: dict, vision: bool = False):
+    def __init__(self, config: dict, vision: bool = False, mtp: bool = False):
         text = text_config(config)
         moe = config["model_type"] in MOE_MODEL_TYPES
 
@@ -50,11 +52,14 @@ class Qwen3_5ForCausalLM(HybridForCausalLM):
         vision = vision and "vision_config" in config
         self.visual = VisionTower(config["vision_config"]) if vision else None
         self.image_token_id = config.get("image_token_id") if vision else None
-        self.announced_parts = announce_unloaded_parts(config, self.model_type, vision_loaded=vision)
+        mtp = mtp and mtp_head.mtp_layers(config) > 0
+        if mtp:
+            mtp_head.attach(self, text)
+        self.announced_parts = announce_unloaded_parts(config, self.model_type, vision_loaded=vision, mtp_loaded=mtp)
 
     def checkpoint_tensors(self, tensors) -> dict[str, torch.Tensor]:
-        """The checkpoint's tensors under this model's names (mtp.* skipped; model.visual.* too unless built)."""
-        own = language_model_tensors(tensors, self.model_type, self.announced_parts)
+        """The checkpoint's tensors under this model's names (mtp.* and model.visual.* skipped unless built)."""
+        own = language_model_tensors(tensors, self.model_type, self.announced_parts, mtp=self.mtp is not None)
         if self.visual is not None:
             own.update({"visual." + name: t for name, t in vision_tensors(tensors).items()})
         return own

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from deltaserve.models import mtp as mtp_head
 from deltaserve.models.hybrid import (
     SKIP_PREFIXES,
     HybridForCausalLM,
@@ -21,9 +22,10 @@ from deltaserve.models.hybrid import (
 
 
 class Qwen3NextForCausalLM(HybridForCausalLM):
-    skip_prefixes = SKIP_PREFIXES  # checkpoint tensors never read
+    skip_prefixes = SKIP_PREFIXES  # checkpoint tensors never read (mtp.* unless the head is built)
+    mtp_capable = True
 
-    def __init__(self, config: dict):
+    def __init__(self, config: dict, mtp: bool = False):
         mlp_only = set(config.get("mlp_only_layers") or [])
         sparse_step = int(config.get("decoder_sparse_step", 1))
         norm_topk_prob = bool(config.get("norm_topk_prob", True))
@@ -35,8 +37,11 @@ class Qwen3NextForCausalLM(HybridForCausalLM):
 
         super().__init__(config, mlp_of_layer, fused_projections=True,
                          tie_word_embeddings=bool(config.get("tie_word_embeddings", False)))
-        self.announced_parts = announce_unloaded_parts(config, "qwen3_next")
+        mtp = mtp and mtp_head.mtp_layers(config) > 0
+        if mtp:
+            mtp_head.attach(self, config, norm_topk_prob)
+        self.announced_parts = announce_unloaded_parts(config, "qwen3_next", mtp_loaded=mtp)
 
     def checkpoint_tensors(self, tensors) -> dict[str, torch.Tensor]:
-        """The checkpoint's tensors under this model's names (mtp.* skipped)."""
-        return language_model_tensors(tensors, "qwen3_next", self.announced_parts)
+        """The checkpoint's tensors under this model's names (mtp.* skipped unless the head is built)."""
+        return language_model_tensors(tensors, "qwen3_next", self.announced_parts, mtp=self.mtp is not None)

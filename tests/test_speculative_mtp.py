@@ -1,0 +1,189 @@
+"""--speculative mtp (models/mtp.py, engine/mtp_drafter.py): the head against a reference built from transformers'
+own Qwen3.5 layer and norm classes on the same weights, greedy output unchanged, the GDN rollback, the ledger.
+
+The tiny hybrid of test_engine_support gets a random MTP head (`add_mtp_head`): its drafts are mostly wrong, so
+these tests pass rejections everywhere and some acceptances; tests/data/mtp_fitted (test_mtp_fitted_acceptance) is
+a head fitted to the tiny model's own next-next tokens, for acceptance.
+"""
+
+from __future__ import annotations
+
+import json
+import zlib
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from deltaserve.budget import SpecError
+from deltaserve.engine.loader import load_model
+from deltaserve.engine.request import SamplingParams
+from test_engine_support import (HYBRID_VOCAB, engine, make_dense_checkpoint, make_hybrid_checkpoint, random_prompt,
+                                 run_all, tokens_of)
+
+K = 3
+GREEDY = dict(temperature=0, ignore_eos=True)
+MTP_LAYER_OF_TINY = 3  # a full-attention layer index of the tiny config: its layer_types give the reference's class
+
+
+def mtp_reference_parts(config_dict: dict, tensors: dict[str, torch.Tensor]):
+    """transformers' own classes holding the head's weights: the decoder layer (full attention), the three norms, fc."""
+    from transformers import Qwen3_5TextConfig
+    from transformers.models.qwen3_5.modeling_qwen3_5 import (Qwen3_5DecoderLayer, Qwen3_5RMSNorm,
+                                                              Qwen3_5TextRotaryEmbedding)
+
+    config = Qwen3_5TextConfig(**{k: v for k, v in config_dict.items() if k not in ("architectures", "model_type")})
+    config._attn_implementation = "sdpa"
+    assert config.layer_types[MTP_LAYER_OF_TINY] == "full_attention"
+    h = config.hidden_size
+    layer = Qwen3_5DecoderLayer(config, MTP_LAYER_OF_TINY).eval()
+    layer.load_state_dict({k[len("mtp.layers.0."):]: v for k, v in tensors.items() if k.startswith("mtp.layers.0.")})
+    norms = {}
+    for name in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        norms[name] = Qwen3_5RMSNorm(h, eps=config.rms_norm_eps).eval()
+        norms[name].weight.data.copy_(tensors[f"mtp.{name}.weight"])
+    fc = torch.nn.Linear(2 * h, h, bias=False)
+    fc.weight.data.copy_(tensors["mtp.fc.weight"])
+    return config, layer, norms, fc, Qwen3_5TextRotaryEmbedding(config)
+
+
+def add_mtp_head(folder: Path, seed: str = "mtp-head") -> None:
+    """Add a random `mtp.*` head (one full-attention Qwen3.5 layer, made by transformers) to a tiny Qwen3.5
+    checkpoint, and mtp_num_hidden_layers = 1 to its config."""
+    from transformers import Qwen3_5TextConfig
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5DecoderLayer
+
+    config_path = folder / "config.json"
+    config_dict = json.loads(config_path.read_text())
+    config_dict["mtp_num_hidden_layers"] = 1
+    config_path.write_text(json.dumps(config_dict))
+    torch.manual_seed(zlib.crc32(seed.encode()))
+    config = Qwen3_5TextConfig(**{k: v for k, v in config_dict.items() if k not in ("architectures", "model_type")})
+    layer = Qwen3_5DecoderLayer(config, MTP_LAYER_OF_TINY)
+    h = config.hidden_size
+    head = {f"mtp.layers.0.{k}": (v.normal_(0, 0.1) if "norm" not in k else torch.randn_like(v) * 0.2).contiguous()
+            for k, v in layer.state_dict().items()}
+    for name in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        head[f"mtp.{name}.weight"] = torch.randn(h) * 0.2
+    head["mtp.fc.weight"] = torch.randn(h, 2 * h) * 0.1
+    tensors = load_file(folder / "model.safetensors")
+    save_file({**tensors, **head}, folder / "model.safetensors", metadata={"format": "pt"})
+
+
+@pytest.fixture(scope="module")
+def mtp_folder(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("spec-mtp")
+    make_hybrid_checkpoint(folder)
+    add_mtp_head(folder)
+    return folder
+
+
+def test_head_matches_transformers_layers_on_the_same_weights(mtp_folder):
+    """Our head over a prompt (written to its cache in two pieces) and then chained on its own output (K/V kept
+    off the cache) against the reference: transformers' Qwen3.5 full-attention decoder layer, its zero-centred
+    RMSNorms and an fc, composed as vLLM's Qwen3NextMultiTokenPredictor composes them (embedding norm first in the
+    concatenation), fed the target's hidden states after its final norm (transformers' last_hidden_state)."""
+    from transformers import AutoModelForCausalLM
+
+    tensors = load_file(mtp_folder / "model.safetensors")
+    config_dict = json.loads((mtp_folder / "config.json").read_text())
+    config, layer, norms, fc, rotary = mtp_reference_parts(config_dict, tensors)
+    target = AutoModelForCausalLM.from_pretrained(mtp_folder, dtype=torch.float32).eval()
+    ours = load_model(mtp_folder, mtp=True).model
+    head = ours.mtp
+    assert head is not None and ours.geometry.layer_kinds[-1] == "attention"
+    ids = random_prompt(23, 5, HYBRID_VOCAB)
+    n, chain_len = len(ids) - 1, 3
+    with torch.no_grad():
+        hidden = target.model(torch.tensor([ids])).last_hidden_state[0]  # after the final norm
+        embed = target.model.embed_tokens
+
+        def reference(tokens_next: list[int], hiddens: torch.Tensor) -> torch.Tensor:
+            x = fc(torch.cat([norms["pre_fc_norm_embedding"](embed(torch.tensor(tokens_next))),
+                              norms["pre_fc_norm_hidden"](hiddens)], dim=-1))[None]
+            positions = torch.arange(x.shape[1])[None]
+            cos_sin = rotary(x, positions[None].expand(3, 1, -1))
+            return norms["norm"](layer(x, cos_sin, attention_mask=None, position_ids=positions))[0]
+
+        want = reference(ids[1:], hidden[:n])
+        # ours: positions 0..n-1 into a cache of its own (two calls: the second reads the first's K/V)
+        kv_heads, d = head.layers[0].self_attn.num_kv_heads, head.layers[0].self_attn.head_dim
+        k_cache, v_cache = torch.zeros(64, kv_heads, d), torch.zeros(64, kv_heads, d)
+        slots = torch.randperm(64)[:n + chain_len]  # any slots: a request's pages need not be contiguous
+        m = 9
+        got = torch.cat([
+            head(ours.model.embed_tokens(torch.tensor(ids[1:m + 1])), hidden[:m], 0, k_cache, v_cache, slots[:0],
+                 write_slots=slots[:m]),
+            head(ours.model.embed_tokens(torch.tensor(ids[m + 1:])), hidden[m:n], m, k_cache, v_cache, slots[:m],
+                 write_slots=slots[m:n])])
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+        # chaining: row n reads (h' of row n - 1, the token it drafts), K/V kept in `chain`, not the cache
+        drafts, h_ref, h_ours, chain = list(ids[1:]), want, got, []
+        before = k_cache.clone()
+        for j in range(chain_len):
+            draft = int(target.lm_head(h_ref[-1]).argmax())
+            assert draft == int(ours.lm_head(h_ours[-1]).argmax())
+            drafts.append(draft)
+            h_ref = reference(drafts, torch.cat([hidden[:n], h_ref[n - 1:]]))
+            row = head(ours.model.embed_tokens(torch.tensor([draft])), h_ours[-1:], n + j, k_cache, v_cache,
+                       slots[:n], chain=chain)
+            h_ours = torch.cat([h_ours, row])
+            torch.testing.assert_close(h_ours, h_ref, atol=2e-5, rtol=1e-4)
+        assert torch.equal(k_cache, before)
+
+
+def test_greedy_equals_speculation_off_and_pools_return(mtp_folder):
+    """Greedy output with MTP drafts (batch 1, then mixed batches beside prompt chunks) equals output without
+    speculation, with logprobs; the verifier saw drafts, every page and state slot comes back."""
+    prompts = [random_prompt(n, 60 + n, HYBRID_VOCAB) for n in (9, 130, 70)]
+    params = SamplingParams(max_tokens=20, logprobs=2, **GREEDY)
+    off = engine(str(mtp_folder), max_running_requests=4)
+    off.scheduler.prefill_chunk_tokens = 64
+    plain = run_all(off, [(p, params) for p in prompts])
+    on = engine(str(mtp_folder), max_running_requests=4, speculative="mtp", speculative_tokens=K)
+    on.speculation.adaptive = False  # always K drafts: rejections at every position of a random head
+    on.scheduler.prefill_chunk_tokens = 64
+    for batch in ([prompts[0]], prompts):
+        spec = run_all(on, [(p, params) for p in batch])
+        for want, got in zip(plain, spec):
+            assert tokens_of(got) == tokens_of(want)
+            # the same tokens; log-probs within float32 rounding (a verification row is a prefill row)
+            want_lp = [lp.logprob for o in want for lp in o.logprobs]
+            assert [lp.logprob for o in got for lp in o.logprobs] == pytest.approx(want_lp, abs=1e-4)
+    assert on.speculation.drafted_total > 0
+    on.scheduler.check()
+    assert on.kv_pool.used_pages == 0 and on.state_pool.used_slots == 0
+    assert not on.mtp_drafter.next
+
+
+def test_sampled_output_runs_and_a_seed_repeats(mtp_folder):
+    """Sampling with MTP drafts (rejection sampling against point-mass drafts): with a fixed draft length (the
+    adaptive one follows measured step times) the same seed gives the same tokens, so the drafts are a function of
+    the tokens so far."""
+    params = SamplingParams(max_tokens=24, temperature=0.8, seed=7, ignore_eos=True)
+    prompt = random_prompt(30, 4, HYBRID_VOCAB)
+    on = engine(str(mtp_folder), max_running_requests=2, speculative="mtp", speculative_tokens=K)
+    on.speculation.adaptive = False
+    first, second = (tokens_of(run_all(on, [(prompt, params)])[0]) for _ in range(2))
+    assert first == second and len(first) == 24
+
+
+def test_ledger_prices_the_head_and_its_kv(mtp_folder):
+    """--speculative mtp: the KV line gains the head's attention layer and the weights line its tensors; both equal
+    what the engine holds."""
+    off = engine(str(mtp_folder), max_running_requests=2, speculative="ngram")
+    on = engine(str(mtp_folder), max_running_requests=2, speculative="mtp")
+    layers_off = off.budget.kv_bytes_per_token // (2 * 2 * 16 * 4)  # K,V x 2 heads x 16 x float32
+    assert on.budget.kv_bytes_per_token == off.budget.kv_bytes_per_token * (layers_off + 1) // layers_off
+    measured = on.measured_bytes()
+    assert measured["kv_pool"] == on.budget.line("kv_pool").bytes
+    assert abs(measured["weights"] - on.budget.line("weights").bytes) <= 0.01 * measured["weights"]
+    assert measured["weights"] > off.measured_bytes()["weights"]
+    assert "MTP head" in on.budget.line("kv_pool").reason
+
+
+def test_mtp_refused_without_a_head(tmp_path):
+    make_dense_checkpoint(tmp_path)
+    with pytest.raises(SpecError, match="no multi-token-prediction head"):
+        engine(str(tmp_path), speculative="mtp")
