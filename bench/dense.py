@@ -5,7 +5,8 @@ scheduler, paged KV pool, sampler), one request at a time, twice: "packed" keeps
 and multiplies them in float32 (kernels/int4.py, the CPU default; the dequantized model's logits to float32
 rounding) and "fp32" holds the weights dequantized to float32 (`--dequantize-weights`). transformers runs `forward`
 and `generate`. With `--llama-cpp DIR` (bench/llamacpp.py), llama.cpp's llama-bench runs the same Q4_1 file too:
-one run of each test alternated with ours (a shared VM's speed drifts within minutes), its best of --repeats.
+one run of each test alternated with ours (a shared VM's speed drifts within minutes), its best of --repeats; with
+`--ik-llama-cpp DIR` ik_llama.cpp's llama-bench likewise (with its load-time repacking, -rtr 1).
 - prefill tok/s: prompt tokens / time to the first token of one request (the whole prompt in one chunk);
 - decode tok/s: (new tokens - 1) / (time from the first to the last token), batch 1, greedy, EOS ignored;
 - bytes per token: the weight bytes each side holds (a batch-1 step reads every one: the head is tied to the
@@ -135,6 +136,7 @@ def main(argv=None) -> int:
                         help="tables to run: gguf (SmolLM2's Q4_1 file), w4a16 (compressed-tensors) [gguf,w4a16]")
     parser.add_argument("--w4a16-group", type=int, default=128, help="the W4A16 checkpoint's group size [128]")
     parser.add_argument("--llama-cpp", help="a llama.cpp tree with build/bin/llama-bench (or LLAMA_CPP_DIR)")
+    parser.add_argument("--ik-llama-cpp", help="an ik_llama.cpp tree with build/bin/llama-bench (or IK_LLAMA_CPP_DIR)")
     parser.add_argument("--bf16-prefill", action="store_true",
                         help="add a deltaserve column with --prefill-dtype bfloat16 (opt-in; CPUs with AVX512-BF16)")
     parser.add_argument("--int8-activations", action="store_true",
@@ -158,7 +160,8 @@ def main(argv=None) -> int:
                   lambda side, ids: side.decode(ids, args.decode), prompt(args.decode_prompt, 1), f"tg{args.decode}"))
     ok = True
     run = results.Run("dense", f"SmolLM2-135M ({args.formats}): prefill and batch-1 decode, deltaserve vs "
-                      f"transformers{' and llama.cpp' if args.llama_cpp else ''}, {args.threads} threads", argv)
+                      f"transformers{' and llama.cpp' if args.llama_cpp else ''}"
+                      f"{' and ik_llama.cpp' if args.ik_llama_cpp else ''}, {args.threads} threads", argv)
     if "gguf" in formats:
         gguf_table(args, lengths, longest, cells, run)
     if "w4a16" in formats:
@@ -175,18 +178,22 @@ def gguf_table(args, lengths: list[int], longest: int, cells: list, run: results
     from deltaserve.budget import default_model_path
 
     path = default_model_path()
-    peer = llamacpp.tree(args.llama_cpp)
-    peer_run = (lambda test: llamacpp.run_one(peer, path, test, args.threads)) if peer else None
+    peer, ik_peer = llamacpp.tree(args.llama_cpp), llamacpp.ik_tree(args.ik_llama_cpp)
+    peers = {}
+    if peer:
+        peers["llama.cpp"] = lambda test: llamacpp.run_one(peer, path, test, args.threads)
+    if ik_peer:
+        peers["ik_llama.cpp"] = lambda test: llamacpp.run_one(ik_peer, path, test, args.threads, llamacpp.IK_ARGS)
     sides = {"transformers": Theirs(path), "deltaserve packed": Ours(str(path), longest, False),
              "deltaserve fp32": Ours(str(path), longest, True)}
     if args.bf16_prefill:
         sides["deltaserve bf16-prefill"] = Ours(str(path), longest, False, "bfloat16")
     if args.int8_activations:
         sides["deltaserve int8-act"] = Ours(str(path), longest, False, activation_dtype="int8")
-    title = (f"{path.name}, {torch.get_num_threads()} threads, best of {args.repeats} (llama.cpp's runs alternated "
-             f"with ours); tok/s, the ratio to transformers, and deltaserve packed / llama.cpp")
+    title = (f"{path.name}, {torch.get_num_threads()} threads, best of {args.repeats} (the peers' runs alternated "
+             f"with ours); tok/s, the ratio to transformers, and deltaserve's default side / each peer")
     print(title)
-    decode_rates = run_table(sides, cells, args.repeats, peer_run, run=run, title=title)
+    decode_rates = run_table(sides, cells, args.repeats, peers or {"llama.cpp": None}, run=run, title=title)
     print_bytes(sides, decode_rates, args.repeats, run)
 
 
@@ -201,20 +208,22 @@ def w4a16_table(args, folder: Path, longest: int, cells: list, run: results.Run 
              f"compressor in {made:.0f} s), {torch.get_num_threads()} threads, best of {args.repeats}; tok/s, and "
              f"packed / dequantized (fp32)")
     print("\n" + title)
-    decode_rates = run_table(sides, cells, args.repeats, None, peer_column=False, run=run, title=title)
+    decode_rates = run_table(sides, cells, args.repeats, {}, run=run, title=title)
     print_bytes(sides, decode_rates, args.repeats, run)
     return logits_check(sides["deltaserve packed"], sides["deltaserve fp32"], folder, run)
 
 
-def run_table(sides: dict, cells: list, repeats: int, peer_run, peer_column: bool = True,
-              run: results.Run | None = None, title: str = "") -> dict:
-    """Print one row per cell (tok/s per side, the ratio of each to the first side, llama.cpp's best and our first
-    packed side's ratio to it); the decode rates by side. peer_run(test) -> llama.cpp's tok/s of one run, or None."""
+def run_table(sides: dict, cells: list, repeats: int, peers: dict, run: results.Run | None = None,
+              title: str = "") -> dict:
+    """Print one row per cell (tok/s per side, the ratio of each to the first side, and per peer its best and our
+    first packed side's ratio to it);
+    the decode rates by side. peers: name -> run(test) -> the peer's tok/s of one run, or None for a column of "-"
+    (a peer not given); no peers, no peer columns."""
     width = max(20, *(len(name) + 2 for name in sides))
     ratio_width = max(11, *(len(name.split()[-1]) + 3 for name in sides))
     print(f"{'what':<22}" + "".join(f"{name:>{width}}" for name in sides)
           + "".join(f"{'x ' + n.split()[-1]:>{ratio_width}}" for n in list(sides)[1:])
-          + (f"{'llama.cpp':>11}{'x llama':>9}" if peer_column else ""))
+          + "".join(f"{name:>13}{'x ' + name.split('.')[0].split('_')[0]:>9}" for name in peers))
     warm = prompt(min(64, *(len(ids) for *_, ids, _ in cells)), 0)
     for side in sides.values():
         side.prefill(warm)  # warm-up: first-call costs (kernel loads, allocations) out of the timings
@@ -223,29 +232,30 @@ def run_table(sides: dict, cells: list, repeats: int, peer_run, peer_column: boo
     ours = next((name for name in sides if name.endswith("packed")), None)
     for label, tokens, run, ids, peer_key in cells:
         best = {name: float("inf") for name in sides}
-        peer_best = 0.0
-        for _ in range(repeats):  # alternate the sides, llama.cpp too, so all see the same machine load
+        peer_best = {name: 0.0 for name in peers}
+        for _ in range(repeats):  # alternate the sides, the peers too, so all see the same machine load
             for name, side in sides.items():
                 best[name] = min(best[name], run(side, ids))
-            if peer_run is not None:
-                peer_best = max(peer_best, peer_run(peer_key))
+            for name, peer_run in peers.items():
+                if peer_run is not None:
+                    peer_best[name] = max(peer_best[name], peer_run(peer_key))
         rates = [tokens / best[name] for name in sides]
         if peer_key.startswith("tg"):
             decode_rates = dict(zip(sides, rates))
-        peer = ""
-        if peer_column:
-            ratio = tokens / best[ours] / peer_best if peer_best and ours else None
-            peer = ((f"{peer_best:>11.1f}" if peer_best else f"{'-':>11}")
-                    + (f"{ratio:>8.2f}x" if ratio else f"{'-':>9}"))
+        printed, row_peers = "", []
+        for name in peers:
+            ratio = tokens / best[ours] / peer_best[name] if peer_best[name] and ours else None
+            printed += ((f"{peer_best[name]:>13.1f}" if peer_best[name] else f"{'-':>13}")
+                        + (f"{ratio:>8.2f}x" if ratio else f"{'-':>9}"))
+            row_peers += [results.rounded(peer_best[name]) if peer_best[name] else None,
+                          results.rounded(ratio, 2) if ratio else None]
         print(f"{label:<22}" + "".join(f"{r:>{width}.1f}" for r in rates)
-              + "".join(f"{r / rates[0]:>{ratio_width - 1}.2f}x" for r in rates[1:]) + peer, flush=True)
-        row = [label, *(results.rounded(r) for r in rates), *(results.rounded(r / rates[0], 2) for r in rates[1:])]
-        if peer_column:
-            row += [results.rounded(peer_best) if peer_best else None, results.rounded(ratio, 2) if ratio else None]
-        rows.append(row)
+              + "".join(f"{r / rates[0]:>{ratio_width - 1}.2f}x" for r in rates[1:]) + printed, flush=True)
+        rows.append([label, *(results.rounded(r) for r in rates),
+                     *(results.rounded(r / rates[0], 2) for r in rates[1:]), *row_peers])
     if run is not None:
         run.table(title, ["what, tok/s", *sides, *(f"x {n.split()[-1]}" for n in list(sides)[1:]),
-                          *(["llama.cpp", "x llama.cpp"] if peer_column else [])], rows)
+                          *(c for name in peers for c in (name, f"{ours} / {name}"))], rows)
     return decode_rates
 
 

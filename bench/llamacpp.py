@@ -3,7 +3,16 @@ tree you built yourself (nothing of it is part of deltaserve). Give the tree wit
 environment variable LLAMA_CPP_DIR); the scripts run without it and print "-" in its column.
 
     cmake -S DIR -B DIR/build -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF
-    cmake --build DIR/build --target llama-bench -j
+    cmake --build DIR/build --target llama-bench llama-perplexity llama-lookup -j
+
+On a CPU that lists AMX but whose tiles fault in this VM (llama.cpp's Q4_1 AMX kernel died with SIGILL at
+`tileloadd` on the Sapphire Rapids VMs here, 2026-12-06), configure without AMX (-march=native then turns it off):
+
+    cmake -S DIR -B DIR/build -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=OFF -DLLAMA_CURL=OFF \
+        "-DCMAKE_C_FLAGS=-march=native -mno-amx-tile -mno-amx-int8 -mno-amx-bf16" \
+        "-DCMAKE_CXX_FLAGS=-march=native -mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+
+ik_llama.cpp (github ikawrakow/ik_llama.cpp; `--ik-llama-cpp DIR`) builds the same way (it has no AMX code).
 """
 
 from __future__ import annotations
@@ -49,11 +58,28 @@ def convert(root: Path, hf_folder: Path, out: Path, outtype: str = "f32") -> Pat
     return out
 
 
+def ik_tree(given: str | None) -> Path | None:
+    """An ik_llama.cpp source tree (github ikawrakow/ik_llama.cpp, the fork with the faster CPU kernels) with a built
+    llama-bench, from --ik-llama-cpp DIR or IK_LLAMA_CPP_DIR; None skips it. Built like llama.cpp's (the module
+    docstring); its llama-bench takes the same arguments and writes the same JSON."""
+    root = given or os.environ.get("IK_LLAMA_CPP_DIR")
+    if not root:
+        return None
+    root = Path(root)
+    if not bench_binary(root).exists():
+        raise SystemExit(f"error: {root} has no build/bin/llama-bench: build it first (see bench/llamacpp.py)")
+    return root
+
+
+# ik_llama.cpp's own best CPU setting: repack the quantized weights at load into its interleaved rows (-rtr 1)
+IK_ARGS = ("-rtr", "1")
+
+
 def run_bench(root: Path, gguf: Path, *, prompts: list[int] = (), gen: int = 0, threads: int = 2,
-              repeats: int = 2) -> dict[str, float]:
+              repeats: int = 2, extra: tuple[str, ...] = ()) -> dict[str, float]:
     """tokens/s per test from llama-bench, the best of its `repeats` runs (as our side's best of its runs):
     {"pp512": ..., "tg128": ...}."""
-    args = [str(bench_binary(root)), "-m", str(gguf), "-t", str(threads), "-r", str(repeats), "-o", "json"]
+    args = [str(bench_binary(root)), "-m", str(gguf), "-t", str(threads), "-r", str(repeats), "-o", "json", *extra]
     args += ["-p", ",".join(map(str, prompts)) if prompts else "0", "-n", str(gen)]
     done = subprocess.run(args, check=True, capture_output=True, text=True)
     rates = {}
@@ -63,10 +89,10 @@ def run_bench(root: Path, gguf: Path, *, prompts: list[int] = (), gen: int = 0, 
     return rates
 
 
-def run_one(root: Path, gguf: Path, test: str, threads: int) -> float:
+def run_one(root: Path, gguf: Path, test: str, threads: int, extra: tuple[str, ...] = ()) -> float:
     """tokens/s of one llama-bench run of one test ("pp512", "tg128"): a bench alternates it with its own side's runs,
     so that both see the same machine (on a shared 2-core VM llama.cpp's tg128 moved between 133 and 166 tok/s
     within an hour)."""
     n = int(test[2:])
     return run_bench(root, gguf, prompts=[n] if test.startswith("pp") else [], gen=n if test.startswith("tg") else 0,
-                     threads=threads, repeats=1)[test]
+                     threads=threads, repeats=1, extra=extra)[test]

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import math
+import os
 import re
 import subprocess
 import sys
@@ -67,10 +68,10 @@ def scored(logits: torch.Tensor, ids: list[int]) -> tuple[torch.Tensor, torch.Te
     return -torch.log_softmax(part, -1).gather(1, target[:, None])[:, 0], part
 
 
-def llama_perplexity(root: Path, gguf: Path, corpus: Path, threads: int) -> tuple[float, str]:
+def llama_perplexity(root: Path, gguf: Path, corpus: Path, threads: int, chunks: int) -> tuple[float, str]:
     binary = root / "build" / "bin" / "llama-perplexity"
     done = subprocess.run([str(binary), "-m", str(gguf), "-f", str(corpus), "-c", str(CONTEXT), "--chunks",
-                           str(CHUNKS), "-t", str(threads), "-b", str(CONTEXT)], capture_output=True, text=True,
+                           str(chunks), "-t", str(threads), "-b", str(CONTEXT)], capture_output=True, text=True,
                           check=True)
     log = done.stdout + done.stderr
     found = re.search(r"Final estimate: PPL = ([0-9.]+)", log)
@@ -80,6 +81,8 @@ def llama_perplexity(root: Path, gguf: Path, corpus: Path, threads: int) -> tupl
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--llama-cpp", help="a llama.cpp tree with build/bin/llama-perplexity (or LLAMA_CPP_DIR)")
+    parser.add_argument("--ik-llama-cpp", help="an ik_llama.cpp tree with build/bin/llama-perplexity (or "
+                        "IK_LLAMA_CPP_DIR): its perplexity on the same file and text beside llama.cpp's")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--chunks", type=int, default=CHUNKS)
     args = parser.parse_args(argv)
@@ -120,19 +123,24 @@ def main(argv=None) -> int:
     rows = [["deltaserve float32 (default)", round(ppl["float32"], 4), "-", round(seconds["float32"], 1)],
             ["deltaserve --activation-dtype int8", round(ppl["int8"], 4),
              f"{100 * (ppl['int8'] / ppl['float32'] - 1):+.2f}%", round(seconds["int8"], 1)]]
-    root = llamacpp.tree_with(args.llama_cpp, "llama-perplexity")
-    if root is not None:
+    peers = [("llama.cpp", llamacpp.tree_with(args.llama_cpp, "llama-perplexity"))]
+    ik_root = args.ik_llama_cpp or os.environ.get("IK_LLAMA_CPP_DIR")
+    if ik_root:
+        peers.append(("ik_llama.cpp", llamacpp.tree_with(ik_root, "llama-perplexity")))
+    for peer, root in peers:
+        if root is None:
+            continue
         with tempfile.NamedTemporaryFile("w", suffix=".txt") as f:
             f.write(corpus)
             f.flush()
             start = time.perf_counter()
-            theirs, log = llama_perplexity(root, path, Path(f.name), args.threads)
+            theirs, log = llama_perplexity(root, path, Path(f.name), args.threads, args.chunks)
             took = time.perf_counter() - start
-        rows.append([f"llama.cpp llama-perplexity ({root.name})", round(theirs, 4),
+        rows.append([f"{peer} llama-perplexity ({root.name})", round(theirs, 4),
                      f"{100 * (theirs / ppl['float32'] - 1):+.2f}%", round(took, 1)])
         for line in log.splitlines():
             if "tokens" in line and ("tokeniz" in line or "calculating" in line):
-                print(f"  [llama.cpp] {line.strip()}")
+                print(f"  [{peer}] {line.strip()}")
     header = ["side", "perplexity", "vs float32", "seconds"]
     print(f"\n{len(ids):,} tokens in the text; scored {total:,} positions")
     for row in [header] + rows:
