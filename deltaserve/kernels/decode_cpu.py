@@ -124,10 +124,13 @@ def attention_args(parts, k_cache, v_cache, eps: float, offset: float, scale: fl
     return [*tensors, k_cache, v_cache], [1, *meta], [eps, offset, scale]
 
 
-def gdn_args(parts, conv_states, states, eps: float, offset: float, norm_eps: float) -> tuple[list, list, list]:
-    """A Gated DeltaNet mixer's share of decode_stack's flat arguments: its block parts and state pools."""
+def gdn_args(parts, conv_states, states, eps: float, offset: float, norm_eps: float, snap_conv=None,
+             snap_states=None) -> tuple[list, list, list]:
+    """A Gated DeltaNet mixer's share of decode_stack's flat arguments: its block parts, state pools and snapshot
+    tensors (where a step's rows keep states: ForwardBatch.row_snapshots; None: none)."""
     tensors, meta = parts
-    return [*tensors, conv_states, states], [2, *meta], [eps, offset, norm_eps]
+    snaps = [EMPTY, EMPTY] if snap_conv is None else [snap_conv, snap_states]
+    return [*tensors, conv_states, states, *snaps], [2, *meta], [eps, offset, norm_eps]
 
 
 def mlp_args(parts, eps: float, offset: float) -> tuple[list, list, list]:
@@ -164,25 +167,30 @@ class Stack:
     def run_with(args: tuple[list, list, list], x, cos, sin, batch) -> torch.Tensor:
         """x [B, hidden] updated in place by every layer (cos / sin [B, rd] float32)."""
         tensors, ints, floats = args
+        snaps = EMPTY if batch.row_snapshots is None else batch.row_snapshots
         return KERNELS.module.decode_stack(x, tensors, ints, floats, cos, sin, batch.slot_mapping, batch.context_slots,
-                                           batch.decode_context_lens, batch.state_slots)
+                                           batch.decode_context_lens, batch.state_slots, snaps)
 
     def run(self, x, key: tuple, build, cos, sin, batch) -> torch.Tensor:
         """args_for then run_with, for a model whose layers the blocks always take."""
         return self.run_with(self.args_for(key, build), x, cos, sin, batch)
 
 
-def serves_gdn(conv_states: torch.Tensor, states: torch.Tensor) -> bool:
-    """Whether gdn_block takes these state pools: float32 and contiguous (it updates them in place)."""
+def serves_gdn(conv_states: torch.Tensor, states: torch.Tensor, *snapshots: torch.Tensor) -> bool:
+    """Whether gdn_block takes these state pools (and snapshot tensors): float32 and contiguous (it updates them in
+    place)."""
     return all(t.dtype == torch.float32 and t.is_contiguous() and t.device.type == "cpu"
-               for t in (conv_states, states))
+               for t in (conv_states, states, *snapshots))
 
 
 def gdn_block(x, tensors: list, meta: list[int], conv_states, states, state_slots, eps: float, offset: float,
-              norm_eps: float) -> torch.Tensor:
-    """x [B, hidden] += a Gated DeltaNet mixer's output over norm(x) for one token per sequence, its conv and
-    recurrent states updated in place (the comment above gdn_block in csrc/decode.cpp says which tensors)."""
-    return KERNELS.module.gdn_block(x, tensors, meta, conv_states, states, state_slots, eps, offset, norm_eps)
+              norm_eps: float, snap_conv=EMPTY, snap_states=EMPTY, row_snapshots=EMPTY) -> torch.Tensor:
+    """x [B, hidden] += a Gated DeltaNet mixer's output over norm(x) for one token per row, its conv and recurrent
+    states updated in place; rows on one state slot (adjacent) run in order, each from the state the one before left,
+    and a row's state goes to row_snapshots' slot of snap_conv / snap_states after it where that is not -1 (the
+    comment above gdn_block in csrc/decode.cpp says which tensors)."""
+    return KERNELS.module.gdn_block(x, tensors, meta, conv_states, states, state_slots, eps, offset, norm_eps,
+                                    snap_conv, snap_states, row_snapshots)
 
 
 def serves_int8(rows: torch.Tensor, group_size: int) -> bool:

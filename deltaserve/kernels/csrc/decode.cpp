@@ -511,9 +511,13 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor sc
 // and [S, Hv, Dk, Dv]) updated in place at state_slots. t: input norm [hidden], conv weight [C, W], A_log [Hv],
 // dt_bias [Hv], the gated norm's weight [Dv], then in_proj_qkv, in_proj_z, in_proj_b, in_proj_a, out_proj (5
 // tensors each). meta: Hk, Hv, Dk, Dv and the 5 group sizes.
+// Rows that share a state slot (a verifying request's 1 + k rows, models/batch.py as_decode_rows) must be adjacent:
+// they run in order, each from the state the row before left. row_snapshots [B] int64 (or empty): per row, the slot
+// in snap_conv / snap_states ([S', C, W - 1] and [S', Hv, Dk, Dv]) where its state after it is copied, or -1.
 torch::Tensor gdn_block(torch::Tensor x, std::vector<torch::Tensor> t, std::vector<int64_t> meta,
                         torch::Tensor conv_states, torch::Tensor states, torch::Tensor state_slots, double eps,
-                        double offset, double norm_eps) {
+                        double offset, double norm_eps, torch::Tensor snap_conv, torch::Tensor snap_states,
+                        torch::Tensor row_snapshots) {
   check_rows(x);
   TORCH_CHECK(t.size() == 30 && meta.size() == 9, "gdn_block: 30 tensors and 9 sizes");
   const int64_t B = x.size(0), H = x.size(1), Hk = meta[0], Hv = meta[1], Dk = meta[2], Dv = meta[3];
@@ -537,6 +541,30 @@ torch::Tensor gdn_block(torch::Tensor x, std::vector<torch::Tensor> t, std::vect
   const int64_t* sl = state_slots.data_ptr<int64_t>();
   for (int64_t b = 0; b < B; ++b)
     TORCH_CHECK(sl[b] >= 0 && sl[b] < states.size(0) && sl[b] < conv_states.size(0), "gdn_block: slot out of range");
+  // runs of adjacent rows on one state slot: run r is rows [run[r], run[r + 1]); no slot in two runs
+  std::vector<int64_t> run;
+  for (int64_t b = 0; b < B; ++b)
+    if (b == 0 || sl[b] != sl[b - 1]) {
+      for (int64_t r : run) TORCH_CHECK(sl[r] != sl[b], "gdn_block: rows on one state slot must be adjacent");
+      run.push_back(b);
+    }
+  const int64_t runs = static_cast<int64_t>(run.size());
+  run.push_back(B);
+  const int64_t* snap = nullptr;
+  if (row_snapshots.numel()) {
+    TORCH_CHECK(row_snapshots.scalar_type() == torch::kInt64 && row_snapshots.is_contiguous() &&
+                row_snapshots.numel() == B, "gdn_block: one int64 snapshot slot (or -1) per row");
+    TORCH_CHECK(snap_conv.scalar_type() == torch::kFloat32 && snap_conv.is_contiguous() &&
+                snap_states.scalar_type() == torch::kFloat32 && snap_states.is_contiguous() &&
+                snap_conv.dim() == 3 && snap_conv.size(1) == conv_states.size(1) &&
+                snap_conv.size(2) == conv_states.size(2) && snap_states.dim() == 4 &&
+                snap_states.size(1) == Hv && snap_states.size(2) == Dk && snap_states.size(3) == Dv,
+                "gdn_block: snapshot states must be contiguous float32, shaped as the states");
+    snap = row_snapshots.data_ptr<int64_t>();
+    for (int64_t b = 0; b < B; ++b)
+      TORCH_CHECK(snap[b] >= -1 && snap[b] < snap_conv.size(0) && snap[b] < snap_states.size(0),
+                  "gdn_block: snapshot slot out of range");
+  }
   const float* wn = vec(t[0], H, "gdn_block: the input norm must be float32 [hidden]");
   const float* A_log = vec(t[2], Hv, "gdn_block: A_log must be float32 [Hv]");
   const float* dt_bias = vec(t[3], Hv, "gdn_block: dt_bias must be float32 [Hv]");
@@ -568,13 +596,15 @@ torch::Tensor gdn_block(torch::Tensor x, std::vector<torch::Tensor> t, std::vect
       sc[Hs - 1] = row[c];
       row[c] = silu(acc);
     }
+    if (snap && snap[b] >= 0) std::copy(st, st + C * Hs, snap_conv.data_ptr<float>() + snap[b] * C * Hs);
   }
   float* sp = states.data_ptr<float>();
   const float scale = 1.0f / std::sqrt(static_cast<float>(Dk)), ne = static_cast<float>(norm_eps);
-  const int64_t pairs = B * Hv;
-  #pragma omp parallel for schedule(static) if (pairs * Dk * Dv >= 65536)
-  for (int64_t p = 0; p < pairs; ++p) {
-    const int64_t b = p / Hv, h = p % Hv, hk = h / ratio;
+  const int64_t pairs = runs * Hv;  // (run, head): a run's rows one after another on the head's state
+  #pragma omp parallel for schedule(static) if (B * Hv * Dk * Dv >= 65536)
+  for (int64_t rp = 0; rp < pairs; ++rp)
+  for (int64_t b = run[rp / Hv]; b < run[rp / Hv + 1]; ++b) {
+    const int64_t h = rp % Hv, hk = h / ratio, p = b * Hv + h;
     const float* row = mixed + b * C;
     const float a = aa[p] + dt_bias[h];
     const float softplus = a > 20.0f ? a : std::log1p(std::exp(a));
@@ -587,6 +617,7 @@ torch::Tensor gdn_block(torch::Tensor x, std::vector<torch::Tensor> t, std::vect
     fusedk::by_value_vectors(Dv, [&](auto V) {
       fusedk::gdn_step_head<decltype(V)::value>(qr, kr, vr, g, beta, S, orow, Dk, scale, true);
     });
+    if (snap && snap[b] >= 0) std::copy(S, S + Dk * Dv, snap_states.data_ptr<float>() + (snap[b] * Hv + h) * Dk * Dv);
     rms_row(orow, gw, 0.0f, ne, Dv, orow);  // the gated norm: plain weight, times silu(z)
     const float* zr = z + p * Dv;
     for (int64_t d = 0; d < Dv; ++d) orow[d] *= silu(zr[d]);
@@ -600,14 +631,15 @@ torch::Tensor gdn_block(torch::Tensor x, std::vector<torch::Tensor> t, std::vect
 // Per layer, from the three flat lists in order: a token mixer, then an MLP (each optional).
 //   ints: the mixer's kind (0 none, 1 attention, 2 GDN) and its sizes (8 or 9: the meta above), then the MLP's
 //         kind (0 none, 1 SwiGLU) and its 3 group sizes;
-//   tensors: attention's 23 and k / v caches, or GDN's 30 and conv / recurrent states; the MLP's 16;
+//   tensors: attention's 23 and k / v caches, or GDN's 30, conv / recurrent states and their snapshot tensors (empty
+//            where none); the MLP's 16;
 //   floats: attention's eps, offset, scale, or GDN's eps, offset, norm_eps; the MLP's eps, offset.
 // A step of SmolLM2 made 60 calls from Python (~0.6 ms of a ~9 ms step in the interpreter and in argument
 // conversion, the other thread waiting meanwhile); now one.
 torch::Tensor decode_stack(torch::Tensor x, std::vector<torch::Tensor> tensors, std::vector<int64_t> ints,
                            std::vector<double> floats, torch::Tensor cos, torch::Tensor sin,
                            torch::Tensor slot_mapping, torch::Tensor context_slots, torch::Tensor context_lens,
-                           torch::Tensor state_slots) {
+                           torch::Tensor state_slots, torch::Tensor row_snapshots) {
   size_t ti = 0, ii = 0, fi = 0;
   auto take = [&](size_t n) {
     TORCH_CHECK(ti + n <= tensors.size(), "decode_stack: fewer tensors than the layers' kinds need");
@@ -637,10 +669,10 @@ torch::Tensor decode_stack(torch::Tensor x, std::vector<torch::Tensor> tensors, 
                       f[2]);
     } else if (mixer == 2) {
       auto t = take(30);
-      const auto pools = take(2);
+      const auto pools = take(4);
       const auto meta = sizes(9);
       const double* f = reals(3);
-      gdn_block(x, t, meta, pools[0], pools[1], state_slots, f[0], f[1], f[2]);
+      gdn_block(x, t, meta, pools[0], pools[1], state_slots, f[0], f[1], f[2], pools[2], pools[3], row_snapshots);
     } else {
       TORCH_CHECK(mixer == 0, "decode_stack: a mixer kind must be 0, 1 or 2");
     }
