@@ -275,8 +275,6 @@ def write_w4a16_checkpoint(folder: Path, group: int) -> str:
     """A pack-quantized W4A16 checkpoint of SmolLM2's shape in `folder`, made by compressed-tensors' own
     compressor (module docstring); what its weights are, in words."""
     import transformers
-    from compressed_tensors.compressors import ModelCompressor
-    from compressed_tensors.quantization import QuantizationConfig, apply_quantization_config
 
     from deltaserve.budget import default_model_path
 
@@ -296,7 +294,17 @@ def write_w4a16_checkpoint(folder: Path, group: int) -> str:
         model = transformers.LlamaForCausalLM(config)
         source = (f"a random Llama of SmolLM2's shape, hidden {hidden} ({heads} heads, {kv_heads} KV heads; "
                   f"SmolLM2's 576 is not a multiple of {group})")
-    model = model.eval()
+    save_w4a16(model.eval(), folder, group)
+    transformers.AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(folder)
+    return source
+
+
+def save_w4a16(model: torch.nn.Module, folder: Path, group: int) -> None:
+    """`model` (its Linear layers but lm_head) pack-quantized to symmetric 4-bit groups of `group` by
+    compressed-tensors' own compressor, saved with its config in `folder` (no tokenizer)."""
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import QuantizationConfig, apply_quantization_config
+
     scheme = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": group}
     qconfig = QuantizationConfig.model_validate(dict(config_groups={"group_0": {"targets": ["Linear"],
                                                                                 "weights": scheme}},
@@ -314,8 +322,6 @@ def write_w4a16_checkpoint(folder: Path, group: int) -> str:
     model.config.save_pretrained(folder)
     save_file(state, folder / "model.safetensors")
     compressor.update_config(str(folder))
-    transformers.AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(folder)
-    return source
 
 
 def minmax_qparams_(model: torch.nn.Module) -> None:

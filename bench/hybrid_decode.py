@@ -9,6 +9,15 @@ but the embedding table, of which it reads one row), and the GB/s that rate reac
 same bytes (bench/dense.py's plain_read_gbps).
 
     OMP_NUM_THREADS=2 python bench/hybrid_decode.py --decode 128 [--llama-cpp DIR]
+
+With `--w4a16` (issue 41's second table) the same weights are 4-bit on every side: ours a W4A16 checkpoint written
+by compressed-tensors' own compressor (symmetric groups of 32, lm_head left float as the library's preset does),
+run on our default path and with `--activation-dtype int8`; llama.cpp and (with `--ik-llama-cpp DIR`) ik_llama.cpp
+(with its load-time repacking, -rtr 1) the f32 GGUF quantized to Q4_0 (blocks of 32) by llama.cpp's own
+llama-quantize. Rows: prefill 512 and batch-1 decode, every side alternated, best of --repeats; the sides round
+the same weights differently (and llama-quantize makes the output matrix Q6_K), so each side's bytes are printed.
+
+    OMP_NUM_THREADS=2 python bench/hybrid_decode.py --w4a16 --llama-cpp DIR --ik-llama-cpp DIR2
 """
 
 from __future__ import annotations
@@ -45,11 +54,16 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=3, help="best of this many runs")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--llama-cpp", help="a llama.cpp tree with build/bin/llama-bench (or LLAMA_CPP_DIR)")
+    parser.add_argument("--ik-llama-cpp", help="with --w4a16: an ik_llama.cpp tree with build/bin/llama-bench")
+    parser.add_argument("--w4a16", action="store_true", help="the 4-bit table instead (module docstring)")
+    parser.add_argument("--prefill", type=int, default=512, help="with --w4a16: prompt tokens of the prefill row")
     args = parser.parse_args(argv)
-    if args.decode < 2 or args.repeats < 1:
-        print("error: --decode >= 2, --repeats >= 1", file=sys.stderr)
+    if args.decode < 2 or args.repeats < 1 or args.prefill < 1:
+        print("error: --decode >= 2, --repeats >= 1, --prefill >= 1", file=sys.stderr)
         return 2
     torch.set_num_threads(args.threads)
+    if args.w4a16:
+        return w4a16(args, argv)
     run = results.Run("hybrid_decode", "Tiny hybrid f32, batch-1 decode, deltaserve vs llama.cpp", argv)
     import llamacpp
 
@@ -84,6 +98,77 @@ def main(argv=None) -> int:
               [[results.rounded(rate), results.rounded(peer_rate) if peer_rate else None,
                 results.rounded(rate / peer_rate, 2) if peer_rate else None, results.rounded(read / 1e6),
                 results.rounded(reached), results.rounded(limit)]])
+    run.save()
+    return 0
+
+
+def w4a16(args, argv) -> int:
+    """The 4-bit table: ours (W4A16, default and int8 activations) vs llama.cpp and ik_llama.cpp (Q4_0)."""
+    import shutil
+
+    import llamacpp
+    from dense import save_w4a16
+    from transformers import Qwen3_5ForCausalLM
+
+    run = results.Run("hybrid_decode", "Tiny hybrid 4-bit: prefill and batch-1 decode, deltaserve (W4A16) vs "
+                      "llama.cpp and ik_llama.cpp (Q4_0)", argv)
+    peer, ik_peer = llamacpp.tree(args.llama_cpp), llamacpp.ik_tree(args.ik_llama_cpp)
+    longest = max(args.prefill, args.decode_prompt + args.decode)
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = save_checkpoint(Path(tmp) / "hybrid")
+        quantized = Path(tmp) / "hybrid-w4a16"
+        quantized.mkdir()
+        save_w4a16(Qwen3_5ForCausalLM.from_pretrained(folder, dtype=torch.float32).eval(), quantized, 32)
+        for name in Path(folder).iterdir():
+            if "token" in name.name or name.name == "special_tokens_map.json":
+                shutil.copy(name, quantized / name.name)
+        sides = {"deltaserve": Ours(str(quantized), longest, False),
+                 "deltaserve int8-act": Ours(str(quantized), longest, False, activation_dtype="int8")}
+        peers, sizes = {}, {name: side.weight_bytes for name, side in sides.items()}
+        if peer:
+            f32 = llamacpp.convert(peer, folder, Path(tmp) / "hybrid-f32.gguf")
+            q4 = llamacpp.quantize(peer, f32, Path(tmp) / "hybrid-q4_0.gguf", "Q4_0")
+            sizes["GGUF Q4_0 file"] = q4.stat().st_size
+            peers["llama.cpp"] = lambda test: llamacpp.run_one(peer, q4, test, args.threads)
+            if ik_peer:
+                peers["ik_llama.cpp"] = lambda test: llamacpp.run_one(ik_peer, q4, test, args.threads,
+                                                                      llamacpp.IK_ARGS)
+        cells = [(f"prefill {args.prefill}", args.prefill, lambda side, ids: side.prefill(ids),
+                  prompt(args.prefill, args.prefill), f"pp{args.prefill}"),
+                 (f"decode {args.decode} (batch 1)", args.decode - 1, lambda side, ids: side.decode(ids, args.decode),
+                  prompt(args.decode_prompt, 1), f"tg{args.decode}")]
+        for side in sides.values():
+            side.prefill(prompt(64, 0))  # first-call costs out of the timings
+        header = ["what, tok/s", *sides, *peers, *(f"deltaserve / {name}" for name in peers),
+                  *(f"int8-act / {name}" for name in peers)]
+        print(f"tiny hybrid 4-bit, {args.threads} threads, best of {args.repeats}, every side alternated")
+        print("  ".join(header))
+        rows = []
+        for label, tokens, timed, ids, test in cells:
+            best = {name: float("inf") for name in sides}
+            peer_best = {name: 0.0 for name in peers}
+            for _ in range(args.repeats):
+                for name, side in sides.items():
+                    best[name] = min(best[name], timed(side, ids))
+                for name, peer_run in peers.items():
+                    try:
+                        peer_best[name] = max(peer_best[name], peer_run(test))
+                    except Exception as error:  # noqa: BLE001 - a peer that cannot read the file: its column says so
+                        print(f"  {name} failed: {str(getattr(error, 'stderr', '') or error)[-300:]}")
+            rates = {name: tokens / best[name] for name in sides}
+            row = [label, *(results.rounded(r) for r in rates.values()),
+                   *(results.rounded(peer_best[n]) if peer_best[n] else None for n in peers),
+                   *(results.rounded(rates["deltaserve"] / peer_best[n], 2) if peer_best[n] else None
+                     for n in peers),
+                   *(results.rounded(rates["deltaserve int8-act"] / peer_best[n], 2) if peer_best[n] else None
+                     for n in peers)]
+            print("  ".join("-" if v is None else str(v) for v in row), flush=True)
+            rows.append(row)
+    title = (f"tiny hybrid (hidden 512, 8 layers 3:1 GDN:attention) 4-bit, {args.threads} threads, best of "
+             f"{args.repeats}")
+    run.table(title, header, rows)
+    run.note("bytes: " + ", ".join(f"{name} {size / 1e6:.1f} MB" for name, size in sizes.items())
+             + " (ours: the weights held, lm_head float32 as compressed-tensors' W4A16 preset leaves it)")
     run.save()
     return 0
 

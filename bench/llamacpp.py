@@ -3,7 +3,7 @@ tree you built yourself (nothing of it is part of deltaserve). Give the tree wit
 environment variable LLAMA_CPP_DIR); the scripts run without it and print "-" in its column.
 
     cmake -S DIR -B DIR/build -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF
-    cmake --build DIR/build --target llama-bench llama-perplexity llama-lookup -j
+    cmake --build DIR/build --target llama-bench llama-perplexity llama-lookup llama-quantize -j
 
 On a CPU that lists AMX but whose tiles fault in this VM (llama.cpp's Q4_1 AMX kernel died with SIGILL at
 `tileloadd` on the Sapphire Rapids VMs here, 2026-12-06), configure without AMX (-march=native then turns it off):
@@ -73,6 +73,16 @@ def ik_tree(given: str | None) -> Path | None:
 
 # ik_llama.cpp's own best CPU setting: repack the quantized weights at load into its interleaved rows (-rtr 1)
 IK_ARGS = ("-rtr", "1")
+
+
+def quantize(root: Path, gguf: Path, out: Path, kind: str = "Q4_0") -> Path:
+    """A GGUF quantized by llama.cpp's own llama-quantize (build/bin/llama-quantize), e.g. f32 -> Q4_0."""
+    binary = root / "build" / "bin" / "llama-quantize"
+    if not binary.exists():
+        raise SystemExit(f"error: {root} has no build/bin/llama-quantize: build it first (see bench/llamacpp.py)")
+    subprocess.run([str(binary), str(gguf), str(out), kind], check=True, stdout=subprocess.DEVNULL,
+                   stderr=subprocess.PIPE)
+    return out
 
 
 def run_bench(root: Path, gguf: Path, *, prompts: list[int] = (), gen: int = 0, threads: int = 2,
