@@ -17,10 +17,13 @@ decode_stack runs every layer's blocks in one call (`Stack` keeps its flat argum
 layer from Python cost SmolLM2 ~0.6 ms of a ~9 ms step. A model with a layer the blocks do not take (Qwen3-Next's
 packed in-projections, experts) calls the blocks layer by layer.
 
-Projections are either float32 weights (linear_cpu.py's few-row kernel) or packed 4-bit ones (int4_cpu.py's
-kernel); the attention is paged_cpu.py's kernel. Their C++ is in csrc/decode.cpp, which includes those modules'
-headers (csrc/int4_tile.h, linear_tile.h, paged_attention.h, gdn.h; each its own namespace), so one arithmetic serves
-both paths: the result equals the per-op path's to float32 rounding (the order of a few additions differs). Norms
+Projections are either float32 weights (linear_cpu.py's few-row kernel), packed 4-bit ones (int4_cpu.py's kernel) or,
+under --activation-dtype int8, packed 4-bit ones in int4_int8.py's panels: a block quantizes its normed input to int8
+once for all the projections that read it (q / k / v, gate / up, a GDN mixer's four in-projections) and each takes
+the integer dot-product tile. The attention is paged_cpu.py's kernel. Their C++ is in csrc/decode.cpp, which includes
+those modules' headers (csrc/int4_tile.h, linear_tile.h, int4_int8_tile.h, paged_attention.h, gdn.h; each its own
+namespace), so one arithmetic serves both paths: the result equals the per-op path's to float32 rounding (the order
+of a few additions differs). Norms
 are RMSNorm with scale offset + weight (offset 1: zero-centred). float32 activations, 1 to MAX_ROWS decode rows;
 anything else (prefill chunks, other dtypes) takes the per-op path.
 """
@@ -29,7 +32,7 @@ from __future__ import annotations
 
 import torch
 
-from deltaserve.kernels import fused_cpu, int4_cpu, linear_cpu, paged_cpu
+from deltaserve.kernels import fused_cpu, int4_cpu, int4_int8, linear_cpu, paged_cpu
 from deltaserve.kernels.cpp_build import CSRC, CompiledKernels
 
 MAX_ROWS = 64  # decode rows: what the few-row kernels it builds on take
@@ -57,9 +60,12 @@ def disabled():
 FLOAT_WEIGHT_K_MULTIPLE = 16  # lin_of: a float32 weight's input width, the few-row kernel's vector
 
 
-def projection_declines(in_features: int, group_size: int = 0) -> str | None:
-    """Why the blocks cannot take a projection of this input width (group_size 0: a float32 weight; else packed
-    4-bit in these groups, int4_cpu's checks), or None when they can."""
+def projection_declines(in_features: int, group_size: int = 0, out_features: int = 0) -> str | None:
+    """Why the blocks cannot take a projection of this input width (group_size 0: a float32 weight; positive: packed
+    4-bit in these groups, int4_cpu's checks; negative: packed 4-bit in int4_int8's panels on int8 activations, in
+    groups of -group_size, int4_int8's checks), or None when they can."""
+    if group_size < 0:
+        return int4_int8.declines(out_features, in_features, -group_size, lut=False)
     if group_size:
         return int4_cpu.declines(in_features, group_size)
     if in_features % FLOAT_WEIGHT_K_MULTIPLE:

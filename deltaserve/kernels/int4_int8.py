@@ -1,6 +1,7 @@
 """Packed 4-bit weights times int8 activations on CPU (`--activation-dtype int8`): integer dot products.
 
-The C++ is kernels/csrc/int4_int8dot.cpp (its header says the arithmetic and the layout). Each input row is
+The C++ is kernels/csrc/int4_int8dot.cpp (its header says the arithmetic and the layout), its tiles in
+int4_int8_tile.h, which decode.cpp's fused blocks compile too. Each input row is
 quantized per block of 32 columns to int8 with one float32 scale (llama.cpp's Q8_0 / Q8_1 for Q4_0 / Q4_1: the
 offsets enter through each block's sum, as Q8_1's), and the 4-bit codes multiply it by vpdpbusd (AVX-512 VNNI) or
 vpmaddubsw (AVX2). The result is the dequantized weight times the dequantized activations; against the float32 path
@@ -13,19 +14,16 @@ panel form holds exactly the packed layout's bytes, so the ledger's weights line
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
-from deltaserve.kernels.cpp_build import CompiledKernels
+from deltaserve.kernels.cpp_build import CSRC, CompiledKernels
 from deltaserve.kernels.int4 import BLOCK, PackedInt4
 
 PANEL_ROWS = 16  # output rows interleaved in one panel
 QUANT_BLOCK = 32  # activation columns sharing one int8 scale
 
-SOURCE_FILE = Path(__file__).parent / "csrc" / "int4_int8dot.cpp"
-
-KERNELS = CompiledKernels("deltaserve_int4_int8dot", SOURCE_FILE.read_text(),
+KERNELS = CompiledKernels("deltaserve_int4_int8dot", CSRC / "int4_int8dot.cpp",
                           ["int4_int8_linear", "int4_int8_quantize", "int4_int8_isa"],
                           "CPU 4-bit x int8 dot-product kernel", "the float32 packed 4-bit kernel")
 

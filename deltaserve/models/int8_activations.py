@@ -2,8 +2,9 @@
 quantized to int8 per block of 32 and multiplied by integer dot products; the rest keep the float32 packed path.
 
 The swap moves each weight's bytes into the kernel's 16-row panels (the same bytes: the ledger's weights line does
-not change). A swapped layer's decode rows go through it too, so the fused float32 decode blocks
-(kernels/decode_cpu.py) do not take its decoder layer: projection_parts takes only Int4Linear and float Linear.
+not change) and makes each layer an Int4Int8Linear (models/layers.py). The fused decode blocks (kernels/decode_cpu.py)
+take those layers too (projection_parts): a block quantizes its normed input once for all the projections reading
+it, so a decode step stays one native call.
 """
 
 from __future__ import annotations
@@ -13,26 +14,7 @@ from torch import nn
 
 from deltaserve.kernels import int4_int8
 from deltaserve.kernels.int4 import PackedInt4
-from deltaserve.models.layers import FusedParts, Int4Linear
-
-
-class Int4Int8Linear(nn.Module):
-    """A 4-bit linear in the int8 dot-product kernel's panel layout: its result is the dequantized weight times the
-    input rounded to int8 per block of 32 (within sum |w| d / 2 of the float32 path, d the block's quantum)."""
-
-    def __init__(self, w: int4_int8.PanelInt4, bias: torch.Tensor | None):
-        super().__init__()
-        self.out_features, self.in_features = w.shape
-        self.group_size = w.group_size
-        self.register_buffer("codes", w.codes)
-        self.register_buffer("scales", w.scales)
-        self.register_buffer("offsets", w.offsets)
-        self.register_buffer("perm", w.perm, persistent=False)
-        self.bias = bias
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = int4_int8.PanelInt4(self.codes, self.scales, self.offsets, self.group_size, self.perm)
-        return int4_int8.linear(x, w, self.bias)
+from deltaserve.models.layers import FusedParts, Int4Int8Linear, Int4Linear
 
 
 def use_int8_activations(model: nn.Module) -> tuple[int, list[str]]:

@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from deltaserve.kernels import decode_cpu, fused_cpu, int4_torch, linear_cpu, prefill_cpu
+from deltaserve.kernels import decode_cpu, fused_cpu, int4_int8, int4_torch, linear_cpu, prefill_cpu
 from deltaserve.kernels.int4 import Int4Codes, PackedInt4, int4_linear, pack
 from deltaserve.kernels.int8 import Int8Rows
 
@@ -210,6 +210,26 @@ class TorchInt4Linear(nn.Module):
         return int4_torch.int4_linear(x, w, self.bias)
 
 
+class Int4Int8Linear(nn.Module):
+    """A 4-bit linear in the int8 dot-product kernel's panel layout (--activation-dtype int8, swapped in by
+    models/int8_activations.py): its result is the dequantized weight times the input rounded to int8 per block of 32
+    (within sum |w| d / 2 of the float32 path, d the block's quantum)."""
+
+    def __init__(self, w: int4_int8.PanelInt4, bias: torch.Tensor | None):
+        super().__init__()
+        self.out_features, self.in_features = w.shape
+        self.group_size = w.group_size
+        self.register_buffer("codes", w.codes)
+        self.register_buffer("scales", w.scales)
+        self.register_buffer("offsets", w.offsets)
+        self.register_buffer("perm", w.perm, persistent=False)
+        self.bias = bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = int4_int8.PanelInt4(self.codes, self.scales, self.offsets, self.group_size, self.perm)
+        return int4_int8.linear(x, w, self.bias)
+
+
 def refusal(kernels, entry: str, reason: str | None) -> str | None:
     """A native kernel's answer for a layer's shapes (`reason`, from its *_declines function) as a load-time log line
     naming the kernel and what serves instead, its layers left as {layers}; None where the kernel serves them."""
@@ -252,12 +272,19 @@ def announce_refusals(refusals: list[list[str]]) -> None:
 
 def projection_parts(layer: nn.Module) -> tuple[list[torch.Tensor], int] | None:
     """A projection as kernels/decode_cpu.py's blocks take it: [weight or packed codes, scales, offsets, level
-    table, bias] (EMPTY where absent) and its group size (0: a float32 weight); None where they do not take it."""
+    table, bias] (EMPTY where absent) and its group size (0: a float32 weight; negative: an Int4Int8Linear's panel
+    codes, on int8 activations); None where they do not take it."""
     EMPTY, projection_declines = decode_cpu.EMPTY, decode_cpu.projection_declines
 
     bias = EMPTY if layer.bias is None else layer.bias
     if bias.dtype != torch.float32:
         return None
+    if type(layer) is Int4Int8Linear:
+        if layer.perm is not None or projection_declines(layer.in_features, -layer.group_size,
+                                                         layer.out_features) is not None:
+            return None
+        offsets = EMPTY if layer.offsets is None else layer.offsets
+        return [layer.codes, layer.scales, offsets, EMPTY, bias], -layer.group_size
     if type(layer) is Int4Linear:
         if layer.perm is not None or projection_declines(layer.in_features, layer.group_size) is not None:
             return None

@@ -17,25 +17,50 @@
 #include "linear_tile.h"
 #include "paged_attention.h"
 #include "gdn.h"
+#include "int4_int8_tile.h"
 
 namespace {
 
 inline float silu(float a) { return a / (1.0f + std::exp(-a)); }
 
-// One projection: float32 weight [N, K] (group 0) or packed 4-bit (int4_cpu's layout), and an optional bias.
+// One projection: float32 weight [N, K] (group 0), packed 4-bit (int4_cpu's layout, group > 0) or packed 4-bit in
+// int4_int8's 16-row panels times int8 activations (group < 0: --activation-dtype int8), and an optional bias.
 struct Lin {
   int64_t N = 0, K = 0, group = 0;
   const float* w = nullptr;
   int4k::Weight q4{};
-  bool lut = false;
+  i8dotk::Weight p8{};
+  bool lut = false, i8 = false;
   const float* bias = nullptr;
 };
+
+// A panel weight (int4_int8_linear's checks): codes [N / 16, K * 8] uint8, scales (and offsets, or empty: symmetric)
+// [N / 16, K / group, 16] float32, bfloat16 or float16.
+i8dotk::Weight panel_of(const torch::Tensor& codes, const torch::Tensor& scales, const torch::Tensor& offsets,
+                        int64_t group, int64_t K) {
+  using namespace i8dotk;
+  TORCH_CHECK(codes.scalar_type() == torch::kUInt8 && codes.is_contiguous() && codes.dim() == 2 &&
+              codes.size(1) == K * 8 && K % QB == 0 && group % QB == 0 && K % group == 0,
+              "decode block: panel codes must be [N / 16, K * 8] uint8, K and the group multiples of 32");
+  TORCH_CHECK(scales.is_contiguous() && scales.dim() == 3 && scales.size(0) == codes.size(0) &&
+              scales.size(1) * group == K && scales.size(2) == RI, "decode block: panel scales [N / 16, K / group, 16]");
+  const bool symmetric = offsets.numel() == 0;
+  TORCH_CHECK(symmetric || (offsets.sizes() == scales.sizes() && offsets.scalar_type() == scales.scalar_type() &&
+                            offsets.is_contiguous()), "decode block: panel offsets shaped and typed as the scales");
+  return Weight{codes.data_ptr<uint8_t>(), scales.data_ptr(), symmetric ? nullptr : offsets.data_ptr(),
+                kind_of(scales), K, group, K / group};
+}
 
 // t[i .. i + 4]: weight or packed codes, scales, offsets, level table, bias (empty tensors where absent).
 Lin lin_of(const std::vector<torch::Tensor>& t, size_t i, int64_t group, int64_t K) {
   Lin l;
   l.group = group;
-  if (group == 0) {
+  if (group < 0) {
+    TORCH_CHECK(t[i + 3].numel() == 0, "decode block: a panel weight has no level table");
+    l.p8 = panel_of(t[i], t[i + 1], t[i + 2], -group, K);
+    l.i8 = true;
+    l.N = t[i].size(0) * i8dotk::RI;
+  } else if (group == 0) {
     const auto& w = t[i];
     TORCH_CHECK(w.scalar_type() == torch::kFloat32 && w.is_contiguous() && w.dim() == 2 && w.size(1) == K &&
                 K % 16 == 0, "decode block: a float32 weight must be contiguous [N, K], K a multiple of 16");
@@ -65,17 +90,31 @@ struct Out {
   float* y;
 };
 
-inline int64_t block_rows(const Lin& l) { return l.group ? int4k::NR_MAX : lineark::NR_MAX; }
+inline int64_t block_rows(const Lin& l) {
+  return l.i8 ? i8dotk::NP_MAX * i8dotk::UNIT_ROWS : l.group ? int4k::NR_MAX : lineark::NR_MAX;
+}
+
+// Units of one projection past its full blocks: rows one at a time, or a panel weight's UNIT_ROWS at a time.
+inline int64_t tail_units(const Lin& l) {
+  const int64_t left = l.N % block_rows(l);
+  return l.i8 ? left / i8dotk::UNIT_ROWS : left;
+}
 
 // Whether one input row meets this projection's float32 weight rows one after another (lineark::one_row), read with
 // no software prefetch.
 inline bool one_row_stream(const Lin& l, int64_t M) { return !l.group && M == 1; }
 
-// Rows [n0, n0 + rows) of one projection's output: `rows` is its block, or 1 past its last full block.
-// xq: x prepared for the packed one-row tile (int4k::prepared), or nullptr.
-inline void rows_of(const Lin& l, const float* x, int64_t M, int64_t n0, int64_t rows, float* y, const float* xq) {
+// Rows [n0, n0 + rows) of one projection's output: `rows` is its block, or 1 past its last full block (a panel
+// weight: UNIT_ROWS). xq: x prepared for the packed one-row tile (int4k::prepared), or nullptr; a8: x quantized to
+// int8 blocks in this panel weight's groups.
+inline void rows_of(const Lin& l, const float* x, int64_t M, int64_t n0, int64_t rows, float* y, const float* xq,
+                    const i8dotk::Act* a8) {
   const int64_t N = l.N, K = l.K;
-  if (l.group) {
+  if (l.i8) {
+    const int64_t u0 = n0 / i8dotk::UNIT_ROWS;
+    if (rows == i8dotk::NP_MAX * i8dotk::UNIT_ROWS) i8dotk::column<i8dotk::NP_MAX>(*a8, 0, M, l.p8, u0, y, N);
+    else i8dotk::column<1>(*a8, 0, M, l.p8, u0, y, N);
+  } else if (l.group) {
     constexpr int NR = int4k::NR_MAX;
     if (l.lut) rows == NR ? int4k::rows_past<NR, true>(x, M, l.q4, n0, y + n0, N)
                           : int4k::rows_past<1, true>(x, M, l.q4, n0, y + n0, N);
@@ -91,15 +130,37 @@ inline void rows_of(const Lin& l, const float* x, int64_t M, int64_t n0, int64_t
 }
 
 // The weight bytes of rows [n0, n0 + rows), fetched ahead while earlier rows are multiplied.
+// A panel weight's rows lie in 16-row panels of K / 2 bytes a row: a block's rows are as contiguous as packed ones.
 inline void prefetch_rows(const Lin& l, int64_t n0, int64_t rows) {
   const int64_t row_bytes = l.group ? l.K / 2 : l.K * 4;
-  const char* p = l.group ? reinterpret_cast<const char*>(l.q4.packed) : reinterpret_cast<const char*>(l.w);
+  const char* p = l.i8 ? reinterpret_cast<const char*>(l.p8.codes)
+                : l.group ? reinterpret_cast<const char*>(l.q4.packed) : reinterpret_cast<const char*>(l.w);
   for (int64_t c = 0; c < rows * row_bytes; c += 64) __builtin_prefetch(p + n0 * row_bytes + c, 0, 1);
 }
 
+// x [M, K] quantized to int8 per block of 32 for the panel weights in groups of `group` (int4_int8_quantize's rows,
+// the same quantize_row), once for every projection that reads x.
+struct Quantized {
+  int64_t group = 0;
+  std::vector<int8_t> q;
+  std::vector<float> d, gsum;
+  i8dotk::Act act{};
+
+  void of(const float* x, int64_t M, int64_t K, int64_t g) {
+    using i8dotk::QB;
+    group = g;
+    q.resize(M * K);
+    d.resize(M * (K / QB));
+    gsum.resize(M * (K / g));
+    for (int64_t m = 0; m < M; ++m)
+      i8dotk::quantize_row(x + m * K, K, g, q.data() + m * K, d.data() + m * (K / QB), gsum.data() + m * (K / g));
+    act = i8dotk::Act{q.data(), d.data(), gsum.data(), K, K / g};
+  }
+};
+
 // Projections of the same input x [M, K] (q / k / v, gate / up, a GDN mixer's four) in one parallel loop over all
 // their row blocks: one OpenMP region and one barrier for them all, where one each made a step of SmolLM2 ~240
-// regions, each a sync point of the threads.
+// regions, each a sync point of the threads. Panel weights (int8 activations) share x's quantization.
 void matmuls(const float* x, int64_t M, std::initializer_list<Out> outs) {
   constexpr int MAX_OUTS = 4;
   TORCH_CHECK(outs.size() <= MAX_OUTS, "decode block: at most 4 projections share a loop");
@@ -109,11 +170,21 @@ void matmuls(const float* x, int64_t M, std::initializer_list<Out> outs) {
   for (int j = 0; j < n_outs; ++j) {  // projection j's units: its full blocks, then one per row past them
     block[j] = block_rows(*o[j].l);
     full[j] = o[j].l->N / block[j];
-    start[j + 1] = start[j] + full[j] + o[j].l->N % block[j];
+    start[j + 1] = start[j] + full[j] + tail_units(*o[j].l);
   }
   const float* xq = nullptr;  // x as the packed one-row tile reads it, prepared once for all the projections
   for (int j = 0; j < n_outs && xq == nullptr; ++j)
-    if (o[j].l->group) xq = int4k::prepared(x, M, o[j].l->q4);
+    if (o[j].l->group > 0) xq = int4k::prepared(x, M, o[j].l->q4);
+  Quantized quantized[MAX_OUTS];  // x in int8 blocks, one per distinct group size of the panel weights
+  const i8dotk::Act* a8[MAX_OUTS] = {nullptr};
+  for (int j = 0, n_q = 0; j < n_outs; ++j) {
+    if (!o[j].l->i8) continue;
+    const int64_t g = o[j].l->p8.group;
+    int k = 0;
+    while (k < n_q && quantized[k].group != g) ++k;
+    if (k == n_q) quantized[n_q++].of(x, M, o[j].l->K, g);
+    a8[j] = &quantized[k].act;
+  }
   #pragma omp parallel for schedule(static)
   for (int64_t u = 0; u < start[n_outs]; ++u) {
     int j = 0;
@@ -123,9 +194,11 @@ void matmuls(const float* x, int64_t M, std::initializer_list<Out> outs) {
     if (i < full[j]) {
       if (i + 2 < full[j] && !one_row_stream(l, M))  // two blocks on: in flight meanwhile
         prefetch_rows(l, (i + 2) * block[j], block[j]);
-      rows_of(l, x, M, i * block[j], block[j], o[j].y, xq);
+      rows_of(l, x, M, i * block[j], block[j], o[j].y, xq, a8[j]);
+    } else if (l.i8) {
+      rows_of(l, x, M, full[j] * block[j] + (i - full[j]) * i8dotk::UNIT_ROWS, i8dotk::UNIT_ROWS, o[j].y, xq, a8[j]);
     } else {
-      rows_of(l, x, M, full[j] * block[j] + (i - full[j]), 1, o[j].y, xq);
+      rows_of(l, x, M, full[j] * block[j] + (i - full[j]), 1, o[j].y, xq, a8[j]);
     }
   }
   for (const Out& out : outs)
@@ -190,7 +263,7 @@ const float* vec(const torch::Tensor& t, int64_t n, const char* what) {
 // x [B, hidden] float32, updated in place: x += o_proj(attention(norm(x))), the new K/V rows stored at
 // slot_mapping. t: input norm [hidden], q_norm [D] or empty, k_norm [D] or empty, then q, k, v, o projections
 // (5 tensors each, see lin_of). meta: Hq, Hkv, D, gated (q_proj yields [q | gate] per head), and the 4 group sizes
-// (0: float32 weight). cos / sin [B, rd]; caches [slots, Hkv, D]; context_slots [B, Lmax]; context_lens [B].
+// (0: float32 weight; negative: a panel weight on int8 activations). cos / sin [B, rd]; caches [slots, Hkv, D]; context_slots [B, Lmax]; context_lens [B].
 torch::Tensor attention_block(torch::Tensor x, std::vector<torch::Tensor> t, std::vector<int64_t> meta,
                               torch::Tensor cos, torch::Tensor sin, torch::Tensor k_cache, torch::Tensor v_cache,
                               torch::Tensor slot_mapping, torch::Tensor context_slots, torch::Tensor context_lens,
@@ -276,7 +349,7 @@ torch::Tensor attention_block(torch::Tensor x, std::vector<torch::Tensor> t, std
 }
 
 // x [B, hidden] float32, updated in place: x += down(silu(gate(norm(x))) * up(norm(x))). t: the norm [hidden], then
-// gate, up, down projections (5 tensors each); groups: their group sizes (0: float32 weight).
+// gate, up, down projections (5 tensors each); groups: their group sizes (as attention_block's meta).
 torch::Tensor mlp_block(torch::Tensor x, std::vector<torch::Tensor> t, std::vector<int64_t> groups, double eps,
                         double offset) {
   check_rows(x);

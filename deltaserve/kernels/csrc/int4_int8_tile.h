@@ -1,0 +1,252 @@
+// The 4-bit x int8 dot-product tiles and the activation quantization (the arithmetic and the panel layout:
+// int4_int8dot.cpp's header); int4_int8dot.cpp and decode.cpp compile them.
+#pragma once
+
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <immintrin.h>
+
+namespace i8dotk {
+
+namespace {
+
+constexpr int QB = 32;          // columns per activation block (one int8 scale)
+constexpr int RI = 16;          // weight rows per panel
+constexpr int PANEL_BLOCK = 256;  // bytes of one panel's block: 16 rows x 32 codes
+constexpr float INV127 = 1.0f / 127.0f;
+
+enum ScaleKind : int { F32 = 0, BF16 = 1, F16 = 2 };
+
+// One row's quantization: q [K] int8, d [K / 32] block scales, gsum [K / group] = sum over a group's blocks of
+// d * sum(q).
+void quantize_row(const float* __restrict x, int64_t K, int64_t group, int8_t* __restrict q, float* __restrict d,
+                  float* __restrict gsum) {
+  const int64_t per_group = group / QB;
+  for (int64_t b = 0; b < K / QB; ++b) {
+    const float* xb = x + b * QB;
+    int32_t total;
+    float db;
+#if defined(__AVX512F__)
+    const __m512 a = _mm512_loadu_ps(xb), c = _mm512_loadu_ps(xb + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(c)));
+    db = amax * INV127;
+    const float id = db > 0.0f ? 1.0f / db : 0.0f;
+    const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, _mm512_set1_ps(id)));  // to nearest even (MXCSR's)
+    const __m512i qc = _mm512_cvtps_epi32(_mm512_mul_ps(c, _mm512_set1_ps(id)));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b * QB), _mm512_cvtepi32_epi8(qa));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b * QB + 16), _mm512_cvtepi32_epi8(qc));
+    total = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qc));
+#else
+    float amax = 0.0f;
+    for (int i = 0; i < QB; ++i) amax = std::max(amax, std::fabs(xb[i]));
+    db = amax * INV127;
+    const float id = db > 0.0f ? 1.0f / db : 0.0f;
+    total = 0;
+    for (int i = 0; i < QB; ++i) {
+      const int32_t v = static_cast<int32_t>(std::nearbyint(xb[i] * id));
+      q[b * QB + i] = static_cast<int8_t>(v);
+      total += v;
+    }
+#endif
+    d[b] = db;
+    const float part = db * static_cast<float>(total);
+    if (b % per_group == 0) gsum[b / per_group] = part;
+    else gsum[b / per_group] += part;
+  }
+}
+
+struct Act {  // quantized input rows
+  const int8_t* q;
+  const float* d;
+  const float* gsum;
+  int64_t K, groups;
+};
+
+struct Weight {
+  const uint8_t* codes;  // [N / 16][K / 32][256]
+  const void* scales;    // [N / 16][K / group][16]
+  const void* offsets;   // the same, or nullptr: symmetric (offset = -8 * scale)
+  ScaleKind kind;
+  int64_t K, group, groups;
+};
+
+#if defined(__AVX512F__) && defined(__AVX512VNNI__)
+// 16 scales (or offsets) of panel p, group g as float32
+inline __m512 params16(const void* base, ScaleKind kind, int64_t i) {
+  switch (kind) {
+    case F32: return _mm512_loadu_ps(static_cast<const float*>(base) + i);
+    case BF16: {
+      const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(base) + i));
+      return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+    }
+    default:
+      return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(base) + i)));
+  }
+}
+
+// y[m, 16 p + r] for MR input rows from m0 and NP panels from p0: int32 sums per block, scaled into float32.
+template <int MR, int NP>
+void tile(const Act& a, int64_t m0, const Weight& w, int64_t p0, float* __restrict y, int64_t ldy) {
+  const int64_t K = w.K, blocks = K / QB, per_group = w.group / QB;
+  const __m512i nib = _mm512_set1_epi8(0x0F);
+  __m512 acc[MR][NP];
+  for (int m = 0; m < MR; ++m)
+    for (int n = 0; n < NP; ++n) acc[m][n] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < w.groups; ++g) {
+    __m512 s[NP], o[NP];
+    for (int n = 0; n < NP; ++n) {
+      const int64_t at = ((p0 + n) * w.groups + g) * RI;
+      s[n] = params16(w.scales, w.kind, at);
+      o[n] = w.offsets ? params16(w.offsets, w.kind, at) : _mm512_mul_ps(s[n], _mm512_set1_ps(-8.0f));
+    }
+    for (int64_t b = g * per_group; b < (g + 1) * per_group; ++b) {
+      __m512i isum[MR][NP];
+      for (int m = 0; m < MR; ++m)
+        for (int n = 0; n < NP; ++n) isum[m][n] = _mm512_setzero_si512();
+      for (int L = 0; L < 4; ++L) {
+        __m512i lo[NP], hi[NP];
+        for (int n = 0; n < NP; ++n) {
+          const __m512i z = _mm512_loadu_si512(w.codes + ((p0 + n) * blocks + b) * PANEL_BLOCK + 64 * L);
+          lo[n] = _mm512_and_si512(z, nib);
+          hi[n] = _mm512_and_si512(_mm512_srli_epi16(z, 4), nib);
+        }
+        for (int m = 0; m < MR; ++m) {
+          const int8_t* qm = a.q + (m0 + m) * K + b * QB + 4 * L;
+          int32_t xl, xh;
+          std::memcpy(&xl, qm, 4);
+          std::memcpy(&xh, qm + 16, 4);
+          const __m512i vl = _mm512_set1_epi32(xl), vh = _mm512_set1_epi32(xh);
+          for (int n = 0; n < NP; ++n) {
+            isum[m][n] = _mm512_dpbusd_epi32(isum[m][n], lo[n], vl);
+            isum[m][n] = _mm512_dpbusd_epi32(isum[m][n], hi[n], vh);
+          }
+        }
+      }
+      for (int m = 0; m < MR; ++m) {
+        const __m512 dm = _mm512_set1_ps(a.d[(m0 + m) * blocks + b]);
+        for (int n = 0; n < NP; ++n)
+          acc[m][n] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[m][n]), _mm512_mul_ps(s[n], dm), acc[m][n]);
+      }
+    }
+    for (int m = 0; m < MR; ++m) {
+      const __m512 gm = _mm512_set1_ps(a.gsum[(m0 + m) * w.groups + g]);
+      for (int n = 0; n < NP; ++n) acc[m][n] = _mm512_fmadd_ps(o[n], gm, acc[m][n]);
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int n = 0; n < NP; ++n) _mm512_storeu_ps(y + (m0 + m) * ldy + (p0 + n) * RI, acc[m][n]);
+}
+constexpr int MR_MAX = 4, NP_MAX = 2;  // 8 int32 + 8 float32 accumulators, 4 code registers, 4 scale / offset
+
+#else
+// AVX2: a panel as two halves of 8 rows (bytes 0-31 and 32-63 of each chunk); NP counts halves here.
+inline __m256 params8(const void* base, ScaleKind kind, int64_t i) {
+  switch (kind) {
+    case F32: return _mm256_loadu_ps(static_cast<const float*>(base) + i);
+    case BF16: {
+      const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(base) + i));
+      return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+    }
+    default:
+      return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(base) + i)));
+  }
+}
+
+template <int MR, int NP>
+void tile(const Act& a, int64_t m0, const Weight& w, int64_t h0, float* __restrict y, int64_t ldy) {
+  const int64_t K = w.K, blocks = K / QB, per_group = w.group / QB;
+  const __m256i nib = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  __m256 acc[MR][NP];
+  for (int m = 0; m < MR; ++m)
+    for (int n = 0; n < NP; ++n) acc[m][n] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < w.groups; ++g) {
+    __m256 s[NP], o[NP];
+    for (int n = 0; n < NP; ++n) {
+      const int64_t h = h0 + n, at = ((h / 2) * w.groups + g) * RI + (h % 2) * 8;
+      s[n] = params8(w.scales, w.kind, at);
+      o[n] = w.offsets ? params8(w.offsets, w.kind, at) : _mm256_mul_ps(s[n], _mm256_set1_ps(-8.0f));
+    }
+    for (int64_t b = g * per_group; b < (g + 1) * per_group; ++b) {
+      __m256i isum[MR][NP];  // int16 pairs: 8 chunks' sums stay below 2^15 (header)
+      for (int m = 0; m < MR; ++m)
+        for (int n = 0; n < NP; ++n) isum[m][n] = _mm256_setzero_si256();
+      for (int L = 0; L < 4; ++L) {
+        __m256i lo[NP], hi[NP];
+        for (int n = 0; n < NP; ++n) {
+          const int64_t h = h0 + n;
+          const __m256i z = _mm256_loadu_si256(
+              reinterpret_cast<const __m256i*>(w.codes + ((h / 2) * blocks + b) * PANEL_BLOCK + 64 * L + 32 * (h % 2)));
+          lo[n] = _mm256_and_si256(z, nib);
+          hi[n] = _mm256_and_si256(_mm256_srli_epi16(z, 4), nib);
+        }
+        for (int m = 0; m < MR; ++m) {
+          const int8_t* qm = a.q + (m0 + m) * K + b * QB + 4 * L;
+          int32_t xl, xh;
+          std::memcpy(&xl, qm, 4);
+          std::memcpy(&xh, qm + 16, 4);
+          const __m256i vl = _mm256_set1_epi32(xl), vh = _mm256_set1_epi32(xh);
+          for (int n = 0; n < NP; ++n)
+            isum[m][n] = _mm256_add_epi16(isum[m][n], _mm256_add_epi16(_mm256_maddubs_epi16(lo[n], vl),
+                                                                         _mm256_maddubs_epi16(hi[n], vh)));
+        }
+      }
+      for (int m = 0; m < MR; ++m) {
+        const __m256 dm = _mm256_set1_ps(a.d[(m0 + m) * blocks + b]);
+        for (int n = 0; n < NP; ++n)
+          acc[m][n] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(isum[m][n], ones)),
+                                      _mm256_mul_ps(s[n], dm), acc[m][n]);
+      }
+    }
+    for (int m = 0; m < MR; ++m) {
+      const __m256 gm = _mm256_set1_ps(a.gsum[(m0 + m) * w.groups + g]);
+      for (int n = 0; n < NP; ++n) acc[m][n] = _mm256_fmadd_ps(o[n], gm, acc[m][n]);
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int n = 0; n < NP; ++n) _mm256_storeu_ps(y + (m0 + m) * ldy + (h0 + n) * 8, acc[m][n]);
+}
+constexpr int MR_MAX = 2, NP_MAX = 2;  // (halves) 4 int16 + 4 float32 accumulators, 4 code registers, of 16
+#endif
+
+#if defined(__AVX512F__) && defined(__AVX512VNNI__)
+constexpr int UNIT_ROWS = 16;  // weight rows one register holds
+#else
+constexpr int UNIT_ROWS = 8;
+#endif
+
+// Rows m0 .. m0 + left (left < MR_MAX) of units u0 .. u0 + NP
+template <int NP, int R = MR_MAX - 1>
+void tail(const Act& a, int64_t m0, int64_t left, const Weight& w, int64_t u0, float* y, int64_t ldy) {
+  if constexpr (R >= 1) {
+    if (left == R) tile<R, NP>(a, m0, w, u0, y, ldy);
+    else tail<NP, R - 1>(a, m0, left, w, u0, y, ldy);
+  }
+}
+
+// Input rows m_begin .. m_end times units u0 .. u0 + NP (a task: its codes stay in L1 while the rows pass)
+template <int NP>
+void column(const Act& a, int64_t m_begin, int64_t m_end, const Weight& w, int64_t u0, float* y, int64_t ldy) {
+  int64_t m0 = m_begin;
+  for (; m0 + MR_MAX <= m_end; m0 += MR_MAX) tile<MR_MAX, NP>(a, m0, w, u0, y, ldy);
+  if (m0 < m_end) tail<NP>(a, m0, m_end - m0, w, u0, y, ldy);
+}
+
+// Rows per task of a many-row product: their int8 rows (64 x K bytes) stay in L2 while every panel passes them; a
+// task over all of a 512-row prompt's rows read them from L3 (SmolLM2's 576 x 1536 down projection ran at 1.2x the
+// float32 GEMM that way, not the 2.5x of its other shapes).
+constexpr int64_t ROW_CHUNK = 64;
+
+ScaleKind kind_of(const torch::Tensor& t) {
+  if (t.scalar_type() == torch::kFloat32) return F32;
+  if (t.scalar_type() == torch::kBFloat16) return BF16;
+  TORCH_CHECK(t.scalar_type() == torch::kFloat16, "int4_int8: scales must be float32, bfloat16 or float16");
+  return F16;
+}
+
+}  // namespace
+
+}  // namespace i8dotk

@@ -1,0 +1,211 @@
+"""The fused decode blocks (kernels/decode_cpu.py) on --activation-dtype int8's panel weights (Int4Int8Linear).
+
+Against the per-op int8 path on the same model and caches (tiny Llama / Qwen3 with packed 4-bit projections, and the
+Qwen3.5 hybrid test configs quantized to 4 bits): every decode step's logits agree to float32 rounding
+(tests/tolerance.py), on the native and the AVX2 build, and the whole step is one decode_stack call that multiplies no
+projection through int4_int8's per-op entry. The per-op int8 product is held to the float64 int8 arithmetic and to the
+float32 path within the activations' rounding by test_kernels_int4_int8.py; here the fused MLP block is held to the
+fused float32 block within that rounding propagated through SiLU, the product and the down projection.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+
+import pytest
+import torch
+from test_decode_fused import VOCAB, decode_batch, steps_both_ways, tiny_dense
+from test_kernels_int4_int8 import magnitude
+from tolerance import logits_rtol
+
+from deltaserve.kernels import decode_cpu, int4_int8
+from deltaserve.kernels.int4 import Int4Codes, pack
+from deltaserve.models.int8_activations import use_int8_activations
+from deltaserve.models.layers import FusedParts, Int4Int8Linear, Int4Linear, Linear, projection_parts
+
+U = 2.0**-24
+
+
+@pytest.fixture
+def int8_isa(isa, request):
+    """conftest's isa, with int4_int8's per-op kernel on the same build (AVX2: vpmaddubsw, not VNNI)."""
+    assert int4_int8.load(print) is not None
+    with contextlib.ExitStack() as stack:
+        if isa == "avx2":
+            module = int4_int8.KERNELS.variant("avx2").load(print)
+            assert module is not None
+            stack.enter_context(int4_int8.KERNELS.using(module))
+        yield isa
+
+
+class Counting:
+    """A loaded kernel module whose named entries count their calls (and still run)."""
+
+    def __init__(self, module, names):
+        self.module, self.calls = module, dict.fromkeys(names, 0)
+
+    def __getattr__(self, name):
+        entry = getattr(self.module, name)
+        if name not in self.calls:
+            return entry
+
+        def counted(*args):
+            self.calls[name] += 1
+            return entry(*args)
+        return counted
+
+
+def quantized_to_int4(model) -> int:
+    """Every float32 Linear of the decoder layers whose shape the packed kernels take becomes an Int4Linear of its
+    weight rounded to 16 levels per group of 32 (scale and minimum); the number replaced."""
+    replaced = 0
+    for parent in list(model.model.layers.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is not Linear or child.in_features % 32:
+                continue
+            w = child.weight.detach().float().view(child.out_features, -1, 32)
+            low, high = w.amin(-1), w.amax(-1)
+            scales = ((high - low) / 15).clamp_min(1e-6)
+            codes = torch.round((w - low[..., None]) / scales[..., None]).clamp(0, 15).to(torch.uint8)
+            int4 = Int4Codes(codes.view(child.out_features, -1), scales, low, 32)
+            setattr(parent, name, Int4Linear(int4, None if child.bias is None else child.bias.detach().float()))
+            replaced += 1
+    for module in model.modules():
+        if isinstance(getattr(module, "fused", None), FusedParts):
+            module.fused.key = None
+    return replaced
+
+
+def int8_model(model):
+    model = copy.deepcopy(model)
+    swapped, _ = use_int8_activations(model)
+    assert swapped > 0
+    return model
+
+
+def assert_fused_int8_equals_per_op(model, prompts, cache, layers: int, reduction: int, compare: bool = True):
+    """Both paths quantize float32 inputs that differ by rounding (the fused norm and residual adds sum in another
+    order): an activation within that rounding of a tie between two int8 levels rounds one way on one path and the
+    other way on the other, one quantum apart, and the caches and recurrent state carry it on. The fixed prompts
+    of the cases with `compare` meet no such tie on either build; the tied hybrid config's do (its third sequence's
+    first MLP input lies 1.1e-4 of a quantum from a tie, where the two paths' inputs differ by ~127 x 1e-6), so
+    only its calls are checked."""
+    fused, plain, caches, _ = steps_both_ways(model, prompts, cache, steps=4)
+    if compare:
+        tol = logits_rtol(layers, reduction) * plain.abs().max().item()
+        assert (fused - plain).abs().max().item() <= tol
+        assert torch.equal(fused.argmax(-1), plain.argmax(-1))
+    # one more step, counted: one decode_stack call and no per-op int8 product (a layer the blocks fell back on would
+    # call int4_int8_linear, or the blocks one by one)
+    counting = Counting(decode_cpu.KERNELS.module, ["decode_stack", "attention_block", "mlp_block", "gdn_block"])
+    per_op = Counting(int4_int8.KERNELS.module, ["int4_int8_linear"])
+    lens = [len(p) + 4 for p in prompts]
+    with decode_cpu.KERNELS.using(counting), int4_int8.KERNELS.using(per_op):
+        model(decode_batch(fused[-1].argmax(-1).tolist(), lens), caches)
+    assert counting.calls == {"decode_stack": 1, "attention_block": 0, "mlp_block": 0, "gdn_block": 0}
+    assert per_op.calls == {"int4_int8_linear": 0}
+    with decode_cpu.disabled(), int4_int8.KERNELS.using(per_op):  # the per-op path does take the int8 kernel
+        model(decode_batch(fused[-1].argmax(-1).tolist(), [n + 1 for n in lens]), caches)
+    assert per_op.calls["int4_int8_linear"] > 0
+    return fused
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+@pytest.mark.parametrize("cache", ["float32", "bfloat16"])
+@torch.inference_mode()
+def test_fused_int8_decode_equals_the_per_op_int8_path(kind, cache, int8_isa):
+    float_model = tiny_dense(kind, "int4")
+    model = int8_model(float_model)
+    gen = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in (5, 17, 1, 40, 9)]
+    fused = assert_fused_int8_equals_per_op(model, prompts, getattr(torch, cache), 3, 192)
+    attn, mlp = model.model.layers[0].fused.parts
+    assert all(group < 0 for group in attn[1][4:]) and all(group < 0 for group in mlp[1])  # panel weights served
+    assert model.model.stack._args is not None
+    # and not the float32 packed arithmetic: the same steps of the unswapped model differ by the activation rounding
+    float_fused, _, _, _ = steps_both_ways(float_model, prompts, getattr(torch, cache), steps=1)
+    assert (fused[0] - float_fused[0]).abs().max() > logits_rtol(3, 192) * float_fused.abs().max()
+
+
+@pytest.mark.parametrize("name", ["qwen3_5_text", "qwen3_5_text_tied"])
+@torch.inference_mode()
+def test_hybrid_fused_int8_decode_equals_the_per_op_int8_path(name, int8_isa, tmp_path):
+    """Gated attention, Qwen3.5's GDN (its in-projections sharing one quantized input) and SwiGLU blocks on panel
+    weights; in_proj_b / in_proj_a (one row a value head: no 16-row panel) stay packed float32 in the same block."""
+    from deltaserve.models import build_model, skip_prefixes
+    from deltaserve.weights import load_checkpoint
+    from test_models_hybrid import VOCAB as HYBRID_VOCAB, make_checkpoint
+
+    ref = make_checkpoint(name, tmp_path)
+    ckpt = load_checkpoint(tmp_path, skip_prefixes=skip_prefixes(json.loads((tmp_path / "config.json").read_text())))
+    float_model = build_model(ckpt.config, ckpt.tensors)
+    assert quantized_to_int4(float_model) > 0
+    model = int8_model(float_model)
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, HYBRID_VOCAB, (n,), generator=gen).tolist() for n in (6, 23, 2, 31)]
+    assert_fused_int8_equals_per_op(model, prompts, torch.float32, ref.config.num_hidden_layers, 64 * 16,
+                                    compare=not name.endswith("tied"))
+    gdn = next(layer for layer in model.model.layers if layer.kind == "linear_attention")
+    groups = gdn.fused.parts[0][1][4:]  # in_proj_qkv, z, b, a, out_proj
+    assert type(gdn.linear_attn.in_proj_qkv) is Int4Int8Linear and type(gdn.linear_attn.in_proj_b) is Int4Linear
+    assert groups[0] < 0 and groups[1] < 0 and groups[2] > 0 and groups[4] < 0
+
+
+def rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+def block_quantum(v: torch.Tensor) -> torch.Tensor:
+    """Per column, an upper bound of the int8 quantum d = max|v| / 127 of its 32-column block (float64)."""
+    m, k = v.shape
+    return (v.abs().view(m, k // 32, 32).amax(-1) / 127 * (1 + 2.0**-14)).repeat_interleave(32, dim=1)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 17])
+@torch.inference_mode()
+def test_fused_int8_mlp_is_the_float32_mlp_within_the_activation_rounding(rows, isa):
+    """mlp_block on panel weights against mlp_block on the same packed weights (float32). Each projection of n (the
+    normed input) moves by at most |W| d_n / 2 (test_kernels_int4_int8's bound, d_n n's block quanta); SiLU's slope
+    is at most 1.1, so h = silu(g) u moves by at most 1.1 dg (|u| + du) + |silu(g)| du; the down projection reads h's
+    int8 rounding (quanta of |h| + dh at most) on top: dy <= |W_down| (dh + d_h / 2), plus each side's float32
+    rounding ((2 K / 32 + 4 + K + 2) u |W| |input| a projection, the block's other operations well inside)."""
+    hidden, inter, eps = 128, 192, 1e-5
+    gen = torch.Generator().manual_seed(rows)
+    from test_kernels_int4 import random_codes
+
+    codes = [random_codes(inter, hidden, 32, 1), random_codes(inter, hidden, 32, 2), random_codes(hidden, inter, 32, 3)]
+    norm = 1 + torch.randn(hidden, generator=gen) * 0.2
+    x = torch.randn(rows, hidden, generator=gen)
+    x[:, 7] *= 30  # an outlier channel: its block's quantum is large
+    float_layers = [Int4Linear(c, None) for c in codes]
+    int8_layers = [Int4Int8Linear(int4_int8.repack(pack(c)), None) for c in codes]
+
+    def block(layers):
+        parts = [projection_parts(layer) for layer in layers]
+        tensors = [norm] + [t for p, _ in parts for t in p]
+        return decode_cpu.mlp_block(x.clone(), tensors, [g for _, g in parts], eps, 0.0)
+
+    got, ref = block(int8_layers), block(float_layers)
+    assert [projection_parts(layer)[1] for layer in int8_layers] == [-32] * 3
+
+    w = [c.dequantize(torch.float64) for c in codes]
+    mag = [magnitude(c) for c in codes]
+    n = rms(x.double(), norm.double(), eps)
+    g, u = n @ w[0].T, n @ w[1].T
+    silu = torch.nn.functional.silu
+    h = silu(g) * u
+
+    def rounding(k, inp, m):
+        return (2 * k // 32 + 4 + k + 2) * U * (inp.abs() @ m.T)
+
+    dn = block_quantum(n) / 2
+    dg = dn @ mag[0].T + rounding(hidden, n, mag[0])
+    du = dn @ mag[1].T + rounding(hidden, n, mag[1])
+    dh = 1.1 * dg * (u.abs() + du) + silu(g).abs() * du
+    h_max = h.abs() + dh
+    bound = (dh + block_quantum(h_max) / 2) @ mag[2].T + rounding(inter, h_max, mag[2]) + 4 * U * x.double().abs()
+    err = (got.double() - ref.double()).abs()
+    assert bool((err <= bound).all()), f"max error {err.max().item():.3g}, bound {bound.min().item():.3g}"
+    assert err.max() > 0  # the int8 arithmetic served, not the float32 one
