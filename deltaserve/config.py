@@ -378,7 +378,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                    "prompt or output, verified as extra rows of the same step; greedy output is unchanged, sampled "
                    "output keeps its distribution), mtp (drafts from the checkpoint's multi-token-prediction "
                    "head, mtp.*, loaded with the model; its attention layer's KV is one more layer of the KV pool; "
-                   "refused for a checkpoint without one)")
+                   "refused for a checkpoint without one; opt-in for now, even where a checkpoint has a head: its "
+                   "drafting runs request by request and its own cost is not yet in the draft-length choice)")
     g.add_argument("--speculative-tokens", type=int, help=f"draft tokens one decode step verifies at most per "
                    f"request, 1..{MAX_SPECULATIVE_TOKENS} (3); on a hybrid model each costs one GDN state per "
                    f"running request (the ledger's speculative_states line). A request whose drafts are rarely "

@@ -48,9 +48,9 @@ def mtp_reference_parts(config_dict: dict, tensors: dict[str, torch.Tensor]):
     return config, layer, norms, fc, Qwen3_5TextRotaryEmbedding(config)
 
 
-def add_mtp_head(folder: Path, seed: str = "mtp-head") -> None:
-    """Add a random `mtp.*` head (one full-attention Qwen3.5 layer, made by transformers) to a tiny Qwen3.5
-    checkpoint, and mtp_num_hidden_layers = 1 to its config."""
+def add_mtp_head(folder: Path, seed: str = "mtp-head", head: dict[str, torch.Tensor] | None = None) -> None:
+    """Add an `mtp.*` head to a tiny Qwen3.5 checkpoint, and mtp_num_hidden_layers = 1 to its config: `head`'s
+    tensors, or a random head (one full-attention Qwen3.5 layer, made by transformers)."""
     from transformers import Qwen3_5TextConfig
     from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5DecoderLayer
 
@@ -62,12 +62,15 @@ def add_mtp_head(folder: Path, seed: str = "mtp-head") -> None:
     config = Qwen3_5TextConfig(**{k: v for k, v in config_dict.items() if k not in ("architectures", "model_type")})
     layer = Qwen3_5DecoderLayer(config, MTP_LAYER_OF_TINY)
     h = config.hidden_size
+    tensors = load_file(folder / "model.safetensors")
+    if head is not None:
+        save_file({**tensors, **head}, folder / "model.safetensors", metadata={"format": "pt"})
+        return
     head = {f"mtp.layers.0.{k}": (v.normal_(0, 0.1) if "norm" not in k else torch.randn_like(v) * 0.2).contiguous()
             for k, v in layer.state_dict().items()}
     for name in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
         head[f"mtp.{name}.weight"] = torch.randn(h) * 0.2
     head["mtp.fc.weight"] = torch.randn(h, 2 * h) * 0.1
-    tensors = load_file(folder / "model.safetensors")
     save_file({**tensors, **head}, folder / "model.safetensors", metadata={"format": "pt"})
 
 
@@ -187,3 +190,61 @@ def test_mtp_refused_without_a_head(tmp_path):
     make_dense_checkpoint(tmp_path)
     with pytest.raises(SpecError, match="no multi-token-prediction head"):
         engine(str(tmp_path), speculative="mtp")
+
+
+def test_compressed_tensors_head_loads_as_stored(tmp_path):
+    """A compressed-tensors checkpoint (the library's own pack-quantized 4-bit, group 32) whose MTP head is
+    quantized too: the head's matrices load quantized (packed: fewer bytes than float32) and dequantize to the
+    library's own decompression of them."""
+    pytest.importorskip("compressed_tensors")
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import QuantizationConfig, apply_quantization_config
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5DecoderLayer, Qwen3_5RMSNorm
+
+    from test_engine_support import _save_word_tokenizer
+    from test_weights_compressed_tensors import minmax_qparams_
+
+    torch.manual_seed(zlib.crc32(b"mtp-compressed"))
+    config = Qwen3_5TextConfig(
+        vocab_size=HYBRID_VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32,
+        linear_value_head_dim=32, initializer_range=0.1, mtp_num_hidden_layers=1,
+        rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5,
+                             mrope_section=[4, 2, 2], mrope_interleaved=True))
+    model = Qwen3_5ForCausalLM(config).eval()
+    mtp = torch.nn.Module()
+    mtp.fc = torch.nn.Linear(256, 128, bias=False)
+    mtp.layers = torch.nn.ModuleList([Qwen3_5DecoderLayer(config, MTP_LAYER_OF_TINY)])
+    for name in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        setattr(mtp, name, Qwen3_5RMSNorm(128, eps=config.rms_norm_eps))
+    model.mtp = mtp
+    w4 = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 32}
+    qconfig = QuantizationConfig.model_validate(dict(
+        config_groups={"body": {"targets": ["Linear"], "weights": w4}}, ignore=["lm_head"], format="pack-quantized",
+        quantization_status="frozen"))
+    apply_quantization_config(model, qconfig, show_progress=False)
+    minmax_qparams_(model)
+    compressor = ModelCompressor.from_pretrained_model(model, "pack-quantized")
+    compressor.compress_model(model)
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    assert "mtp.fc.weight_packed" in state and "mtp.layers.0.self_attn.q_proj.weight_packed" in state
+    config.save_pretrained(tmp_path)
+    save_file(state, tmp_path / "model.safetensors")
+    compressor.update_config(str(tmp_path))
+    _save_word_tokenizer(tmp_path)
+    compressor.decompress_model(model)
+    expected = model.state_dict()
+
+    ours = load_model(tmp_path, mtp=True).model  # dequantized at load
+    names = [name for name in ours.mtp.state_dict() if "mtp." + name in expected]
+    assert len(names) == len([k for k in expected if k.startswith("mtp.") and k.endswith(".weight")]) > 10
+    for name in names:
+        key, got = "mtp." + name, ours.mtp.state_dict()[name]
+        scale = state.get(key.rpartition(".")[0] + ".weight_scale")
+        bound = 0.0 if scale is None else 8 * torch.finfo(torch.float32).eps * float(scale.abs().max()) * 256
+        assert (got - expected[key]).abs().max() <= bound, key
+    packed = load_model(tmp_path, mtp=True, dequantize=False).model
+    held = sum(t.numel() * t.element_size() for t in packed.mtp.state_dict().values())
+    floats = sum(t.numel() * 4 for t in ours.mtp.state_dict().values())
+    assert held < 0.4 * floats
