@@ -160,6 +160,40 @@ def test_greedy_equals_speculation_off_and_pools_return(mtp_folder):
     assert not on.mtp_drafter.next
 
 
+def test_drafter_state_equals_the_head_over_the_whole_sequence(mtp_folder):
+    """Whatever the steps were (prompt chunks, verifications with rejections, plain decodes), after each step the
+    drafter's first draft and its hidden state equal the head run once over the request's whole kept sequence,
+    fed transformers' hidden states of it: the rows the head saw, and the tokens paired with them, are the right
+    ones."""
+    from transformers import AutoModelForCausalLM
+
+    target = AutoModelForCausalLM.from_pretrained(mtp_folder, dtype=torch.float32).eval()
+    prompt = random_prompt(90, 8, HYBRID_VOCAB)
+    on = engine(str(mtp_folder), max_running_requests=2, speculative="mtp", speculative_tokens=K)
+    on.speculation.adaptive = False
+    on.scheduler.prefill_chunk_tokens = 32  # the prompt in three chunks
+    on.submit(prompt, SamplingParams(max_tokens=14, **GREEDY), request_id="r")
+    head, checked = on.loaded.model.mtp, 0
+    kv = head.layers[0].self_attn
+    while on.scheduler.has_work:
+        request = on._live.get("r")
+        on.step()
+        if request is None or request.finished or request not in on.mtp_drafter.next:
+            continue
+        state = on.mtp_drafter.next[request]
+        ids = (request.prompt_ids + request.output_ids)[:request.num_cached + 1]
+        with torch.no_grad():
+            hidden = target.model(torch.tensor([ids[:-1]])).last_hidden_state[0]
+            cache = torch.zeros(len(ids), kv.num_kv_heads, kv.head_dim)
+            slots = torch.arange(len(ids) - 1)
+            want = head(target.model.embed_tokens(torch.tensor(ids[1:])), hidden, 0, cache, cache.clone(),
+                        slots[:0], write_slots=slots)[-1]
+        torch.testing.assert_close(state.hidden, want, atol=1e-4, rtol=1e-4)
+        assert state.cached == request.num_cached and state.token == int(target.lm_head(want).argmax())
+        checked += 1
+    assert checked >= 5 and on.speculation.drafted_total > on.speculation.accepted_total
+
+
 def test_sampled_output_runs_and_a_seed_repeats(mtp_folder):
     """Sampling with MTP drafts (rejection sampling against point-mass drafts): with a fixed draft length (the
     adaptive one follows measured step times) the same seed gives the same tokens, so the drafts are a function of
