@@ -98,3 +98,18 @@ def test_markdown_json_and_png_carry_every_cell(tmp_path):
     write_chart(tmp_path / "s.png", summaries)
     image = matplotlib.image.imread(tmp_path / "s.png")
     assert image.ndim == 3 and image.shape[0] > 100 and image.shape[1] > 100
+
+
+def test_speculative_acceptance_is_summed_over_requests_and_reported():
+    """A speculating server's usage.speculative counts add up per cell; a server without them reports none."""
+    from deltaserve.stress.client import _take_chunk
+
+    run = sample_run()
+    assert summarize(run)["speculative"] is None and "speculative decoding" not in markdown_table([summarize(run)])
+    for r, (drafted, accepted) in zip(run.results[:3], [(12, 9), (6, 1), (0, 0)]):
+        _take_chunk(r, {"choices": [], "usage": {"prompt_tokens": 64, "completion_tokens": 16,
+                                                 "speculative": {"drafted": drafted, "accepted": accepted}}})
+    s = summarize(run)
+    assert s["speculative"] == {"requests": 3, "drafted": 18, "accepted": 10, "acceptance": pytest.approx(10 / 18)}
+    assert "accepted 10 of 18 draft tokens (55.6%) over 3 requests" in markdown_table([s])
+    assert json.loads(json.dumps(s))["speculative"]["drafted"] == 18

@@ -49,7 +49,7 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
         return anthropic_translate.message_body(msg_id, model, reasoning, text, calls,
                                                 anthropic_translate.stop_reason(finish, bool(calls), stop), stop,
                                                 gen.prompt_len(0), gen.usage().completion_tokens,
-                                                gen.cached_tokens[0])
+                                                gen.cached_tokens[0], gen.speculative[0])
 
     @app.post(f"{ANTHROPIC_PATH}/count_tokens")
     async def count_tokens(request: Request):

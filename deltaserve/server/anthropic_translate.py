@@ -203,17 +203,22 @@ def matched_stop(req: MessagesRequest, finish: str | None, last_token_was_eos: b
     return max(found)[1] if found else None
 
 
-def usage(prompt_tokens: int, cached_tokens: int) -> dict:
+def usage(prompt_tokens: int, cached_tokens: int, speculative: dict | None = None) -> dict:
     """Anthropic's input counts: `input_tokens` are the prompt tokens read, `cache_read_input_tokens` those the
-    prefix cache supplied (their sum is the prompt); the cache is written without a charge."""
-    return {"input_tokens": prompt_tokens - cached_tokens, "cache_creation_input_tokens": 0,
-            "cache_read_input_tokens": cached_tokens}
+    prefix cache supplied (their sum is the prompt); the cache is written without a charge. `speculative`
+    ({drafted, accepted} draft tokens, --speculative; an extension, as in our OpenAI usage): only when speculating."""
+    out = {"input_tokens": prompt_tokens - cached_tokens, "cache_creation_input_tokens": 0,
+           "cache_read_input_tokens": cached_tokens}
+    if speculative is not None:
+        out["speculative"] = {"drafted": speculative["drafted"], "accepted": speculative["accepted"]}
+    return out
 
 
 def message_body(msg_id: str, model: str, reasoning: str, text: str, calls: list[ToolCall], reason: str,
-                 stop_sequence: str | None, input_tokens: int, output_tokens: int, cached_tokens: int = 0) -> dict:
+                 stop_sequence: str | None, input_tokens: int, output_tokens: int, cached_tokens: int = 0,
+                 speculative: dict | None = None) -> dict:
     """The non-streamed response; `input_tokens` counts the whole prompt, `cached_tokens` of it came from the
-    prefix cache."""
+    prefix cache; `speculative`: the request's draft counts where the server speculates."""
     content = []
     if reasoning:
         content.append({"type": "thinking", "thinking": reasoning, "signature": ""})
@@ -223,7 +228,7 @@ def message_body(msg_id: str, model: str, reasoning: str, text: str, calls: list
                 for c in calls]
     return {"id": msg_id, "type": "message", "role": "assistant", "model": model, "content": content,
             "stop_reason": reason, "stop_sequence": stop_sequence,
-            "usage": {**usage(input_tokens, cached_tokens), "output_tokens": output_tokens}}
+            "usage": {**usage(input_tokens, cached_tokens, speculative), "output_tokens": output_tokens}}
 
 
 def _tool_id(call_id: str) -> str:
@@ -295,10 +300,12 @@ async def stream_events(outputs: AsyncIterator, parser: ChatOutputParser, msg_id
              "stop_reason": None, "stop_sequence": None, "usage": {**usage(input_tokens, 0), "output_tokens": 0}}
     yield event("message_start", {"type": "message_start", "message": start})
     yield event("ping", {"type": "ping"})
-    blocks, output_tokens, cached_tokens = BlockStream(), 0, 0
+    blocks, output_tokens, cached_tokens, speculative = BlockStream(), 0, 0, None
     try:
         async for out in outputs:
             output_tokens = max(output_tokens, out.completion_tokens)
+            if out.speculative is not None:
+                speculative = out.speculative
             cached_tokens = max(cached_tokens, out.cached_tokens)
             delta = parser.push(out.text)
             for piece in blocks.events(delta):
@@ -317,5 +324,6 @@ async def stream_events(outputs: AsyncIterator, parser: ChatOutputParser, msg_id
     reason = stop_reason(finish, parser.called, stop_sequence)
     yield event("message_delta", {"type": "message_delta", "delta": {"stop_reason": reason,
                                                                      "stop_sequence": stop_sequence},
-                                  "usage": {**usage(input_tokens, cached_tokens), "output_tokens": output_tokens}})
+                                  "usage": {**usage(input_tokens, cached_tokens, speculative),
+                                            "output_tokens": output_tokens}})
     yield event("message_stop", {"type": "message_stop"})

@@ -54,6 +54,7 @@ class RequestResult:
     last_token_s: float | None = None
     prompt_tokens: int | None = None  # as the server reported in usage
     completion_tokens: int | None = None  # from usage, else counted text chunks
+    speculative: dict | None = None  # usage.speculative {drafted, accepted}, from a server that speculates
     text_chunks: int = 0
     finish_reason: str | None = None
 
@@ -240,6 +241,8 @@ def _take_chunk(result: RequestResult, chunk: dict) -> None:
     if isinstance(usage, dict):
         result.prompt_tokens = usage.get("prompt_tokens", result.prompt_tokens)
         result.completion_tokens = usage.get("completion_tokens", result.completion_tokens)
+        if isinstance(usage.get("speculative"), dict):
+            result.speculative = usage["speculative"]
 
 
 def _loop_time(monotonic_deadline: float) -> float:

@@ -53,6 +53,8 @@ def summarize(run: CellRun) -> dict:
     reported = [r.prompt_tokens for r in ok if r.prompt_tokens is not None]
     queued = [s.queued for s in run.health if s.queued is not None]
     answered = [s for s in run.health if s.answering]
+    spec = [r.speculative for r in ok if r.speculative is not None]
+    drafted, accepted = (sum(s.get("drafted", 0) for s in spec), sum(s.get("accepted", 0) for s in spec))
     return {
         "cell": cell.label, "note": cell.note,
         "concurrency": cell.concurrency, "prompt_tokens": cell.prompt_tokens, "gen_tokens": cell.gen_tokens,
@@ -71,6 +73,9 @@ def summarize(run: CellRun) -> dict:
         "decode_tok_s": {"per_request_p50": percentile(decode, 50),
                          "total": sum(generated) / run.wall_s if run.wall_s > 0 and generated else None},
         "wall_s": run.wall_s,
+        # draft tokens of a speculating server (usage.speculative), over the requests that reported them
+        "speculative": ({"requests": len(spec), "drafted": drafted, "accepted": accepted,
+                         "acceptance": accepted / drafted if drafted else None} if spec else None),
         "server": {"stopped_answering": server_down(run), "restarted": server_restarted(run),
                    "health_probes": len(run.health), "health_answered": len(answered),
                    "health_max_latency_s": max((s.latency_s for s in answered), default=None),
@@ -112,6 +117,9 @@ def markdown_table(summaries: list[dict]) -> str:
                      f"| {_num(decode['per_request_p50'])} / {_num(decode['total'])} "
                      f"| {_pair(s['e2e_s'], 'p50', 'p95')} | {gen} | {prompt} | {server} |")
     details = [f"- {s['cell']}: {s['note']}" for s in summaries if s["note"]]
+    details += [f"- {s['cell']}: speculative decoding accepted {sp['accepted']} of {sp['drafted']} draft tokens"
+                f" ({_num(None if sp['acceptance'] is None else 100 * sp['acceptance'], 1)}%) over {sp['requests']}"
+                f" requests" for s in summaries if (sp := s.get("speculative"))]
     details += [f"- {s['cell']}: {count} x {text}" for s in summaries
                 for text, count in list(s["failures"].items())[:TOP_FAILURES]]
     return "\n".join(lines + ([""] + details if details else []))
