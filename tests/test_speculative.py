@@ -331,22 +331,25 @@ def test_usage_reports_drafts_only_when_speculating(hybrid_folder, tmp_path):
 
 
 def test_measured_step_cost_decides_the_draft_length():
-    """A verifying step measured at 3 plain steps makes a 0.6 acceptance rate not worth drafting; at 1.2 it is."""
+    """A verifying step of 3 drafts measured at 3 plain steps makes a 0.6 acceptance rate not worth drafting; at 1.6
+    (its draft rows and a small fixed part) it is."""
     from types import SimpleNamespace
 
-    from deltaserve.engine.speculative import NgramDrafter, Speculation
+    from deltaserve.engine.speculative import DRAFT_ROW_COST, NgramDrafter, Speculation
 
     spec = Speculation(NgramDrafter(), 3)
-    plain, verify, mixed = (SimpleNamespace(prefill=p, verify=v) for p, v in (([], []), ([], [1]), ([1], [1])))
+    plain, verify, mixed = (SimpleNamespace(prefill=p, verify=v, drafts={r: [7, 8, 9] for r in v})
+                            for p, v in (([], []), ([], [1]), ([1], [1])))
     for _ in range(50):
         spec.observe(plain, 0.010)
         spec.observe(verify, 0.030)
         spec.observe(mixed, 1.0)  # a step with a prompt chunk is not a verifying step's cost
-    assert spec.fixed_cost == pytest.approx(2.0, rel=1e-3)
+    assert spec.fixed_cost == pytest.approx(2.0 - 3 * DRAFT_ROW_COST, rel=1e-3)
     assert draft_len(0.6, 3, spec.fixed_cost) == 0 and draft_len(0.95, 3, spec.fixed_cost) == 3
     for _ in range(200):
-        spec.observe(verify, 0.012)
-    assert spec.fixed_cost == pytest.approx(0.2, rel=1e-2) and draft_len(0.6, 3, spec.fixed_cost) == 3
+        spec.observe(verify, 0.016)
+    assert spec.fixed_cost == pytest.approx(0.6 - 3 * DRAFT_ROW_COST, abs=1e-3)
+    assert draft_len(0.6, 3, spec.fixed_cost) == 2 and draft_len(0.7, 3, spec.fixed_cost) == 3
 
 
 def test_deploy_file_sets_speculation_per_role(tmp_path):

@@ -45,13 +45,16 @@ NGRAM_MAX = 3  # the longest suffix looked up; shorter ones are tried when it do
 NGRAM_MIN = 1
 ACCEPTANCE_SMOOTHING = 0.3  # weight of the newest verification in a request's acceptance estimate
 ACCEPTANCE_PRIOR = 0.6  # the estimate before a request's first verification
-# The cost of a verifying step relative to a plain decode step: a fixed part (a step with a chunk leaves the native
-# decode path: on CPU it runs layer by layer) plus each draft row. The fixed part is measured while serving
-# (`Speculation.observe`: decode-only steps against steps with drafts and no prompt chunk); this is its value before
-# the first measurement. bench/spec.py saw a verifying step (k <= 3) cost 1.3 to 3 plain SmolLM2 steps on a shared
-# 2-core machine (2026-12-06).
-STEP_FIXED_COST = 1.0
-DRAFT_ROW_COST = 0.05
+# The cost of a verifying step relative to a plain decode step: a fixed part plus each draft row. Since a verifying
+# request's rows run as decode rows of the native one-call path (models/batch.py as_decode_rows), the fixed part is
+# small (the chunk's batch, one sampler call per row) and each row costs what a decode row does: its projections'
+# arithmetic (the weights are read once for all rows) and its attention over the context. Measured on SmolLM2 (int4
+# projections, int8 head, 900-token context, 2 threads on a shared 2-core machine, 2026-12-06): a step of 1 + k rows
+# took 1.15, 1.3, 1.7, 1.55 and 2.5 plain steps for k = 1, 2, 3, 4 and 8 (noisy: load 10), about 0.18 a row; before,
+# on the per-op path, 1.3 to 3.8. The fixed part is also measured while serving (`Speculation.observe`: decode-only
+# steps against steps with drafts and no prompt chunk, less DRAFT_ROW_COST a draft); this is its value before then.
+STEP_FIXED_COST = 0.05
+DRAFT_ROW_COST = 0.18
 STEP_TIME_SMOOTHING = 0.1  # weight of the newest step in the running step times
 PROBE_EVERY = 16  # decode steps at k = 0 before a one-draft probe
 
@@ -124,13 +127,15 @@ class Speculation:
     verify_steps_total: int = 0
     plain_step_s: float | None = None  # running wall time of a decode-only step
     verify_step_s: float | None = None  # ... of a step with drafts and no prompt chunk
+    verify_drafts: float = 0.0  # running drafts per verifying request of those steps
 
     @property
     def fixed_cost(self) -> float:
-        """What a verifying step costs beyond a plain one, in plain steps, as measured (the prior until both are)."""
+        """What a verifying step costs beyond a plain one and its draft rows (DRAFT_ROW_COST each), in plain steps, as
+        measured (the prior until both are)."""
         if self.plain_step_s is None or self.verify_step_s is None:
             return STEP_FIXED_COST
-        return max(0.0, self.verify_step_s / self.plain_step_s - 1)
+        return max(0.0, self.verify_step_s / self.plain_step_s - 1 - DRAFT_ROW_COST * self.verify_drafts)
 
     def observe(self, plan, seconds: float) -> None:
         """Fold one step's wall time into the running step times (steps with a prompt chunk say nothing here)."""
@@ -139,6 +144,10 @@ class Speculation:
         name = "verify_step_s" if plan.verify else "plain_step_s"
         old = getattr(self, name)
         setattr(self, name, seconds if old is None else old + STEP_TIME_SMOOTHING * (seconds - old))
+        if plan.verify:
+            drafts = sum(map(len, plan.drafts.values())) / len(plan.verify)
+            self.verify_drafts = drafts if old is None else self.verify_drafts + STEP_TIME_SMOOTHING * (
+                drafts - self.verify_drafts)
 
     def propose(self, request, limit: int) -> list[int]:
         """Drafts for a decode request this step (at most `limit`); [] when it decodes plainly."""
