@@ -35,6 +35,7 @@ class MtpDrafter:
     def __init__(self, model, kv_pool):
         self.model, self.head, self.kv_pool = model, model.mtp, kv_pool
         self.k_cache, self.v_cache = kv_pool.k[self.head.kv_layer], kv_pool.v[self.head.kv_layer]
+        self.device = self.k_cache.device  # the pool's slot tables are host tensors; token ids are made here
         self.next: dict[object, _Next] = {}
 
     def _logits_token(self, hidden: torch.Tensor) -> int:
@@ -54,8 +55,8 @@ class MtpDrafter:
             if kept <= 0:
                 continue
             ids = request.prompt_ids + request.output_ids
-            tokens = torch.tensor(ids[before + 1:before + kept + 1], dtype=torch.long)
-            slots = self.kv_pool.slots(request)
+            tokens = torch.tensor(ids[before + 1:before + kept + 1], dtype=torch.long, device=self.device)
+            slots = self.kv_pool.slots(request)[:before + kept].to(self.device)
             out = self.head(self.model.model.embed_tokens(tokens), hidden[first:first + kept], before,
                             self.k_cache, self.v_cache, slots[:before], write_slots=slots[before:before + kept])
             self.next[request] = _Next(request.num_cached, self._logits_token(out[-1]), out[-1])
@@ -69,10 +70,10 @@ class MtpDrafter:
         if state is None or state.cached != request.num_cached or k <= 0:
             return []
         drafts, hidden, chain = [state.token], state.hidden, []
-        slots = self.kv_pool.slots(request)[:state.cached]
+        slots = self.kv_pool.slots(request)[:state.cached].to(self.device)
         embed = self.model.model.embed_tokens
         for j in range(1, k):
-            out = self.head(embed(torch.tensor([drafts[-1]])), hidden[None], state.cached + j - 1,
+            out = self.head(embed(torch.tensor([drafts[-1]], device=self.device)), hidden[None], state.cached + j - 1,
                             self.k_cache, self.v_cache, slots, chain=chain)
             hidden = out[0]
             drafts.append(self._logits_token(hidden))

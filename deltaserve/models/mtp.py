@@ -99,8 +99,9 @@ class MtpHead(nn.Module):
         keys = keys.float().repeat_interleave(group, dim=1)  # [total, heads, D]
         values = values.float().repeat_interleave(group, dim=1)
         scores = torch.einsum("nhd,thd->hnt", q.float(), keys) * attn.scale
-        allowed = torch.arange(total)[None, :] <= (start + torch.arange(n))[:, None]  # [n, total]
-        scores = scores.masked_fill(~allowed.to(scores.device), float("-inf"))
+        rows = torch.arange(n, device=q.device)
+        allowed = torch.arange(total, device=q.device)[None, :] <= (start + rows)[:, None]  # [n, total]
+        scores = scores.masked_fill(~allowed, float("-inf"))
         return torch.einsum("hnt,thd->nhd", torch.softmax(scores, dim=-1), values)
 
 
