@@ -56,7 +56,9 @@ def both_ways(model, batch: ForwardBatch, caches):
 @pytest.mark.parametrize("kind,weights", [("llama", "fp32"), ("qwen3", "int4")])
 @pytest.mark.parametrize("cache", ["float32", "bfloat16"])
 @torch.inference_mode()
-def test_verify_rows_take_the_fused_path_and_equal_the_per_op_path(kind, weights, cache):
+def test_verify_rows_take_the_fused_path_and_equal_the_per_op_path(kind, weights, cache, isa):
+    """Llama's head dim 32 attends row by row; Qwen3's 64 attends a request's rows together (paged_attention.h
+    decode_all's runs, each query over its own length), on the native and the AVX2 build."""
     assert decode_cpu.load() is not None
     model = tiny_dense(kind, weights)
     gen = torch.Generator().manual_seed(13)

@@ -81,7 +81,14 @@ inline float softmax_step(float* sg, int n, float& m, float& l) {
   return correction;
 }
 
-// One (sequence, kv head): its G query heads over L cached rows, softmax kept online over tiles of rows.
+// Of a tile of n rows from t0, those a query over the first `len` rows sees (0 to n); the others' scores count as 0.
+inline int visible(int64_t len, int64_t t0, int n) {
+  return static_cast<int>(std::max<int64_t>(0, std::min<int64_t>(n, len - t0)));
+}
+
+// One (sequence, kv head): its G query heads over L cached rows, softmax kept online over tiles of rows. `lens`
+// (or nullptr: all L): query head g sees the first lens[g] rows only (the rows of one verifying request, each over
+// its context up to itself, decode_all).
 // Each tile's rows are first copied (a 16-bit cache's widened) into contiguous float32 scratch: scattered rows
 // are read from memory once, and the G heads' passes over them run on L1 (measured: 5.5 -> 4.4 ms hot, float32).
 #if defined(__AVX2__) && !defined(__AVX512F__)
@@ -105,7 +112,7 @@ inline __m256 hsum8(const __m256* v) {
 template <int V, typename T>
 void attend(const float* __restrict qh, const T* __restrict kp, const T* __restrict vp,
             const int64_t* __restrict row_slots, int64_t L, int64_t Hkv, int64_t h, int64_t G, float scale,
-            float* __restrict oh) {
+            float* __restrict oh, const int64_t* __restrict lens = nullptr) {
   constexpr int D = 16 * V, W = D / 8, CH = W < 8 ? W : 8;  // W vectors a row; CH of them held at a time
   alignas(64) float s[MAX_GROUP * TILE];
   alignas(64) float tile_k[TILE * D];
@@ -153,7 +160,9 @@ void attend(const float* __restrict qh, const T* __restrict kp, const T* __restr
     }
     for (int64_t g = 0; g < G; ++g) {
       float* sg = s + g * TILE;
-      const float correction = softmax_step(sg, n, m[g], l[g]);
+      const int seen = lens ? visible(lens[g], t0, n) : n;
+      const float correction = softmax_step(sg, seen, m[g], l[g]);
+      for (int t = seen; t < n; ++t) sg[t] = 0.f;  // rows past this query's own: no weight
       for (int c = 0; c < W; c += CH) {  // the output CH vectors at a time, in registers over the tile's rows
         __m256 a[CH];
         const __m256 cv = _mm256_set1_ps(correction);
@@ -177,7 +186,7 @@ void attend(const float* __restrict qh, const T* __restrict kp, const T* __restr
 template <int V, typename T>
 void attend(const float* __restrict qh, const T* __restrict kp, const T* __restrict vp,
             const int64_t* __restrict row_slots, int64_t L, int64_t Hkv, int64_t h, int64_t G, float scale,
-            float* __restrict oh) {
+            float* __restrict oh, const int64_t* __restrict lens = nullptr) {
   constexpr int D = 16 * V;
   alignas(64) float s[MAX_GROUP * TILE];
   alignas(64) float tile_k[TILE * D];  // the tile's rows, contiguous and float32, in L1 for all G heads
@@ -219,7 +228,9 @@ void attend(const float* __restrict qh, const T* __restrict kp, const T* __restr
     }
     for (int64_t g = 0; g < G; ++g) {
       float* sg = s + g * TILE;
-      const float correction = softmax_step(sg, n, m[g], l[g]);
+      const int seen = lens ? visible(lens[g], t0, n) : n;
+      const float correction = softmax_step(sg, seen, m[g], l[g]);
+      for (int t = seen; t < n; ++t) sg[t] = 0.f;  // rows past this query's own: no weight
       f16v a[V];
       for (int i = 0; i < V; ++i) a[i] = acc[g][i] * correction;
       for (int t = 0; t < n; ++t) {
@@ -268,17 +279,46 @@ template <typename T>
 void decode_all(const float* qp, const T* kp, const T* vp, const int64_t* sp, const int64_t* lp, float* op,
                 int64_t B, int64_t Hq, int64_t Hkv, int64_t D, int64_t Lmax, float sc) {
   const int64_t G = Hq / Hkv;
-  const bool grouped = G <= MAX_GROUP;
+  const bool grouped = G <= MAX_GROUP, tiled = grouped && (D == 64 || D == 128 || D == 256);
+  // Runs of rows whose contexts extend each other by one row (a verifying request's 1 + k rows as decode rows,
+  // models/batch.py as_decode_rows): attended together, every K/V row read once for all of them, each query over its
+  // own length. Up to MAX_GROUP query heads a pass.
+  const int64_t per_run = tiled ? MAX_GROUP / G : 1;
+  std::vector<int64_t> first{0};
+  for (int64_t b = 1; b < B; ++b)
+    if (!(b - first.back() < per_run && lp[b] == lp[b - 1] + 1 &&
+          std::memcmp(sp + b * Lmax, sp + (b - 1) * Lmax, lp[b - 1] * sizeof(int64_t)) == 0))
+      first.push_back(b);
+  const int64_t runs = static_cast<int64_t>(first.size());
+  first.push_back(B);
   #pragma omp parallel for collapse(2) schedule(dynamic, 1)
-  for (int64_t b = 0; b < B; ++b) {
+  for (int64_t r = 0; r < runs; ++r) {
     for (int64_t h = 0; h < Hkv; ++h) {
-      const float* qh = qp + (b * Hq + h * G) * D;
+      const int64_t b0 = first[r], rows = first[r + 1] - b0, b = first[r + 1] - 1;  // b: the longest context
       const int64_t* rs = sp + b * Lmax;
-      float* oh = op + (b * Hq + h * G) * D;
-      if (grouped && D == 64) attend<4>(qh, kp, vp, rs, lp[b], Hkv, h, G, sc, oh);
-      else if (grouped && D == 128) attend<8>(qh, kp, vp, rs, lp[b], Hkv, h, G, sc, oh);
-      else if (grouped && D == 256) attend<16>(qh, kp, vp, rs, lp[b], Hkv, h, G, sc, oh);
-      else attend_any(qh, kp, vp, rs, lp[b], Hkv, h, G, D, sc, oh);
+      if (rows == 1) {
+        const float* qh = qp + (b * Hq + h * G) * D;
+        float* oh = op + (b * Hq + h * G) * D;
+        if (grouped && D == 64) attend<4>(qh, kp, vp, rs, lp[b], Hkv, h, G, sc, oh);
+        else if (grouped && D == 128) attend<8>(qh, kp, vp, rs, lp[b], Hkv, h, G, sc, oh);
+        else if (grouped && D == 256) attend<16>(qh, kp, vp, rs, lp[b], Hkv, h, G, sc, oh);
+        else attend_any(qh, kp, vp, rs, lp[b], Hkv, h, G, D, sc, oh);
+        continue;
+      }
+      alignas(64) float q[MAX_GROUP * 256];  // the run's query heads of this kv head, one after another
+      alignas(64) float o[MAX_GROUP * 256];
+      int64_t lens[MAX_GROUP];
+      for (int64_t j = 0; j < rows; ++j)
+        for (int64_t g = 0; g < G; ++g) {
+          std::memcpy(q + (j * G + g) * D, qp + ((b0 + j) * Hq + h * G + g) * D, D * sizeof(float));
+          lens[j * G + g] = lp[b0 + j];
+        }
+      const int64_t heads = rows * G;
+      if (D == 64) attend<4>(q, kp, vp, rs, lp[b], Hkv, h, heads, sc, o, lens);
+      else if (D == 128) attend<8>(q, kp, vp, rs, lp[b], Hkv, h, heads, sc, o, lens);
+      else attend<16>(q, kp, vp, rs, lp[b], Hkv, h, heads, sc, o, lens);
+      for (int64_t j = 0; j < rows; ++j)
+        std::memcpy(op + ((b0 + j) * Hq + h * G) * D, o + j * G * D, G * D * sizeof(float));
     }
   }
 }
