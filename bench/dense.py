@@ -230,12 +230,12 @@ def run_table(sides: dict, cells: list, repeats: int, peers: dict, run: results.
     decode_rates = {}
     rows = []  # the printed table, for the JSON record
     ours = next((name for name in sides if name.endswith("packed")), None)
-    for label, tokens, run, ids, peer_key in cells:
+    for label, tokens, measure, ids, peer_key in cells:
         best = {name: float("inf") for name in sides}
         peer_best = {name: 0.0 for name in peers}
         for _ in range(repeats):  # alternate the sides, the peers too, so all see the same machine load
             for name, side in sides.items():
-                best[name] = min(best[name], run(side, ids))
+                best[name] = min(best[name], measure(side, ids))
             for name, peer_run in peers.items():
                 if peer_run is not None:
                     peer_best[name] = max(peer_best[name], peer_run(peer_key))
