@@ -9,7 +9,6 @@ it, so a decode step stays one native call.
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 
 from deltaserve.kernels import int4_int8

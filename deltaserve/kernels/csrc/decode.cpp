@@ -43,7 +43,8 @@ i8dotk::Weight panel_of(const torch::Tensor& codes, const torch::Tensor& scales,
               codes.size(1) == K * 8 && K % QB == 0 && group % QB == 0 && K % group == 0,
               "decode block: panel codes must be [N / 16, K * 8] uint8, K and the group multiples of 32");
   TORCH_CHECK(scales.is_contiguous() && scales.dim() == 3 && scales.size(0) == codes.size(0) &&
-              scales.size(1) * group == K && scales.size(2) == RI, "decode block: panel scales [N / 16, K / group, 16]");
+              scales.size(1) * group == K && scales.size(2) == RI,
+              "decode block: panel scales [N / 16, K / group, 16]");
   const bool symmetric = offsets.numel() == 0;
   TORCH_CHECK(symmetric || (offsets.sizes() == scales.sizes() && offsets.scalar_type() == scales.scalar_type() &&
                             offsets.is_contiguous()), "decode block: panel offsets shaped and typed as the scales");
@@ -263,7 +264,8 @@ const float* vec(const torch::Tensor& t, int64_t n, const char* what) {
 // x [B, hidden] float32, updated in place: x += o_proj(attention(norm(x))), the new K/V rows stored at
 // slot_mapping. t: input norm [hidden], q_norm [D] or empty, k_norm [D] or empty, then q, k, v, o projections
 // (5 tensors each, see lin_of). meta: Hq, Hkv, D, gated (q_proj yields [q | gate] per head), and the 4 group sizes
-// (0: float32 weight; negative: a panel weight on int8 activations). cos / sin [B, rd]; caches [slots, Hkv, D]; context_slots [B, Lmax]; context_lens [B].
+// (0: float32 weight; negative: a panel weight on int8 activations). cos / sin [B, rd]; caches [slots, Hkv, D];
+// context_slots [B, Lmax]; context_lens [B].
 torch::Tensor attention_block(torch::Tensor x, std::vector<torch::Tensor> t, std::vector<int64_t> meta,
                               torch::Tensor cos, torch::Tensor sin, torch::Tensor k_cache, torch::Tensor v_cache,
                               torch::Tensor slot_mapping, torch::Tensor context_slots, torch::Tensor context_lens,
