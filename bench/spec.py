@@ -9,6 +9,15 @@ speed drifts within minutes), and the outputs must be equal token for token (spe
 - step cost: a verifying step's wall time over a plain decode step's (the figures engine/speculative.py's
   draft-length policy is priced with).
 
+A second table (--mixed N, 0 skips it): N requests submitted at once, half code-editing prompts (other files of this
+repository, shorter), half questions whose answers repeat little of the prompt, run to the end with speculation on
+(its draft-length policy, engine/speculative.py, free to draft less or not at all) vs off, alternated; throughput
+is all requests' new tokens over the wall time from submission to the last token. Speculation must not lose there.
+
+With --llama-cpp DIR (bench/llamacpp.py; or LLAMA_CPP_DIR), llama.cpp's prompt-lookup decoding (its llama-lookup,
+greedy, the same number of drafts) reads the same prompt text from the same GGUF file, beside its plain decode
+(llama-bench tg at the prompt's depth), alternated with ours.
+
     OMP_NUM_THREADS=2 .venv/bin/python bench/spec.py --tokens 192
 """
 
@@ -16,8 +25,11 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -53,6 +65,56 @@ def run_once(eng, prompt: list[int], tokens: int) -> dict:
     return {"tokens": out, "decode_s": time.perf_counter() - first, "plain_steps": plain, "verify_steps": verify}
 
 
+QUESTIONS = ["Explain how a hash map handles collisions, with an example.",
+             "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+             "What are the main causes of inflation? Answer in a few paragraphs.",
+             "Describe the water cycle to a ten-year-old.",
+             "Compare TCP and UDP: when would you pick each?",
+             "Give me a plan for learning to play the guitar in three months.",
+             "Why is the sky blue? Explain the physics.",
+             "List ten ideas for a weekend trip and say why each is good."]
+MIXED_FILES = ["deltaserve/engine/sampler.py", "deltaserve/engine/speculative.py", "deltaserve/models/batch.py",
+               "deltaserve/kernels/decode_cpu.py", "deltaserve/engine/runner.py", "deltaserve/cache/kv_pool.py",
+               "deltaserve/engine/grammar.py", "deltaserve/models/llama.py"]
+
+
+def mixed_prompts(tokenizer, n: int) -> list[list[int]]:
+    """n prompts: code-editing ones (30 lines of a file) and questions, alternating."""
+    out = []
+    for i in range(n):
+        if i % 2 == 0:
+            out.append(edit_prompt(tokenizer, ROOT / MIXED_FILES[i // 2 % len(MIXED_FILES)], 30))
+        else:
+            out.append(tokenizer.encode_chat([{"role": "user", "content": QUESTIONS[i // 2 % len(QUESTIONS)]}]))
+    return out
+
+
+def run_mixed(eng, prompts: list[list[int]], tokens: int) -> dict:
+    from deltaserve.engine.request import SamplingParams
+
+    started = time.perf_counter()
+    streams = [eng.submit(p, SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)) for p in prompts]
+    outs = [[] for _ in streams]
+    while not all(s.finished for s in streams):
+        eng.step()
+        for out, stream in zip(outs, streams):
+            out += [t for o in stream.drain() for t in o.token_ids]
+    return {"tokens": outs, "seconds": time.perf_counter() - started}
+
+
+def llama_lookup(root: Path, gguf: Path, prompt_file: Path, tokens: int, k: int, threads: int) -> dict:
+    """llama.cpp's lookup decoding, greedy: its decode rate and acceptance, as it prints them."""
+    done = subprocess.run([str(root / "build" / "bin" / "llama-lookup"), "-m", str(gguf), "-f", str(prompt_file),
+                           "-n", str(tokens), "--temp", "0", "-t", str(threads), "-c", "4096",
+                           "--spec-draft-n-max", str(k)], capture_output=True, text=True, timeout=600)
+    text = done.stdout + done.stderr
+    rate = re.search(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds, speed:\s+([\d.]+) t/s", text)
+    accept = re.search(r"accept\s*=\s*([\d.]+)%", text)
+    if done.returncode or not rate:
+        raise RuntimeError(f"llama-lookup failed (exit {done.returncode}): {text[-400:]}")
+    return {"rate": float(rate.group(3)), "acceptance": float(accept.group(1)) / 100 if accept else None}
+
+
 def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None)
@@ -61,19 +123,46 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--file", default="deltaserve/engine/sampler.py")
     parser.add_argument("--lines", type=int, default=60)
+    parser.add_argument("--mixed", type=int, default=16, help="requests of the mixed load (0: skip it) [16]")
+    parser.add_argument("--mixed-tokens", type=int, default=48)
+    parser.add_argument("--llama-cpp", default=None, help="a llama.cpp tree with build/bin/llama-lookup")
+    parser.add_argument("--threads", type=int, default=2, help="llama.cpp's threads [2]")
     args = parser.parse_args(argv)
     run = results.Run("spec", "Prompt-lookup speculation on vs off: batch-1 decode of a code-editing answer", argv)
     from deltaserve.config import EngineConfig
     from deltaserve.engine.engine import Engine
 
-    common = dict(model=args.model, device="cpu", max_total_tokens=8192, max_running_requests=4, prefix_cache=False)
+    import llamacpp
+
+    peer = llamacpp.tree_with(args.llama_cpp, "llama-lookup")
+    common = dict(model=args.model, device="cpu", max_total_tokens=8192 + 1024 * args.mixed,
+                  max_running_requests=max(4, args.mixed), prefix_cache=False)
     off = Engine(EngineConfig(**common), log=None)
     on = Engine(EngineConfig(**common, speculative="ngram", speculative_tokens=args.k), log=None)
     prompt = edit_prompt(off.tokenizer, ROOT / args.file, args.lines)
     print(f"prompt {len(prompt)} tokens ({args.file}, {args.lines} lines), {args.tokens} new tokens, k {args.k}")
     rates = {"off": [], "ngram": []}
     steps = {"plain": [], "verify": []}
+    peer_rates = {"plain": [], "lookup": [], "acceptance": []}
+    if peer is not None:
+        from deltaserve.budget import default_model_path
+
+        gguf = Path(args.model) if args.model and args.model.endswith(".gguf") else default_model_path()
+        prompt_file = Path(tempfile.mkdtemp()) / "prompt.txt"
+        prompt_file.write_text(off.tokenizer.decode(prompt))
     for _ in range(args.repeats):
+        if peer is not None:  # llama.cpp beside ours, in the same alternation
+            try:
+                got = llama_lookup(peer, gguf, prompt_file, args.tokens, args.k, args.threads)
+                plain_rate = llamacpp.run_one(peer, gguf, f"tg{args.tokens}", args.threads, ("-d", str(len(prompt))))
+            except (RuntimeError, subprocess.CalledProcessError) as error:  # a build that cannot run here
+                print(f"llama.cpp skipped: {str(error)[-300:]}")
+                run.note(f"llama.cpp's llama-lookup did not run here: {str(error)[-200:]}")
+                peer = None
+            else:
+                peer_rates["plain"].append(plain_rate)
+                peer_rates["lookup"].append(got["rate"])
+                peer_rates["acceptance"].append(got["acceptance"])
         a = run_once(off, prompt, args.tokens)
         drafted, accepted, verifies = (on.speculation.drafted_total, on.speculation.accepted_total,
                                        on.speculation.verify_steps_total)
@@ -98,8 +187,39 @@ def main(argv: list[str]) -> None:
     for row in [columns] + rows:
         print("  ".join(str(c) for c in row))
     print(f"speed-up x{on_rate / off_rate:.2f}; a verifying step costs {verify_ms / plain_ms:.2f} plain steps")
+    if peer is not None:
+        lp, ll = statistics.median(peer_rates["plain"]), statistics.median(peer_rates["lookup"])
+        acc = peer_rates["acceptance"][-1]
+        rows += [["llama.cpp plain (llama-bench tg at the prompt's depth)", round(lp, 1), "", "", ""],
+                 [f"llama.cpp llama-lookup k={args.k}", round(ll, 1), "" if acc is None else round(acc, 3), "", ""]]
+        print(f"llama.cpp: plain {lp:.1f} tok/s, lookup {ll:.1f} tok/s (x{ll / lp:.2f}), acceptance {acc}")
     run.table(f"batch-1 greedy decode, {len(prompt)}-token code-editing prompt, {args.tokens} new tokens", columns,
               rows)
+    if args.mixed:
+        prompts = mixed_prompts(off.tokenizer, args.mixed)
+        through = {"off": [], "ngram": []}
+        drafted, accepted = on.speculation.drafted_total, on.speculation.accepted_total
+        for _ in range(args.repeats):
+            a = run_mixed(off, prompts, args.mixed_tokens)
+            b = run_mixed(on, prompts, args.mixed_tokens)
+            if a["tokens"] != b["tokens"]:
+                sys.exit("speculation changed the greedy output of the mixed load: a bug")
+            new = sum(map(len, a["tokens"]))
+            through["off"].append(new / a["seconds"])
+            through["ngram"].append(new / b["seconds"])
+        drafted = on.speculation.drafted_total - drafted
+        accepted = on.speculation.accepted_total - accepted
+        t_off, t_on = statistics.median(through["off"]), statistics.median(through["ngram"])
+        mixed_rows = [["off", round(t_off, 1), ""],
+                      [f"ngram k={args.k}", round(t_on, 1), f"{accepted} / {drafted}"]]
+        mixed_columns = ["speculative", "throughput tok/s", "accepted / drafted"]
+        for row in [mixed_columns] + mixed_rows:
+            print("  ".join(str(c) for c in row))
+        print(f"mixed load: x{t_on / t_off:.2f}")
+        run.table(f"{args.mixed} requests at once ({', '.join(str(len(p)) for p in prompts[:2])}.. prompt tokens), "
+                  f"{args.mixed_tokens} new tokens each, greedy", mixed_columns, mixed_rows)
+        run.note(f"mixed load: speculation x{t_on / t_off:.2f} throughput (medians of {args.repeats} alternated "
+                 f"runs; outputs identical on and off)")
     run.note(f"speed-up x{on_rate / off_rate:.2f}; greedy outputs identical on and off; a verifying step costs "
              f"{verify_ms / plain_ms:.2f} plain decode steps (medians)")
     run.note(f"machine load average (1, 5, 15 min) at the end: {', '.join(f'{x:.1f}' for x in os.getloadavg())} "
