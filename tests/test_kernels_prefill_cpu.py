@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from deltaserve.kernels import attention, prefill_cpu
+from deltaserve.models.batch import DECODE_ROWS_CHUNK
 from test_kernels_attention import _reference as reference  # row i attends keys 0..cached + i, in float64
 from tolerance import LAMBDA, UNIT_ROUNDOFF
 
@@ -130,7 +131,9 @@ def test_engine_prefill_takes_the_kernel_only_when_its_backend_says_so(monkeypat
     real = prefill_cpu.prefill_attention
     monkeypatch.setattr(prefill_cpu, "prefill_attention", lambda *a: calls.append(a) or real(*a))
     eng = engine(None, max_running_requests=2, max_total_tokens=1024, attention_backend=backend)
-    ids = eng.tokenizer.encode("The capital of France is")
+    # longer than a chunk the step runs as decode rows (models/batch.py DECODE_ROWS_CHUNK): a prefill's work
+    ids = eng.tokenizer.encode("The capital of France is Paris, the capital of Italy is Rome, and of Spain")
+    assert len(ids) > DECODE_ROWS_CHUNK
     out = run_all(eng, [(ids, SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))])[0]
     assert len(tokens_of(out)) == 2
     # its prefill step: every layer but the last, which attends for the sampled row only (as a decode row)
