@@ -299,8 +299,8 @@ def write_w4a16_checkpoint(folder: Path, group: int) -> str:
     return source
 
 
-def save_w4a16(model: torch.nn.Module, folder: Path, group: int) -> None:
-    """`model` (its Linear layers but lm_head) pack-quantized to symmetric 4-bit groups of `group` by
+def save_w4a16(model: torch.nn.Module, folder: Path, group: int, ignore: tuple[str, ...] = ("lm_head",)) -> None:
+    """`model` (its Linear layers but those in `ignore`) pack-quantized to symmetric 4-bit groups of `group` by
     compressed-tensors' own compressor, saved with its config in `folder` (no tokenizer)."""
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import QuantizationConfig, apply_quantization_config
@@ -308,7 +308,7 @@ def save_w4a16(model: torch.nn.Module, folder: Path, group: int) -> None:
     scheme = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": group}
     qconfig = QuantizationConfig.model_validate(dict(config_groups={"group_0": {"targets": ["Linear"],
                                                                                 "weights": scheme}},
-                                                     ignore=["lm_head"], format="pack-quantized",
+                                                     ignore=list(ignore), format="pack-quantized",
                                                      quantization_status="frozen"))
     apply_quantization_config(model, qconfig, show_progress=False)
     minmax_qparams_(model)

@@ -19,6 +19,14 @@ greedy, the same number of drafts) reads the same prompt text from the same GGUF
 (llama-bench tg at the prompt's depth), alternated with ours.
 
     OMP_NUM_THREADS=2 .venv/bin/python bench/spec.py --tokens 192
+
+With --method mtp (issue 40's workload (b)), the drafter is the checkpoint's own MTP head (--speculative mtp) on a
+model that has one, by default the fitted tiny hybrid tests/data/mtp_fitted (tests/data/make_mtp_fitted.py: a
+tiny Qwen3.5 hybrid taught a fixed successor table, its head fitted to its own greedy continuations): --mtp-prompts
+random 16-token prompts from seeds 0.. (held out: the fixture trained on seeds >= 1000), each decoded --tokens,
+speculation on vs off alternated prompt by prompt; decode tok/s over all of them, acceptance, identical outputs.
+
+    OMP_NUM_THREADS=2 .venv/bin/python bench/spec.py --method mtp --tokens 24
 """
 
 from __future__ import annotations
@@ -127,7 +135,11 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--mixed-tokens", type=int, default=48)
     parser.add_argument("--llama-cpp", default=None, help="a llama.cpp tree with build/bin/llama-lookup")
     parser.add_argument("--threads", type=int, default=2, help="llama.cpp's threads [2]")
+    parser.add_argument("--method", choices=["ngram", "mtp"], default="ngram", help="the drafter [ngram]")
+    parser.add_argument("--mtp-prompts", type=int, default=8, help="with --method mtp: prompts decoded [8]")
     args = parser.parse_args(argv)
+    if args.method == "mtp":
+        return mtp_main(args, argv)
     run = results.Run("spec", "Prompt-lookup speculation on vs off: batch-1 decode of a code-editing answer", argv)
     from deltaserve.config import EngineConfig
     from deltaserve.engine.engine import Engine
@@ -225,6 +237,59 @@ def main(argv: list[str]) -> None:
     run.note(f"machine load average (1, 5, 15 min) at the end: {', '.join(f'{x:.1f}' for x in os.getloadavg())} "
              f"on {os.cpu_count()} logical CPUs: other work shared the cores, so absolute rates are low and noisy; "
              f"on and off alternate, so the ratio is the figure to read")
+    run.save()
+
+
+def mtp_main(args, argv) -> None:
+    """Workload (b): the MTP head drafting on a model that has one (module docstring)."""
+    import torch
+
+    from deltaserve.config import EngineConfig
+    from deltaserve.engine.engine import Engine
+
+    model = args.model or str(ROOT / "tests" / "data" / "mtp_fitted")
+    run = results.Run("spec", "MTP speculation on vs off: batch-1 decode of the fitted-MTP tiny hybrid", argv)
+    common = dict(model=model, device="cpu", max_total_tokens=4096, max_running_requests=4, prefix_cache=False)
+    off = Engine(EngineConfig(**common), log=None)
+    on = Engine(EngineConfig(**common, speculative="mtp", speculative_tokens=args.k), log=None)
+    vocab = off.vocab_size
+    prompts = [torch.randint(0, vocab, (16,), generator=torch.Generator().manual_seed(seed)).tolist()
+               for seed in range(args.mtp_prompts)]
+    seconds = {"off": 0.0, "mtp": 0.0}
+    new = 0
+    drafted, accepted, verifies = (on.speculation.drafted_total, on.speculation.accepted_total,
+                                   on.speculation.verify_steps_total)
+    steps = {"plain": [], "verify": []}
+    for _ in range(args.repeats):
+        for prompt in prompts:
+            a = run_once(off, prompt, args.tokens)
+            b = run_once(on, prompt, args.tokens)
+            if a["tokens"] != b["tokens"]:
+                sys.exit("MTP speculation changed the greedy output: a bug")
+            seconds["off"] += a["decode_s"]
+            seconds["mtp"] += b["decode_s"]
+            new += len(a["tokens"]) - 1
+            steps["plain"] += a["plain_steps"]
+            steps["verify"] += b["verify_steps"]
+    drafted = on.speculation.drafted_total - drafted
+    accepted = on.speculation.accepted_total - accepted
+    verifies = on.speculation.verify_steps_total - verifies
+    off_rate, on_rate = new / seconds["off"], new / seconds["mtp"]
+    plain_ms = statistics.median(steps["plain"]) * 1000
+    verify_ms = statistics.median(steps["verify"]) * 1000 if steps["verify"] else float("nan")
+    columns = ["speculative", "decode tok/s", "acceptance", "tokens per verifying step", "step ms (median)"]
+    rows = [["off", round(off_rate, 1), "", "", round(plain_ms, 2)],
+            [f"mtp k={args.k}", round(on_rate, 1), round(accepted / max(drafted, 1), 3),
+             round((accepted + verifies) / max(verifies, 1), 2), round(verify_ms, 2)]]
+    for row in [columns] + rows:
+        print("  ".join(str(c) for c in row))
+    print(f"speed-up x{on_rate / off_rate:.2f}; a verifying step costs {verify_ms / plain_ms:.2f} plain steps")
+    run.table(f"batch-1 greedy decode, {len(prompts)} held-out 16-token prompts x {args.repeats}, {args.tokens} new "
+              f"tokens each, {Path(model).name}", columns, rows)
+    run.note(f"speed-up x{on_rate / off_rate:.2f}; greedy outputs identical on and off; accepted {accepted} of "
+             f"{drafted} drafts; a verifying step costs {verify_ms / plain_ms:.2f} plain decode steps (medians)")
+    run.note(f"machine load average (1, 5, 15 min) at the end: {', '.join(f'{x:.1f}' for x in os.getloadavg())} "
+             f"on {os.cpu_count()} logical CPUs")
     run.save()
 
 
