@@ -209,3 +209,22 @@ def test_fused_int8_mlp_is_the_float32_mlp_within_the_activation_rounding(rows, 
     err = (got.double() - ref.double()).abs()
     assert bool((err <= bound).all()), f"max error {err.max().item():.3g}, bound {bound.min().item():.3g}"
     assert err.max() > 0  # the int8 arithmetic served, not the float32 one
+
+
+def test_int8_activations_serve_an_int4_lm_head(tmp_path):
+    """The field's layout (W4 body, INT8 embedding, INT4 lm_head; compressed-tensors' compressor) with
+    --activation-dtype int8: the head becomes an int8-activation layer too and the model's forward takes it (it
+    asked the head for a float weight's dtype and failed mid-answer, "'Int4Int8Linear' object has no attribute
+    'weight'"), and the answer's tokens come."""
+    from test_engine_support import engine, run_all, tokens_of
+
+    from deltaserve.engine.request import SamplingParams
+    from deltaserve.models.layers import Int4Int8Linear
+    from tests.test_weights_compressed_tensors import make_checkpoint
+
+    make_checkpoint("dense_w4_g32_int8embed_int4head", tmp_path)
+    eng = engine(str(tmp_path), activation_dtype="int8", dequantize_weights=False)
+    assert isinstance(eng.loaded.model.lm_head, Int4Int8Linear), type(eng.loaded.model.lm_head)
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    out = tokens_of(run_all(eng, [([5, 6, 7, 8], params)])[0])
+    assert len(out) == 4 and all(0 <= t < eng.vocab_size for t in out)

@@ -231,7 +231,10 @@ class Engine:
         """--activation-dtype int8: every packed 4-bit layer the int8 dot-product kernel serves takes it (the
         others, and every layer where the kernel cannot be built, keep float32: said)."""
         from deltaserve.models.int8_activations import use_int8_activations
+        from deltaserve.models.layers import Int4Linear
 
+        if not any(isinstance(m, Int4Linear) for m in model.modules()):
+            return  # no packed 4-bit layer: nothing to take int8 activations (and no kernel to build for it)
         if int4_int8.load(self._log) is None:
             self._log("note: --activation-dtype int8 needs the int8 dot-product kernel, not built here: float32 stays")
             return
