@@ -17,8 +17,9 @@ One record (schema 1):
     command  the exact command line (with OMP_NUM_THREADS when set)
     tables   [{"title", "columns", "rows"}]: the figures; numbers as numbers, text where a cell says more
     notes    [paragraph, ...]: what the figures mean, as measured (optional; links relative to the repository)
-    source   "measured" (written by a Run), or "transcribed from README at <commit>" for the history kept in the
-             README before bench/results/ existed
+    source   "measured" (written by a Run), "assembled from <records>" (a summary table of measured records' figures,
+             named in its notes), or "transcribed from README at <commit>" for the history kept in the README before
+             bench/results/ existed
     output   what the script printed (measured records)
     readme   true on the record whose first table is the README's current speed table (the newest one wins)
 
@@ -221,7 +222,7 @@ def render_docs(records: list[dict]) -> str:
         newest.setdefault(record["bench"], record)
     out += ["| bench | title | commit | date | source |", "|---|---|---|---|---|"]
     out += [f"| {b} | [{r['title']}](#{_anchor(r['title'])}) | `{r['commit']}` | {r['date']} | "
-            f"{'measured' if r['source'] == 'measured' else 'transcribed'} |" for b, r in sorted(newest.items())]
+            f"{r['source'].split()[0]} |" for b, r in sorted(newest.items())]
     out += ["", "## History, newest first", ""]
     for record in records:
         out += record_markdown(record)

@@ -59,7 +59,8 @@ def test_every_benchmark_record_is_whole():
         where = record["_file"]
         assert record["schema"] == results.SCHEMA, where
         assert re.fullmatch(r"\d{4}-\d\d-\d\d(T\d\d:\d\dZ)?", record["date"]), where
-        assert record["source"] == "measured" or record["source"].startswith("transcribed from README at "), where
+        assert (record["source"] == "measured" or record["source"].startswith("transcribed from README at ")
+                or record["source"].startswith("assembled from ")), where
         assert record["tables"] or record.get("notes"), f"{where}: no figures"
         for table in record["tables"]:
             assert all(len(row) == len(table["columns"]) for row in table["rows"]), where
