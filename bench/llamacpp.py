@@ -24,9 +24,10 @@ import sys
 from pathlib import Path
 
 
-def tree(given: str | None) -> Path | None:
-    """The llama.cpp source tree with a built llama-bench, or None (then the peer is skipped)."""
-    root = given or os.environ.get("LLAMA_CPP_DIR")
+def tree(given: str | None, variable: str = "LLAMA_CPP_DIR") -> Path | None:
+    """The llama.cpp source tree with a built llama-bench (given, or in the environment `variable`), or None (then
+    the peer is skipped)."""
+    root = given or os.environ.get(variable)
     if not root:
         return None
     root = Path(root)
@@ -62,13 +63,7 @@ def ik_tree(given: str | None) -> Path | None:
     """An ik_llama.cpp source tree (github ikawrakow/ik_llama.cpp, the fork with the faster CPU kernels) with a built
     llama-bench, from --ik-llama-cpp DIR or IK_LLAMA_CPP_DIR; None skips it. Built like llama.cpp's (the module
     docstring); its llama-bench takes the same arguments and writes the same JSON."""
-    root = given or os.environ.get("IK_LLAMA_CPP_DIR")
-    if not root:
-        return None
-    root = Path(root)
-    if not bench_binary(root).exists():
-        raise SystemExit(f"error: {root} has no build/bin/llama-bench: build it first (see bench/llamacpp.py)")
-    return root
+    return tree(given, "IK_LLAMA_CPP_DIR")
 
 
 # ik_llama.cpp's own best CPU setting: repack the quantized weights at load into its interleaved rows (-rtr 1)
