@@ -26,6 +26,10 @@ KV_DTYPES = ("float32", "auto", "auto", "bfloat16")
 # compared through tests/vision_support.ImageOracle (issues 37 and 42)
 IMAGE_FAMILIES: tuple[str, ...] = ("qwen3_5_vl",)
 IMAGE_CASE_RATE = 0.1
+# Prompt-lookup speculation (issue 40): one text case in SPECULATIVE_RATE runs with `--speculative ngram` and 1..4
+# drafts a step (its own draw, "speculative"), so the verify rows' native path (decode rows chained through the GDN
+# state, snapshots) meets every drawn shape; speculation is lossless, so the oracle and its bound are unchanged
+SPECULATIVE_RATE = 0.3
 
 
 @dataclass(frozen=True)
@@ -108,8 +112,8 @@ def draw_case(seed: int) -> Case:
     """The case a seed names (the same on every machine: random.Random is specified). The regression seeds of
     test_fuzz.py name cases through this order of draws: a new dimension draws from its own
     random.Random(f"{seed}:<name>") so that every existing seed keeps its case. Those so far: "kv_dtype" (the KV
-    cache's storage; a seed drawn before it ran float32) and "image" (a multimodal case some seeds carry beside
-    their text case)."""
+    cache's storage; a seed drawn before it ran float32), "image" (a multimodal case some seeds carry beside
+    their text case) and "speculative" (prompt-lookup drafts verified in the step)."""
     rng = random.Random(seed)
     family = rng.choice(FAMILIES)
     fmt_kind = rng.choice(formats_for(family))
@@ -118,6 +122,9 @@ def draw_case(seed: int) -> Case:
     fmt = draw_format(rng, fmt_kind, config)
     engine = draw_engine(rng, family, fmt)
     engine["kv_dtype"] = random.Random(f"{seed}:kv_dtype").choice(KV_DTYPES)
+    speculative = random.Random(f"{seed}:speculative")
+    if speculative.random() < SPECULATIVE_RATE:
+        engine.update(speculative="ngram", speculative_tokens=speculative.randint(1, 4))
     batch, follow_ups = draw_requests(rng, engine, GGUF_CONTEXT if gguf else None)
     return Case(seed, family, config, fmt, engine, batch, follow_ups, draw_image_case(seed))
 
