@@ -110,6 +110,21 @@ def run_mixed(eng, prompts: list[list[int]], tokens: int) -> dict:
     return {"tokens": outs, "seconds": time.perf_counter() - started}
 
 
+def decode_table(label: str, off_rate: float, on_rate: float, drafted: int, accepted: int, verifies: int,
+                 steps: dict) -> tuple[list, list, float, float]:
+    """The batch-1 table, off vs on (printed): (columns, rows, plain step ms, verifying step ms), medians."""
+    plain_ms = statistics.median(steps["plain"]) * 1000
+    verify_ms = statistics.median(steps["verify"]) * 1000 if steps["verify"] else float("nan")
+    columns = ["speculative", "decode tok/s", "acceptance", "tokens per verifying step", "step ms (median)"]
+    rows = [["off", round(off_rate, 1), "", "", round(plain_ms, 2)],
+            [label, round(on_rate, 1), round(accepted / max(drafted, 1), 3),
+             round((accepted + verifies) / max(verifies, 1), 2), round(verify_ms, 2)]]
+    for row in [columns] + rows:
+        print("  ".join(str(c) for c in row))
+    print(f"speed-up x{on_rate / off_rate:.2f}; a verifying step costs {verify_ms / plain_ms:.2f} plain steps")
+    return columns, rows, plain_ms, verify_ms
+
+
 def llama_lookup(root: Path, gguf: Path, prompt_file: Path, tokens: int, k: int, threads: int) -> dict:
     """llama.cpp's lookup decoding, greedy: its decode rate and acceptance, as it prints them."""
     done = subprocess.run([str(root / "build" / "bin" / "llama-lookup"), "-m", str(gguf), "-f", str(prompt_file),
@@ -189,16 +204,8 @@ def main(argv: list[str]) -> None:
         accepted = on.speculation.accepted_total - accepted
         verifies = on.speculation.verify_steps_total - verifies
     off_rate, on_rate = statistics.median(rates["off"]), statistics.median(rates["ngram"])
-    acceptance = accepted / max(drafted, 1)
-    plain_ms = statistics.median(steps["plain"]) * 1000
-    verify_ms = statistics.median(steps["verify"]) * 1000 if steps["verify"] else float("nan")
-    rows = [["off", round(off_rate, 1), "", "", round(plain_ms, 2)],
-            [f"ngram k={args.k}", round(on_rate, 1), round(acceptance, 3), round((accepted + verifies) / max(verifies, 1),
-                                                                                 2), round(verify_ms, 2)]]
-    columns = ["speculative", "decode tok/s", "acceptance", "tokens per verifying step", "step ms (median)"]
-    for row in [columns] + rows:
-        print("  ".join(str(c) for c in row))
-    print(f"speed-up x{on_rate / off_rate:.2f}; a verifying step costs {verify_ms / plain_ms:.2f} plain steps")
+    columns, rows, plain_ms, verify_ms = decode_table(f"ngram k={args.k}", off_rate, on_rate, drafted, accepted,
+                                                      verifies, steps)
     if peer is not None:
         lp, ll = statistics.median(peer_rates["plain"]), statistics.median(peer_rates["lookup"])
         acc = peer_rates["acceptance"][-1]
@@ -275,15 +282,8 @@ def mtp_main(args, argv) -> None:
     accepted = on.speculation.accepted_total - accepted
     verifies = on.speculation.verify_steps_total - verifies
     off_rate, on_rate = new / seconds["off"], new / seconds["mtp"]
-    plain_ms = statistics.median(steps["plain"]) * 1000
-    verify_ms = statistics.median(steps["verify"]) * 1000 if steps["verify"] else float("nan")
-    columns = ["speculative", "decode tok/s", "acceptance", "tokens per verifying step", "step ms (median)"]
-    rows = [["off", round(off_rate, 1), "", "", round(plain_ms, 2)],
-            [f"mtp k={args.k}", round(on_rate, 1), round(accepted / max(drafted, 1), 3),
-             round((accepted + verifies) / max(verifies, 1), 2), round(verify_ms, 2)]]
-    for row in [columns] + rows:
-        print("  ".join(str(c) for c in row))
-    print(f"speed-up x{on_rate / off_rate:.2f}; a verifying step costs {verify_ms / plain_ms:.2f} plain steps")
+    columns, rows, plain_ms, verify_ms = decode_table(f"mtp k={args.k}", off_rate, on_rate, drafted, accepted,
+                                                      verifies, steps)
     run.table(f"batch-1 greedy decode, {len(prompts)} held-out 16-token prompts x {args.repeats}, {args.tokens} new "
               f"tokens each, {Path(model).name}", columns, rows)
     run.note(f"speed-up x{on_rate / off_rate:.2f}; greedy outputs identical on and off; accepted {accepted} of "
