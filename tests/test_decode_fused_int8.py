@@ -2,10 +2,11 @@
 
 Against the per-op int8 path on the same model and caches (tiny Llama / Qwen3 with packed 4-bit projections, and the
 Qwen3.5 hybrid test configs quantized to 4 bits): every decode step's logits agree to float32 rounding
-(tests/tolerance.py), on the native and the AVX2 build, and the whole step is one decode_stack call that multiplies no
+(tests/tolerance.py), on the native, the AVX2 and (where the CPU has it) the AVX-VNNI build, and the whole step is one decode_stack call that multiplies no
 projection through int4_int8's per-op entry. The per-op int8 product is held to the float64 int8 arithmetic and to the
 float32 path within the activations' rounding by test_kernels_int4_int8.py; here the fused MLP block is held to the
-fused float32 block within that rounding propagated through SiLU, the product and the down projection.
+fused float32 block within that rounding propagated through SiLU, the product and the down projection, and on the
+AVX-VNNI build to the AVX2 build's block bit for bit.
 """
 
 from __future__ import annotations
@@ -16,11 +17,13 @@ import json
 
 import pytest
 import torch
+from conftest import KERNEL_MODULES
 from test_decode_fused import VOCAB, decode_batch, steps_both_ways, tiny_dense
 from test_kernels_int4_int8 import magnitude
 from tolerance import logits_rtol
 
 from deltaserve.kernels import decode_cpu, int4_int8
+from deltaserve.kernels.cpp_build import cpu_features
 from deltaserve.kernels.int4 import Int4Codes, pack
 from deltaserve.models.int8_activations import use_int8_activations
 from deltaserve.models.layers import FusedParts, Int4Int8Linear, Int4Linear, Linear, projection_parts
@@ -28,16 +31,30 @@ from deltaserve.models.layers import FusedParts, Int4Int8Linear, Int4Linear, Lin
 U = 2.0**-24
 
 
-@pytest.fixture
-def int8_isa(isa, request):
-    """conftest's isa, with int4_int8's per-op kernel on the same build (AVX2: vpmaddubsw, not VNNI)."""
+@pytest.fixture(params=["native", "avx2", "avxvnni"])
+def int8_isa(request):
+    """conftest's isa builds, with int4_int8's per-op kernel on the same one (AVX2: vpmaddubsw, not VNNI), and an
+    AVX-VNNI one where the CPU has avx_vnni: the AVX2 builds with decode_cpu and int4_int8 built for AVX-VNNI (the
+    two modules that compile int4_int8_tile.h, whose 256-bit vpdpbusd tile is what the flag is for)."""
+    for m in KERNEL_MODULES:
+        assert m.load() is not None
     assert int4_int8.load(print) is not None
+    if request.param == "native":
+        yield request.param
+        return
+    if request.param == "avxvnni" and "avx_vnni" not in cpu_features().split():
+        pytest.skip("this CPU has no AVX-VNNI (avx_vnni): the AVX-VNNI build cannot run here")
+    builds = dict(zip(KERNEL_MODULES, request.getfixturevalue("avx2_kernels")))
+    builds[int4_int8] = int4_int8.KERNELS.variant("avx2").load(print)
+    if request.param == "avxvnni":
+        builds[decode_cpu] = decode_cpu.KERNELS.variant("avxvnni").load(print)
+        builds[int4_int8] = int4_int8.KERNELS.variant("avxvnni").load(print)
+    assert all(builds.values())
     with contextlib.ExitStack() as stack:
-        if isa == "avx2":
-            module = int4_int8.KERNELS.variant("avx2").load(print)
-            assert module is not None
-            stack.enter_context(int4_int8.KERNELS.using(module))
-        yield isa
+        for m, module in builds.items():
+            stack.enter_context(m.KERNELS.using(module))
+        assert int4_int8.isa() == {"avx2": "avx2", "avxvnni": "avx_vnni"}[request.param]
+        yield request.param
 
 
 class Counting:
@@ -165,8 +182,9 @@ def block_quantum(v: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("rows", [1, 3, 17])
 @torch.inference_mode()
-def test_fused_int8_mlp_is_the_float32_mlp_within_the_activation_rounding(rows, isa):
-    """mlp_block on panel weights against mlp_block on the same packed weights (float32). Each projection of n (the
+def test_fused_int8_mlp_is_the_float32_mlp_within_the_activation_rounding(rows, int8_isa, request):
+    """mlp_block on panel weights against mlp_block on the same packed weights (float32); on the AVX-VNNI build also
+    against the AVX2 build's mlp_block, bit for bit (the blocks' integer sums are exact). Each projection of n (the
     normed input) moves by at most |W| d_n / 2 (test_kernels_int4_int8's bound, d_n n's block quanta); SiLU's slope
     is at most 1.1, so h = silu(g) u moves by at most 1.1 dg (|u| + du) + |silu(g)| du; the down projection reads h's
     int8 rounding (quanta of |h| + dh at most) on top: dy <= |W_down| (dh + d_h / 2), plus each side's float32
@@ -189,6 +207,10 @@ def test_fused_int8_mlp_is_the_float32_mlp_within_the_activation_rounding(rows, 
 
     got, ref = block(int8_layers), block(float_layers)
     assert [projection_parts(layer)[1] for layer in int8_layers] == [-32] * 3
+    if int8_isa == "avxvnni":
+        avx2 = dict(zip(KERNEL_MODULES, request.getfixturevalue("avx2_kernels")))[decode_cpu]
+        with decode_cpu.KERNELS.using(avx2):
+            assert torch.equal(block(int8_layers), got)
 
     w = [c.dequantize(torch.float64) for c in codes]
     mag = [magnitude(c) for c in codes]

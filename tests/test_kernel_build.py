@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from deltaserve.kernels import cpp_build, decode_cpu, fused_cpu, int4_cpu, linear_cpu, paged_cpu, prefill_cpu
+from deltaserve.kernels import cpp_build, decode_cpu, fused_cpu, int4_cpu, int4_int8, linear_cpu, paged_cpu, prefill_cpu
 from deltaserve.kernels.cpp_build import CompiledKernels
 
 TINY = "int64_t add_one(int64_t x) { return x + 1; }\n"
@@ -106,6 +106,10 @@ def test_other_flags_or_sources_build_elsewhere():
         assert "-march=native" in native.flags and "-march=x86-64-v3" in avx2.flags
         assert cpp_build.build_key(native) != cpp_build.build_key(avx2)
         assert avx2.name != native.name  # a module of its own, so both load in one process
+    for module in (int4_int8, decode_cpu):  # the AVX-VNNI build: the AVX2 flags and one more
+        avx2, vnni = module.KERNELS.variant("avx2"), module.KERNELS.variant("avxvnni")
+        assert "-mavxvnni" in vnni.flags and "-mavxvnni" not in avx2.flags
+        assert cpp_build.build_key(vnni) != cpp_build.build_key(avx2) and vnni.name != avx2.name
     assert cpp_build.build_key(tiny()) != cpp_build.build_key(tiny(source=TINY + "// changed\n"))
 
 

@@ -1,7 +1,8 @@
-"""The 4-bit x int8 dot-product kernel (kernels/int4_int8.py, csrc/int4_int8dot.cpp), on both builds (AVX-512 VNNI
-where the CPU has it, and AVX2): its activation quantization against the same float32 operations in torch, its
-product against a float64 product of exactly that int8 arithmetic, and against the float32 packed path within the
-activations' rounding."""
+"""The 4-bit x int8 dot-product kernel (kernels/int4_int8.py, csrc/int4_int8dot.cpp), on each build (native: AVX-512
+VNNI where the CPU has it; AVX2; AVX-VNNI without AVX-512 where the CPU has avx_vnni): its activation quantization
+against the same float32 operations in torch, its product against a float64 product of exactly that int8
+arithmetic, and against the float32 packed path within the activations' rounding; the AVX-VNNI build's product is the
+AVX2 build's, bit for bit."""
 
 import contextlib
 
@@ -26,14 +27,25 @@ def avx2_build():
     return module
 
 
-@pytest.fixture(params=["native", "avx2"], autouse=True)
+@pytest.fixture(scope="module")
+def avxvnni_build():
+    flags = cpu_features().split()
+    if "avx_vnni" not in flags:
+        pytest.skip("this CPU has no AVX-VNNI (avx_vnni): the AVX-VNNI build cannot run here")
+    module = int4_int8.KERNELS.variant("avxvnni").load(print)
+    assert module is not None
+    return module
+
+
+@pytest.fixture(params=["native", "avx2", "avxvnni"], autouse=True)
 def isa(request):
-    """Each build in turn: -march=native (VNNI here when the CPU has it) and AVX2 only (vpmaddubsw)."""
+    """Each build in turn: -march=native (VNNI here when the CPU has it), AVX2 only (vpmaddubsw) and AVX2 with
+    AVX-VNNI (256-bit vpdpbusd, no AVX-512: Alder Lake's native build)."""
     assert int4_int8.load(print) is not None
     with contextlib.ExitStack() as stack:
-        if request.param == "avx2":
-            stack.enter_context(int4_int8.KERNELS.using(request.getfixturevalue("avx2_build")))
-            assert int4_int8.isa() == "avx2"
+        if request.param != "native":
+            stack.enter_context(int4_int8.KERNELS.using(request.getfixturevalue(f"{request.param}_build")))
+            assert int4_int8.isa() == {"avx2": "avx2", "avxvnni": "avx_vnni"}[request.param]
         yield request.param
 
 
@@ -149,6 +161,29 @@ def test_product_is_within_the_activation_rounding_of_the_float32_path(case, row
     err = (got.double() - ref.double()).abs()
     assert bool((err <= bound).all()), f"max error {err.max().item():.3g}"
     assert err.max() > 0  # the int8 path is not the float32 one (a dispatch mistake would pass the bound)
+
+
+BIT_CASES = [  # (N, K, group, symmetric, scale dtype): NP_MAX pairs of units and a lone one, groups of 1..18 blocks
+    (576, 576, 32, False, torch.float16), (144, 576, 64, True, torch.float32), (48, 1536, 128, False, torch.bfloat16),
+    (16, 576, 576, True, torch.bfloat16), (80, 320, 320, False, torch.float32), (32, 256, 32, True, torch.float16)]
+
+
+@pytest.mark.parametrize("isa", ["avxvnni"], indirect=True)  # this test compares the builds itself
+@pytest.mark.parametrize("case", BIT_CASES, ids=[f"{n}x{k}-g{g}{'-sym' if s else ''}-{str(t)[6:]}"
+                                                 for n, k, g, s, t in BIT_CASES])
+def test_avxvnni_product_is_the_avx2_product_bit_for_bit(case, isa, avx2_build):
+    """The AVX-VNNI tile sums each block's products into int32 with vpdpbusd, the AVX2 one into int16 pairs and then
+    int32: the same exact integers, scaled and summed by the same float32 operations in the same order, so every
+    row count (tails of the 2-row tile, several 64-row tasks) gives the same bits."""
+    n, k, group, symmetric, dtype = case
+    panel = int4_int8.repack(pack(random_codes(n, k, group, n + k, dtype=dtype, symmetric=symmetric)))
+    bias = torch.randn(n, generator=torch.Generator().manual_seed(k))
+    for rows in range(1, 71):
+        x = activations(rows, k, rows + n)
+        got = int4_int8.linear(x, panel, bias)
+        with int4_int8.KERNELS.using(avx2_build):
+            expect = int4_int8.linear(x, panel, bias)
+        assert torch.equal(got, expect), (rows, (got - expect).abs().max().item())
 
 
 @pytest.mark.parametrize("threads", [1, 3])

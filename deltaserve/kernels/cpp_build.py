@@ -37,9 +37,11 @@ import time
 from pathlib import Path
 
 # Per instruction set: the native build serves; the AVX2 one (x86-64-v3: AVX2 + FMA, no AVX-512) is what the tests
-# also check the kernels with, so their #if __AVX512F__ branches are exercised both ways on one machine.
+# also check the kernels with, so their #if __AVX512F__ branches are exercised both ways on one machine. The
+# AVX-VNNI one (x86-64-v3 plus 256-bit VEX vpdpbusd, what -march=native gives on Alder Lake / Raptor Lake) checks
+# int4_int8's #if __AVXVNNI__ tile on a CPU that has AVX-512 as well.
 COMMON_FLAGS = ["-O3", "-ffast-math", "-fno-finite-math-only", "-fopenmp"]
-ISA_FLAGS = {"native": ["-march=native"], "avx2": ["-march=x86-64-v3"]}
+ISA_FLAGS = {"native": ["-march=native"], "avx2": ["-march=x86-64-v3"], "avxvnni": ["-march=x86-64-v3", "-mavxvnni"]}
 BUILD_SECONDS = 60  # about what one kernel takes to compile on 2 cores, for the message
 LOCK_POLL_S = 1.0
 UNNAMED_LOCK_S = 10.0  # a lock file still without a pid after this long was left by a builder killed mid-write

@@ -3,9 +3,11 @@
 The C++ is kernels/csrc/int4_int8dot.cpp (its header says the arithmetic and the layout), its tiles in
 int4_int8_tile.h, which decode.cpp's fused blocks compile too. Each input row is
 quantized per block of 32 columns to int8 with one float32 scale (llama.cpp's Q8_0 / Q8_1 for Q4_0 / Q4_1: the
-offsets enter through each block's sum, as Q8_1's), and the 4-bit codes multiply it by vpdpbusd (AVX-512 VNNI) or
-vpmaddubsw (AVX2). The result is the dequantized weight times the dequantized activations; against the float32 path
-it differs by the activations' rounding, at most half a quantum (d / 2) a column: |dy| <= sum_k |w_k| d_k / 2.
+offsets enter through each block's sum, as Q8_1's), and the 4-bit codes multiply it by vpdpbusd (AVX-512 VNNI, or
+AVX-VNNI's 256-bit form where a CPU has it without AVX-512, as Alder Lake and Raptor Lake do) or vpmaddubsw (AVX2;
+the same bits as AVX-VNNI: every block's sum is an exact integer either way). The result is the dequantized weight
+times the dequantized activations; against the float32 path it differs by the activations' rounding, at most half a
+quantum (d / 2) a column: |dy| <= sum_k |w_k| d_k / 2.
 
 `repack` moves a PackedInt4's bytes into 16-row panels (a permutation of the same bytes: a layer that holds the
 panel form holds exactly the packed layout's bytes, so the ledger's weights line does not change).
@@ -106,5 +108,5 @@ def quantize(rows: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.T
 
 
 def isa() -> str:
-    """The dot product the loaded build uses: avx512_vnni or avx2."""
+    """The dot product the loaded build uses: avx512_vnni, avx_vnni (256-bit, no AVX-512) or avx2."""
     return KERNELS.module.int4_int8_isa()

@@ -1,5 +1,8 @@
 // The 4-bit x int8 dot-product tiles and the activation quantization (the arithmetic and the panel layout:
-// int4_int8dot.cpp's header); int4_int8dot.cpp and decode.cpp compile them.
+// int4_int8dot.cpp's header); int4_int8dot.cpp and decode.cpp compile them. Three dot products: AVX-512 VNNI
+// (vpdpbusd, 16 rows a register), AVX-VNNI without AVX-512 (VEX vpdpbusd, 8 rows: Alder Lake / Raptor Lake) and AVX2
+// (vpmaddubsw + vpmaddwd, 8 rows); the last two share one tile, whose block sums are the same exact integers either
+// way, so their results are the same bits.
 #pragma once
 
 #include <torch/extension.h>
@@ -143,7 +146,7 @@ void tile(const Act& a, int64_t m0, const Weight& w, int64_t p0, float* __restri
 constexpr int MR_MAX = 4, NP_MAX = 2;  // 8 int32 + 8 float32 accumulators, 4 code registers, 4 scale / offset
 
 #else
-// AVX2: a panel as two halves of 8 rows (bytes 0-31 and 32-63 of each chunk); NP counts halves here.
+// AVX2 (and AVX-VNNI): a panel as two halves of 8 rows (bytes 0-31 and 32-63 of each chunk); NP counts halves here.
 inline __m256 params8(const void* base, ScaleKind kind, int64_t i) {
   switch (kind) {
     case F32: return _mm256_loadu_ps(static_cast<const float*>(base) + i);
@@ -159,7 +162,10 @@ inline __m256 params8(const void* base, ScaleKind kind, int64_t i) {
 template <int MR, int NP>
 void tile(const Act& a, int64_t m0, const Weight& w, int64_t h0, float* __restrict y, int64_t ldy) {
   const int64_t K = w.K, blocks = K / QB, per_group = w.group / QB;
-  const __m256i nib = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  const __m256i nib = _mm256_set1_epi8(0x0F);
+#if !defined(__AVXVNNI__)
+  const __m256i ones = _mm256_set1_epi16(1);
+#endif
   __m256 acc[MR][NP];
   for (int m = 0; m < MR; ++m)
     for (int n = 0; n < NP; ++n) acc[m][n] = _mm256_setzero_ps();
@@ -171,7 +177,7 @@ void tile(const Act& a, int64_t m0, const Weight& w, int64_t h0, float* __restri
       o[n] = w.offsets ? params8(w.offsets, w.kind, at) : _mm256_mul_ps(s[n], _mm256_set1_ps(-8.0f));
     }
     for (int64_t b = g * per_group; b < (g + 1) * per_group; ++b) {
-      __m256i isum[MR][NP];  // int16 pairs: 8 chunks' sums stay below 2^15 (header)
+      __m256i isum[MR][NP];  // AVX-VNNI: int32 per row; AVX2: int16 pairs (8 chunks' sums stay below 2^15: header)
       for (int m = 0; m < MR; ++m)
         for (int n = 0; n < NP; ++n) isum[m][n] = _mm256_setzero_si256();
       for (int L = 0; L < 4; ++L) {
@@ -189,16 +195,27 @@ void tile(const Act& a, int64_t m0, const Weight& w, int64_t h0, float* __restri
           std::memcpy(&xl, qm, 4);
           std::memcpy(&xh, qm + 16, 4);
           const __m256i vl = _mm256_set1_epi32(xl), vh = _mm256_set1_epi32(xh);
-          for (int n = 0; n < NP; ++n)
+          for (int n = 0; n < NP; ++n) {
+#if defined(__AVXVNNI__)
+            isum[m][n] = _mm256_dpbusd_avx_epi32(isum[m][n], lo[n], vl);
+            isum[m][n] = _mm256_dpbusd_avx_epi32(isum[m][n], hi[n], vh);
+#else
             isum[m][n] = _mm256_add_epi16(isum[m][n], _mm256_add_epi16(_mm256_maddubs_epi16(lo[n], vl),
                                                                          _mm256_maddubs_epi16(hi[n], vh)));
+#endif
+          }
         }
       }
       for (int m = 0; m < MR; ++m) {
         const __m256 dm = _mm256_set1_ps(a.d[(m0 + m) * blocks + b]);
-        for (int n = 0; n < NP; ++n)
-          acc[m][n] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(isum[m][n], ones)),
-                                      _mm256_mul_ps(s[n], dm), acc[m][n]);
+        for (int n = 0; n < NP; ++n) {
+#if defined(__AVXVNNI__)
+          const __m256i block = isum[m][n];
+#else
+          const __m256i block = _mm256_madd_epi16(isum[m][n], ones);
+#endif
+          acc[m][n] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(block), _mm256_mul_ps(s[n], dm), acc[m][n]);
+        }
       }
     }
     for (int m = 0; m < MR; ++m) {
@@ -209,7 +226,7 @@ void tile(const Act& a, int64_t m0, const Weight& w, int64_t h0, float* __restri
   for (int m = 0; m < MR; ++m)
     for (int n = 0; n < NP; ++n) _mm256_storeu_ps(y + (m0 + m) * ldy + (h0 + n) * 8, acc[m][n]);
 }
-constexpr int MR_MAX = 2, NP_MAX = 2;  // (halves) 4 int16 + 4 float32 accumulators, 4 code registers, of 16
+constexpr int MR_MAX = 2, NP_MAX = 2;  // (halves) 4 int16 (int32) + 4 float32 accumulators, 4 code registers, of 16
 #endif
 
 #if defined(__AVX512F__) && defined(__AVX512VNNI__)

@@ -16,7 +16,9 @@
 // Scales (and offsets) are held [N / 16, K / group, 16] in the checkpoint's dtype (float32, bfloat16, float16).
 // AVX-512 VNNI builds take 16 rows a register; AVX2 builds 8 (the two halves of each chunk) with vpmaddubsw
 // (u8 x s8 pairs summed to int16: at most 2 * 15 * 127 = 3810 per pair, 8 of them 30480 < 2^15, so the block's
-// int16 sums never saturate) and vpmaddwd by ones to int32.
+// int16 sums never saturate) and vpmaddwd by ones to int32; AVX-VNNI builds without AVX-512 (Alder Lake, Raptor
+// Lake: -mavxvnni, or -march=native there) take the AVX2 tile's 8 rows with the 256-bit VEX vpdpbusd, summing into
+// int32 directly. The block sums are exact integers on every path, so the AVX-VNNI and AVX2 builds agree bit for bit.
 #include "int4_int8_tile.h"
 
 using namespace i8dotk;
@@ -72,6 +74,8 @@ torch::Tensor int4_int8_linear(torch::Tensor x, torch::Tensor codes, torch::Tens
 std::string int4_int8_isa() {
 #if defined(__AVX512F__) && defined(__AVX512VNNI__)
   return "avx512_vnni";
+#elif defined(__AVXVNNI__)
+  return "avx_vnni";
 #else
   return "avx2";
 #endif
