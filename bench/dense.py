@@ -2,8 +2,9 @@
 
 transformers reads the file dequantized to float32. deltaserve runs through its Engine (the path `serve` takes:
 scheduler, paged KV pool, sampler), one request at a time, twice: "packed" keeps the file's 4-bit blocks packed
-and multiplies them in float32 (kernels/int4.py, the CPU default; the dequantized model's logits to float32
-rounding) and "fp32" holds the weights dequantized to float32 (`--dequantize-weights`). transformers runs `forward`
+and multiplies them by int8 activations (kernels/int4_int8.py, the CPU default; `--float32-activations` adds the
+float32 packed path, kernels/int4.py, the dequantized model's logits to float32 rounding) and "fp32" holds the
+weights dequantized to float32 (`--dequantize-weights`). transformers runs `forward`
 and `generate`. With `--llama-cpp DIR` (bench/llamacpp.py), llama.cpp's llama-bench runs the same Q4_1 file too:
 one run of each test alternated with ours (a shared VM's speed drifts within minutes), its best of --repeats; with
 `--ik-llama-cpp DIR` ik_llama.cpp's llama-bench likewise (with its load-time repacking, -rtr 1).
@@ -14,13 +15,14 @@ one run of each test alternated with ours (a shared VM's speed drifts within min
   (a plain read of those bytes on this machine: the memory limit a decode step can approach).
 
 The W4A16 row (issue 17): a compressed-tensors checkpoint (pack-quantized, symmetric 4-bit, group --w4a16-group,
-lm_head left float as the library's W4A16 preset does) written by compressed-tensors' own compressor, run packed
-(the CPU default) and dequantized to float32 (`--dequantize-weights`), alternated in one run. Its weights are
-SmolLM2's own (read from the GGUF) where the group divides SmolLM2's widths (group 64); SmolLM2's 576-wide hidden
-state is not a multiple of 128, so at group 128 it is a random Llama of SmolLM2's shape with the hidden size rounded
-up to 640 (10 heads of 64, 2 KV heads; 30 layers, MLP 1536, vocab 49152, tied head). Then the logits check: one
-prompt's logits packed vs dequantized, within the float32 bound the W4A16 tests use (tests/tolerance.py), and
-whether the decode runs' greedy tokens are identical. Needs `compressed-tensors` (the [test] extra).
+lm_head left float as the library's W4A16 preset does) written by compressed-tensors' own compressor, run packed (on
+float32 activations, the path the logits check holds to float32 rounding) and dequantized to float32
+(`--dequantize-weights`), alternated in one run. Its weights are SmolLM2's own (read from the GGUF) where the group
+divides SmolLM2's widths (group 64); SmolLM2's 576-wide hidden state is not a multiple of 128, so at group 128 it is a
+random Llama of SmolLM2's shape with the hidden size rounded up to 640 (10 heads of 64, 2 KV heads; 30 layers, MLP
+1536, vocab 49152, tied head). Then the logits check: one prompt's logits packed vs dequantized, within the float32
+bound the W4A16 tests use (tests/tolerance.py), and whether the decode runs' greedy tokens are identical. Needs
+`compressed-tensors` (the [test] extra).
 
     OMP_NUM_THREADS=2 .venv/bin/python bench/dense.py --prefill 512,2048 --decode 128
     OMP_NUM_THREADS=2 .venv/bin/python bench/dense.py --formats w4a16 --prefill 512 --decode 64   # a few minutes
@@ -51,14 +53,14 @@ def prompt(tokens: int, seed: int) -> list[int]:
 
 class Ours:
     def __init__(self, path: str, longest: int, dequantize: bool, prefill_dtype: str = "float32",
-                 activation_dtype: str = "float32"):
+                 activation_dtype: str | None = None):  # None: the default (int8 on CPU)
         from deltaserve.config import EngineConfig
         from deltaserve.engine.engine import Engine
 
+        chosen = {} if activation_dtype is None else {"activation_dtype": activation_dtype}
         config = EngineConfig(model=path, device="cpu", max_total_tokens=4 * longest, dequantize_weights=dequantize,
                               prefill_chunk_tokens=longest, max_running_requests=4, prefill_dtype=prefill_dtype,
-                              activation_dtype=activation_dtype,
-                              prefix_cache=False)  # each repeat reads its prompt again, as llama-bench does
+                              **chosen, prefix_cache=False)  # each repeat reads its prompt again, as llama-bench does
         self.engine = Engine(config, log=None)
         self.weight_bytes = self.engine.measured_bytes()["weights"]
         self.tokens: list[int] = []  # the last run's generated ids
@@ -139,8 +141,9 @@ def main(argv=None) -> int:
     parser.add_argument("--ik-llama-cpp", help="an ik_llama.cpp tree with build/bin/llama-bench (or IK_LLAMA_CPP_DIR)")
     parser.add_argument("--bf16-prefill", action="store_true",
                         help="add a deltaserve column with --prefill-dtype bfloat16 (opt-in; CPUs with AVX512-BF16)")
-    parser.add_argument("--int8-activations", action="store_true",
-                        help="add a deltaserve column with --activation-dtype int8 (opt-in: integer dot products)")
+    parser.add_argument("--float32-activations", action="store_true",
+                        help="add a deltaserve column with --activation-dtype float32 (the exact path; the default "
+                             "is int8)")
     args = parser.parse_args(argv)
     formats = args.formats.split(",")
     try:
@@ -186,10 +189,10 @@ def gguf_table(args, lengths: list[int], longest: int, cells: list, run: results
         peers["ik_llama.cpp"] = lambda test: llamacpp.run_one(ik_peer, path, test, args.threads, llamacpp.IK_ARGS)
     sides = {"transformers": Theirs(path), "deltaserve packed": Ours(str(path), longest, False),
              "deltaserve fp32": Ours(str(path), longest, True)}
-    if args.bf16_prefill:
-        sides["deltaserve bf16-prefill"] = Ours(str(path), longest, False, "bfloat16")
-    if args.int8_activations:
-        sides["deltaserve int8-act"] = Ours(str(path), longest, False, activation_dtype="int8")
+    if args.float32_activations:
+        sides["deltaserve f32-act"] = Ours(str(path), longest, False, activation_dtype="float32")
+    if args.bf16_prefill:  # it rounds float32 activations: under the int8 default it has nothing to round
+        sides["deltaserve bf16-prefill"] = Ours(str(path), longest, False, "bfloat16", activation_dtype="float32")
     title = (f"{path.name}, {torch.get_num_threads()} threads, best of {args.repeats} (the peers' runs alternated "
              f"with ours); tok/s, the ratio to transformers, and deltaserve's default side / each peer")
     print(title)
@@ -202,8 +205,9 @@ def w4a16_table(args, folder: Path, longest: int, cells: list, run: results.Run 
     started = time.perf_counter()
     source = write_w4a16_checkpoint(folder, args.w4a16_group)
     made = time.perf_counter() - started
-    sides = {"deltaserve fp32": Ours(str(folder), longest, True), "deltaserve packed": Ours(str(folder), longest,
-                                                                                             False)}
+    # float32 activations: the logits check holds the packed path to the dequantized model at float32 rounding
+    sides = {"deltaserve fp32": Ours(str(folder), longest, True),
+             "deltaserve packed": Ours(str(folder), longest, False, activation_dtype="float32")}
     title = (f"W4A16 compressed-tensors, group {args.w4a16_group}, {source} (written by compressed-tensors' "
              f"compressor in {made:.0f} s), {torch.get_num_threads()} threads, best of {args.repeats}; tok/s, and "
              f"packed / dequantized (fp32)")

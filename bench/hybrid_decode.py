@@ -10,13 +10,13 @@ same bytes (bench/dense.py's plain_read_gbps).
 
     OMP_NUM_THREADS=2 python bench/hybrid_decode.py --decode 128 [--llama-cpp DIR]
 
-With `--w4a16` (issue 41's second table) the same weights are 4-bit on every side: ours a W4A16 checkpoint written
-by compressed-tensors' own compressor (symmetric groups of 32, lm_head too: this model's 49,152 x 512 output matrix
-is most of a decode step's bytes, and llama-quantize quantizes it as well), run on our default path and with
-`--activation-dtype int8`; llama.cpp and (with `--ik-llama-cpp DIR`) ik_llama.cpp the f32 GGUF quantized to Q4_0
-(blocks of 32) by llama.cpp's own llama-quantize (ik_llama.cpp without its load-time repacking here: -rtr 1 stops
-at GGML_ASSERT(nrc_x%16 == 0) in iqk_gemm_legacy_quants.cpp on this model's prefill). Rows: prefill 512 and batch-1
-decode, every side alternated, best of --repeats; the sides round the same weights differently (llama-quantize
+With `--w4a16` (issue 41's second table) the same weights are 4-bit on every side: ours a W4A16 checkpoint written by
+compressed-tensors' own compressor (symmetric groups of 32, lm_head too: this model's 49,152 x 512 output matrix is
+most of a decode step's bytes, and llama-quantize quantizes it as well), run on our default path (int8 activations)
+and with `--activation-dtype float32`; llama.cpp and (with `--ik-llama-cpp DIR`) ik_llama.cpp the f32 GGUF quantized
+to Q4_0 (blocks of 32) by llama.cpp's own llama-quantize (ik_llama.cpp without its load-time repacking here: -rtr 1
+stops at GGML_ASSERT(nrc_x%16 == 0) in iqk_gemm_legacy_quants.cpp on this model's prefill). Rows: prefill 512 and
+batch-1 decode, every side alternated, best of --repeats; the sides round the same weights differently (llama-quantize
 makes the output matrix Q6_K), so each side's bytes are printed.
 
     OMP_NUM_THREADS=2 python bench/hybrid_decode.py --w4a16 --llama-cpp DIR --ik-llama-cpp DIR2
@@ -105,7 +105,8 @@ def main(argv=None) -> int:
 
 
 def w4a16(args, argv) -> int:
-    """The 4-bit table: ours (W4A16, default and int8 activations) vs llama.cpp and ik_llama.cpp (Q4_0)."""
+    """The 4-bit table: ours (W4A16, int8 activations: the default, and float32) vs llama.cpp and ik_llama.cpp
+    (Q4_0)."""
     import shutil
 
     import llamacpp
@@ -125,7 +126,7 @@ def w4a16(args, argv) -> int:
             if "token" in name.name or name.name == "special_tokens_map.json":
                 shutil.copy(name, quantized / name.name)
         sides = {"deltaserve": Ours(str(quantized), longest, False),
-                 "deltaserve int8-act": Ours(str(quantized), longest, False, activation_dtype="int8")}
+                 "deltaserve f32-act": Ours(str(quantized), longest, False, activation_dtype="float32")}
         peers, sizes = {}, {name: side.weight_bytes for name, side in sides.items()}
         if peer:
             f32 = llamacpp.convert(peer, folder, Path(tmp) / "hybrid-f32.gguf")
@@ -141,7 +142,7 @@ def w4a16(args, argv) -> int:
         for side in sides.values():
             side.prefill(prompt(64, 0))  # first-call costs out of the timings
         header = ["what, tok/s", *sides, *peers, *(f"deltaserve / {name}" for name in peers),
-                  *(f"int8-act / {name}" for name in peers)]
+                  *(f"f32-act / {name}" for name in peers)]
         print(f"tiny hybrid 4-bit, {args.threads} threads, best of {args.repeats}, every side alternated")
         print("  ".join(header))
         rows = []
@@ -161,7 +162,7 @@ def w4a16(args, argv) -> int:
                    *(results.rounded(peer_best[n]) if peer_best[n] else None for n in peers),
                    *(results.rounded(rates["deltaserve"] / peer_best[n], 2) if peer_best[n] else None
                      for n in peers),
-                   *(results.rounded(rates["deltaserve int8-act"] / peer_best[n], 2) if peer_best[n] else None
+                   *(results.rounded(rates["deltaserve f32-act"] / peer_best[n], 2) if peer_best[n] else None
                      for n in peers)]
             print("  ".join("-" if v is None else str(v) for v in row), flush=True)
             rows.append(row)

@@ -8,7 +8,10 @@ kernel serves takes the portable path with one log line at load; and for every n
 (its `*_declines` function) is held to what the compiled kernel really accepts, so the two cannot drift.
 
 Tolerances: greedy tokens identical, and each chosen token's log-probability within 2 * rtol * max|logit| of
-transformers' (log-softmax moves by at most twice the largest logit change; rtol from tests/tolerance.py).
+transformers' (log-softmax moves by at most twice the largest logit change; rtol from tests/tolerance.py). The packed
+4-bit checkpoint runs on int8 activations (the CPU default) too: there transformers is run on our tokens and each
+log-probability, and each greedy choice's gap to the argmax, is held within that bound plus the activations' rounding
+propagated (tests/int8_bound.py).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import torch
 import transformers
 
 from deltaserve.engine.request import SamplingParams
+from int8_bound import logprob_bounds, swapped_layers
 from test_engine_support import engine, run_all, tokens_of
 from test_models_hybrid import VOCAB, prompt, randomize_, save_tiny_tokenizer
 from tolerance import config_rtol
@@ -114,17 +118,46 @@ def assert_engine_matches(ref, folder, **settings) -> None:
         assert ours == pytest.approx(logprobs, abs=2 * rtol * top)
 
 
+def assert_engine_within_int8(ref, folder, **settings) -> None:
+    """assert_engine_matches on int8 activations: transformers teacher-forced on the engine's tokens, each chosen
+    log-probability within the float32 bound plus int8_bound's, each greedy token within both bounds of the argmax."""
+    eng = engine(str(folder), max_running_requests=len(PROMPT_LENGTHS), activation_dtype="int8", **settings)
+    layers = swapped_layers(eng.runner.model)
+    assert layers, "no layer took int8 activations"
+    prompts = [prompt(n, seed) for seed, n in enumerate(PROMPT_LENGTHS)]
+    outs = run_all(eng, [(p, SamplingParams(max_tokens=STEPS, **GREEDY)) for p in prompts])
+    rtol = config_rtol(ref.config, context=max(PROMPT_LENGTHS) + STEPS)
+    for p, out in zip(prompts, outs):
+        assert all(o.error is None for o in out), out[-1].error
+        tokens, ours = tokens_of(out), [lp.logprob for o in out for lp in o.logprobs]
+        sequence = p + tokens[:-1]
+        with torch.no_grad():
+            logits = ref(torch.tensor([sequence])).logits[0, len(p) - 1:].double()
+        expected = logits.log_softmax(-1)
+        argmax = logits.argmax(-1).tolist()
+        bounds = logprob_bounds(ref, layers, sequence, len(p) - 1, [[a, t] for a, t in zip(argmax, tokens)])
+        float_error = 2 * rtol * float(logits.abs().max())
+        for step, (token, value, (b_argmax, b_token)) in enumerate(zip(tokens, ours, bounds)):
+            assert abs(value - expected[step, token].item()) <= float_error + b_token, (step, value, b_token)
+            assert (logits[step, argmax[step]] - logits[step, token]).item() <= float_error + b_argmax + b_token
+
+
 def test_value_heads_wider_than_key_heads_decode_batched(tmp_path):
     """The reported checkpoint: key head dim 32, value head dim 48 (float32)."""
     ref = make_float_checkpoint(tmp_path, "k32v48", linear_key_head_dim=32, linear_value_head_dim=48)
     assert_engine_matches(ref, tmp_path)
 
 
-def test_w4a16_int8_embedding_key64_value80_decode_batched(tmp_path):
-    """The reported W4A16 checkpoint: key 64 / value 80, 4-bit projections held packed, INT8 embedding."""
+@pytest.mark.parametrize("activations", ["float32", "int8"])
+def test_w4a16_int8_embedding_key64_value80_decode_batched(tmp_path, activations):
+    """The reported W4A16 checkpoint: key 64 / value 80, 4-bit projections held packed, INT8 embedding; on float32
+    activations (transformers' tokens exactly) and on int8 ones (within their rounding)."""
     ref = make_w4_checkpoint(tmp_path, "w4k64v80", hidden_size=128, intermediate_size=256, head_dim=32,
                              linear_key_head_dim=64, linear_value_head_dim=80)
-    assert_engine_matches(ref, tmp_path, dequantize_weights=False)
+    if activations == "float32":
+        assert_engine_matches(ref, tmp_path, dequantize_weights=False, activation_dtype="float32")
+    else:
+        assert_engine_within_int8(ref, tmp_path, dequantize_weights=False)
 
 
 def test_a_shape_no_native_kernel_serves_takes_the_portable_path_logged_once(tmp_path, caplog):

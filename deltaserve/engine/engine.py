@@ -155,7 +155,11 @@ class Engine:
             fused_cpu.load(self._log)  # each built once per machine (~1 min), then loaded from torch's cache
             linear_cpu.load(self._log)
             int4_cpu.load(self._log)
-            if c.prefill_dtype == "bfloat16":
+            if c.prefill_dtype == "bfloat16" and c.activation_dtype == "int8":
+                self._log("note: --prefill-dtype bfloat16 rounds float32 activations: under --activation-dtype int8 "
+                          "(the default) packed 4-bit layers take prefill rows as int8 already (faster); pass "
+                          "--activation-dtype float32 for the bfloat16 prefill")
+            elif c.prefill_dtype == "bfloat16":
                 self._bf16_prefill(loaded.model)
             if c.activation_dtype == "int8":
                 self._int8_activations(loaded.model)

@@ -2,10 +2,12 @@
 Qwen3, Qwen3.5 dense and hybrid, Qwen3-Next, Qwen3.5-MoE), each saved in a format drawn at random (safetensors
 float32 / bfloat16, compressed-tensors, GPTQ / AWQ, GGUF) by that format's own tool, served by the real engine with
 prompts that cross its chunk, page and checkpoint boundaries (batched, and again through the prefix cache), its KV
-cache float32 or 16-bit (the CPU default is float16), and compared with transformers on the format's own
-dequantization within tests/tolerance.py's float32 bound plus the KV cache's rounding (run.kv_rtol). One seed in ten
-also carries a Qwen3.5 multimodal case (vision and text configs, pixel range and images drawn), an image file through
-our preprocessing and model against transformers' processor and model (tests/vision_support.ImageOracle).
+cache float32 or 16-bit (the CPU default is float16), packed 4-bit weights on float32 or int8 activations (the CPU
+default is int8), and compared with transformers on the format's own dequantization within tests/tolerance.py's
+float32 bound plus the KV cache's rounding (run.kv_rtol) and the int8 activations' rounding (tests/int8_bound.py).
+One seed in ten also carries a Qwen3.5 multimodal case (vision and text configs, pixel range and images drawn), an
+image file through our preprocessing and model against transformers' processor and model
+(tests/vision_support.ImageOracle).
 
     draw.py      a seed -> a Case (config, format, engine settings, requests); valid by construction
     formats.py   the Case's checkpoint written by the format's own tool, and the oracle model

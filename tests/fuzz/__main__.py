@@ -31,7 +31,7 @@ def main() -> int:
     parser.add_argument("--start", type=int, default=0, help="first seed of a long run")
     args = parser.parse_args()
     seeds = args.seed or range(args.start, args.start + args.n)
-    counts = {"family": collections.Counter(), "format": collections.Counter()}
+    counts = {"family": collections.Counter(), "format": collections.Counter(), "activation": collections.Counter()}
     failed, refused, cache_hits, started = [], [], 0, time.monotonic()
     for seed in seeds:
         case = draw_case(seed)
@@ -40,6 +40,7 @@ def main() -> int:
         if case.image is not None:
             counts["family"][case.image.family] += 1
         counts["format"][case.fmt.label().split("-")[0] if case.fmt.kind != "safetensors" else case.fmt.label()] += 1
+        counts["activation"][case.engine["activation_dtype"]] += 1
         try:
             result = run_case(case)
             problems, refusal = result.failures, result.refusal

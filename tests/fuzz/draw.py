@@ -30,6 +30,13 @@ IMAGE_CASE_RATE = 0.1
 # drafts a step (its own draw, "speculative"), so the verify rows' native path (decode rows chained through the GDN
 # state, snapshots) meets every drawn shape; speculation is lossless, so the oracle and its bound are unchanged
 SPECULATIVE_RATE = 0.3
+# Activations rounded to int8 (issue 41, the CPU default for packed 4-bit weights): one case in INT8_RATE of those
+# that keep 4-bit weights packed runs --activation-dtype int8 (its own draw, "activation"), compared within the
+# activations' rounding propagated (tests/int8_bound.py); every other case runs float32, the exact path. Not the MoE
+# families: a router's top-k choice is discontinuous, so a rounding that flips it moves a log-probability by O(1)
+# where no first-order bound reaches (and transformers holds their experts as one fused parameter, no module whose
+# input the bound could perturb).
+INT8_RATE = 0.5
 
 
 @dataclass(frozen=True)
@@ -113,7 +120,8 @@ def draw_case(seed: int) -> Case:
     test_fuzz.py name cases through this order of draws: a new dimension draws from its own
     random.Random(f"{seed}:<name>") so that every existing seed keeps its case. Those so far: "kv_dtype" (the KV
     cache's storage; a seed drawn before it ran float32), "image" (a multimodal case some seeds carry beside
-    their text case) and "speculative" (prompt-lookup drafts verified in the step)."""
+    their text case), "speculative" (prompt-lookup drafts verified in the step) and "activation" (int8 activations
+    where 4-bit weights stay packed; a seed drawn before it ran float32)."""
     rng = random.Random(seed)
     family = rng.choice(FAMILIES)
     fmt_kind = rng.choice(formats_for(family))
@@ -125,6 +133,10 @@ def draw_case(seed: int) -> Case:
     speculative = random.Random(f"{seed}:speculative")
     if speculative.random() < SPECULATIVE_RATE:
         engine.update(speculative="ngram", speculative_tokens=speculative.randint(1, 4))
+    engine["activation_dtype"] = "float32"
+    if packed_4bit(fmt, engine) and family not in MOE_FAMILIES:
+        if random.Random(f"{seed}:activation").random() < INT8_RATE:
+            engine["activation_dtype"] = "int8"
     batch, follow_ups = draw_requests(rng, engine, GGUF_CONTEXT if gguf else None)
     return Case(seed, family, config, fmt, engine, batch, follow_ups, draw_image_case(seed))
 
@@ -267,6 +279,17 @@ def draw_engine(rng: random.Random, family: str, fmt: Format) -> dict:
     if fmt.kind in ("compressed_tensors", "gptq", "awq", "gguf"):
         settings["dequantize_weights"] = rng.random() < 0.5  # packed: the int4 kernels; else float32 matrices
     return settings
+
+
+def packed_4bit(fmt: Format, engine: dict) -> bool:
+    """Whether the engine keeps 4-bit weights packed (the layers --activation-dtype int8 applies to)."""
+    if engine.get("dequantize_weights", True):
+        return False
+    if fmt.kind == "compressed_tensors":
+        return fmt.bits == 4
+    if fmt.kind == "gguf":
+        return any(t in ("Q4_0", "Q4_1") for t in fmt.gguf_types)
+    return fmt.kind in ("gptq", "awq")
 
 
 def draw_requests(rng: random.Random, engine: dict, context: int | None) -> tuple[tuple, tuple]:

@@ -10,7 +10,9 @@ the oracle's argmax to within 2e of logit (a near-tie may go either way, nothing
 Weights stored in bfloat16 (or a GGUF F16 / quantized type, or GPTQ / AWQ packed) need no term of their own: the oracle holds the very values
 the checkpoint stores (formats.py loads the rounded or dequantized tensors into it) and the engine computes in float32
 from them, so the two differ by float32 rounding alone. A 16-bit KV cache is the engine's own rounding, which the
-oracle does not share: `kv_rtol` bounds it."""
+oracle does not share: `kv_rtol` bounds it. So are int8 activations (a case drawn with --activation-dtype int8): each
+checked log-probability's own bound from tests/int8_bound.py (the rounding of every swapped layer's input, propagated
+by the oracle's gradient) is added to it."""
 
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ from deltaserve.engine.request import SamplingParams
 from deltaserve.weights import CheckpointError
 from . import formats
 from .draw import Case, ImageCase, Request, draw_case
+from tests.int8_bound import logprob_bounds, swapped_layers
 from tests.test_engine_support import run_all
 from tests.tolerance import config_rtol
 
@@ -72,14 +75,15 @@ def run_case(case: Case) -> Result:
             result.failures.append(f"refused a valid checkpoint: {result.refusal!r}")
             return result
         kv_dtype = engine.config.kv_dtype  # "auto" resolved: float16 on CPU (config.cpu_kv_dtype)
+        int8_layers = swapped_layers(engine.runner.model)  # empty but under --activation-dtype int8
         prompts = [random_ids(case, i, r.prompt_len) for i, r in enumerate(case.batch)]
         outputs = run_all(engine, [(ids, params(r)) for ids, r in zip(prompts, case.batch)])
-        check_outputs(result, ref, "batch", prompts, outputs, kv_dtype)
+        check_outputs(result, ref, "batch", prompts, outputs, kv_dtype, int8_layers)
         for j, r in enumerate(case.follow_ups):
             source = prompts[j % len(prompts)]
             ids = source[:r.shared_prefix] + random_ids(case, 100 + j, r.prompt_len - r.shared_prefix)
             out = run_all(engine, [(ids, params(r))])
-            check_outputs(result, ref, f"follow-up {j} (shares {r.shared_prefix})", [ids], out, kv_dtype)
+            check_outputs(result, ref, f"follow-up {j} (shares {r.shared_prefix})", [ids], out, kv_dtype, int8_layers)
             result.cached_tokens += out[0][-1].cached_tokens if out[0] else 0
         del engine
     return result
@@ -170,7 +174,7 @@ def attention_spans(ref, sequence: list[int]) -> list[float]:
 
 
 def check_outputs(result: Result, ref, label: str, prompts: list[list[int]], outputs: list[list],
-                  kv_dtype: str = "float32") -> None:
+                  kv_dtype: str = "float32", int8_layers: dict | None = None) -> None:
     for i, (ids, events) in enumerate(zip(prompts, outputs)):
         where = f"{label} request {i} (prompt {len(ids)})"
         last = events[-1] if events else None
@@ -179,13 +183,14 @@ def check_outputs(result: Result, ref, label: str, prompts: list[list[int]], out
             continue
         tokens = [t for e in events for t in e.token_ids]
         logprobs = [lp for e in events for lp in (e.logprobs or [])]
-        result.failures.extend(f"{where}: {p}" for p in compare(result.case, ref, ids, tokens, logprobs, kv_dtype))
+        result.failures.extend(f"{where}: {p}" for p in compare(result.case, ref, ids, tokens, logprobs, kv_dtype,
+                                                                    int8_layers))
 
 
 def compare(case: Case, ref, prompt: list[int], tokens: list[int], logprobs: list,
-            kv_dtype: str = "float32") -> list[str]:
+            kv_dtype: str = "float32", int8_layers: dict | None = None) -> list[str]:
     """Differences of the engine's log-probabilities from the oracle's at each generated position, the engine's KV
-    cache stored in `kv_dtype`."""
+    cache stored in `kv_dtype`, the inputs of `int8_layers` (int8_bound.swapped_layers) rounded to int8."""
     if len(logprobs) != len(tokens):
         return [f"{len(tokens)} tokens but {len(logprobs)} logprobs"]
     sequence = prompt + tokens[:-1]
@@ -193,16 +198,24 @@ def compare(case: Case, ref, prompt: list[int], tokens: list[int], logprobs: lis
         logits = ref(torch.tensor([sequence]), use_cache=False).logits[0, len(prompt) - 1:].double()
     expected = logits.log_softmax(-1)
     bound = rtol(case, ref, len(sequence)) + kv_rtol(ref, sequence, kv_dtype)
+    # per step: the argmax, the chosen token, then the top ids, each with the int8 rounding's bound (0: float32)
+    checked = [[int(logits[step].argmax()), token] + [tid for tid, _, _ in lp.top]
+               for step, (token, lp) in enumerate(zip(tokens, logprobs))]
+    int8 = (logprob_bounds(ref, int8_layers, sequence, len(prompt) - 1, checked) if int8_layers
+            else [[0.0] * len(ids) for ids in checked])
     problems = []
     for step, (token, lp) in enumerate(zip(tokens, logprobs)):
         logit_error = bound * logits[step].abs().max().item()
         gap = (logits[step].max() - logits[step, token]).item()
-        if gap > 2 * logit_error:
+        allowed = 2 * logit_error + int8[step][0] + int8[step][1]
+        if gap > allowed:
             problems.append(f"step {step}: greedy token {token} is not the oracle's argmax "
-                            f"{int(logits[step].argmax())} (logit gap {gap:.3g}, allowed {2 * logit_error:.3g})")
-        worst = max(abs(value - expected[step, tid].item()) for tid, value in [(token, lp.logprob)] +
-                    [(tid, value) for tid, _, value in lp.top])
-        if worst > 2 * logit_error:
-            problems.append(f"step {step}: logprob off by {worst:.3g} > bound {2 * logit_error:.3g} "
-                            f"(rtol {bound:.3g})")
+                            f"{int(logits[step].argmax())} (logit gap {gap:.3g}, allowed {allowed:.3g})")
+        for (tid, value), extra in zip([(token, lp.logprob)] + [(tid, value) for tid, _, value in lp.top],
+                                       int8[step][1:]):
+            off = abs(value - expected[step, tid].item())
+            if off > 2 * logit_error + extra:
+                problems.append(f"step {step}: logprob of {tid} off by {off:.3g} > bound "
+                                f"{2 * logit_error + extra:.3g} (rtol {bound:.3g}, int8 rounding {extra:.3g})")
+                break
     return problems

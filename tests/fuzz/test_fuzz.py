@@ -58,3 +58,40 @@ def test_comparison_finds_a_weight_off_by_one_part_in_a_thousand():
     with torch.no_grad():
         off.model.layers[0].mlp.down_proj.weight.mul_(1 + 1e-3)
     assert compare(case, ref, prompt, tokens, logprobs_of(off, prompt, tokens))
+
+
+def rounding_inputs(model, layers: list[str], levels: int):
+    """Forward pre-hooks on `layers` of `model` rounding each input row per block of 32 to `levels` levels a sign
+    (d = max|x| / levels, q = round(x / d)): the int8 path's rounding at 127, written again in torch."""
+    def hook(_module, args):
+        x = args[0]
+        blocks = x.reshape(*x.shape[:-1], -1, 32)
+        d = blocks.abs().amax(-1, keepdim=True) / levels
+        return (torch.where(d > 0, torch.round(blocks / d) * d, blocks).reshape(x.shape),) + tuple(args[1:])
+    return [model.get_submodule(name).register_forward_pre_hook(hook) for name in layers]
+
+
+def test_int8_comparison_passes_int8_rounding_and_finds_int6():
+    """With every decoder linear's input rounded as the int8 path rounds it (in torch, on the oracle's own weights),
+    the comparison within int8_bound's propagated rounding passes; rounded to 31 levels (a quantum 4x the int8
+    one), it fails: the bound is not so wide that a wrong quantum would pass."""
+    case = draw_case(2)
+    ref = random_model(case)
+    layers = [name for name, m in ref.model.layers.named_modules(prefix="model.layers")
+              if isinstance(m, torch.nn.Linear)]
+    assert layers and all(ref.get_submodule(n).in_features % 32 == 0 for n in layers)
+    prompt = torch.randint(0, case.config["vocab_size"], (20,), generator=torch.Generator().manual_seed(0)).tolist()
+    results = {}
+    for levels in (127, 31):
+        rounded = random_model(case)
+        hooks = rounding_inputs(rounded, layers, levels)
+        tokens = []
+        with torch.no_grad():
+            for _ in range(3):
+                tokens.append(int(rounded(torch.tensor([prompt + tokens]), use_cache=False).logits[0, -1].argmax()))
+        results[levels] = compare(case, ref, prompt, tokens, logprobs_of(rounded, prompt, tokens),
+                                  int8_layers=dict.fromkeys(layers))
+        for hook in hooks:
+            hook.remove()
+    assert results[127] == []
+    assert results[31]

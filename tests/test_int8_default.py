@@ -1,0 +1,68 @@
+"""int8 activations, the CPU default for packed 4-bit weights (issue 41), on the built-in model.
+
+The engine's default settings take every packed 4-bit layer of SmolLM2's Q4_1 file onto the int8 dot-product kernel,
+and its greedy answer is held to transformers on the same dequantized weights (the float32 path's oracle: the packed
+float32 path equals it to float32 rounding, test_models_dense.py): transformers is run on the engine's tokens, each
+chosen token's log-probability must lie within the float32 bound (tests/tolerance.py) plus the activations' rounding
+propagated through the network (tests/int8_bound.py), and a greedy token may differ from transformers' argmax only
+where their logit gap is within those bounds, i.e. wherever the float32 margin exceeds the bound the tokens agree.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+from int8_bound import logprob_bounds, swapped_layers
+from test_engine_dense import TEXT
+from test_engine_support import run_all, tokens_of
+from tolerance import config_rtol
+
+from deltaserve.budget.load import default_model_path
+from deltaserve.config import EngineConfig
+from deltaserve.engine.engine import Engine
+from deltaserve.engine.request import SamplingParams
+from deltaserve.models.layers import Int4Linear
+
+STEPS = 8
+
+
+@pytest.fixture(scope="module")
+def default_engine():
+    logs: list[str] = []
+    eng = Engine(EngineConfig(device="cpu", max_total_tokens=2048, prefix_cache=False), log=logs.append)
+    return eng, logs
+
+
+def test_the_default_takes_packed_layers_onto_int8(default_engine):
+    eng, _ = default_engine
+    assert eng.config.activation_dtype == "int8"
+    layers = swapped_layers(eng.runner.model)
+    # SmolLM2's 30 layers x 7 projections; its tied Q8_0 embedding / head is 8-bit, not on this path
+    assert len(layers) == 210
+    assert not any(type(m) is Int4Linear for m in eng.runner.model.modules())
+
+
+def test_greedy_tokens_agree_with_transformers_where_the_margin_exceeds_the_int8_bound(default_engine):
+    eng, _ = default_engine
+    path = default_model_path()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                           dtype=torch.float32).eval()
+    prompt = eng.tokenizer.encode(TEXT)[:40]
+    out = run_all(eng, [(prompt, SamplingParams(max_tokens=STEPS, temperature=0, ignore_eos=True, logprobs=0))])[0]
+    tokens, ours = tokens_of(out), [lp.logprob for o in out for lp in o.logprobs]
+    sequence = prompt + tokens[:-1]
+    with torch.no_grad():
+        logits = hf(torch.tensor([sequence])).logits[0, len(prompt) - 1:].double()
+    expected, argmax = logits.log_softmax(-1), logits.argmax(-1).tolist()
+    bounds = logprob_bounds(hf, swapped_layers(eng.runner.model), sequence, len(prompt) - 1,
+                            [[a, t] for a, t in zip(argmax, tokens)])
+    float_error = 2 * config_rtol(hf.config, context=len(sequence)) * float(logits.abs().max())
+    decided = 0  # positions where transformers' margin exceeds the bound: the tokens must agree there
+    for step, (token, value, (b_argmax, b_token)) in enumerate(zip(tokens, ours, bounds)):
+        assert abs(value - expected[step, token].item()) <= float_error + b_token, (step, value, b_token)
+        allowed = float_error + b_argmax + b_token
+        assert (logits[step, argmax[step]] - logits[step, token]).item() <= allowed, (step, token, argmax[step])
+        top2 = logits[step].topk(2).values
+        decided += (top2[0] - top2[1]).item() > allowed
+    assert decided >= STEPS // 2, "the bound decides too few positions to test anything"
