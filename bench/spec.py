@@ -100,14 +100,14 @@ def mixed_prompts(tokenizer, n: int) -> list[list[int]]:
 def run_mixed(eng, prompts: list[list[int]], tokens: int) -> dict:
     from deltaserve.engine.request import SamplingParams
 
-    started = time.perf_counter()
+    started, cpu = time.perf_counter(), time.process_time()
     streams = [eng.submit(p, SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)) for p in prompts]
     outs = [[] for _ in streams]
     while not all(s.finished for s in streams):
         eng.step()
         for out, stream in zip(outs, streams):
             out += [t for o in stream.drain() for t in o.token_ids]
-    return {"tokens": outs, "seconds": time.perf_counter() - started}
+    return {"tokens": outs, "seconds": time.perf_counter() - started, "cpu_s": time.process_time() - cpu}
 
 
 def decode_table(label: str, off_rate: float, on_rate: float, drafted: int, accepted: int, verifies: int,
@@ -138,34 +138,11 @@ def llama_lookup(root: Path, gguf: Path, prompt_file: Path, tokens: int, k: int,
     return {"rate": float(rate.group(3)), "acceptance": float(accept.group(1)) / 100 if accept else None}
 
 
-def main(argv: list[str]) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=None)
-    parser.add_argument("--tokens", type=int, default=192)
-    parser.add_argument("--k", type=int, default=3)
-    parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--file", default="deltaserve/engine/sampler.py")
-    parser.add_argument("--lines", type=int, default=60)
-    parser.add_argument("--mixed", type=int, default=16, help="requests of the mixed load (0: skip it) [16]")
-    parser.add_argument("--mixed-tokens", type=int, default=48)
-    parser.add_argument("--llama-cpp", default=None, help="a llama.cpp tree with build/bin/llama-lookup")
-    parser.add_argument("--threads", type=int, default=2, help="llama.cpp's threads [2]")
-    parser.add_argument("--method", choices=["ngram", "mtp"], default="ngram", help="the drafter [ngram]")
-    parser.add_argument("--mtp-prompts", type=int, default=8, help="with --method mtp: prompts decoded [8]")
-    args = parser.parse_args(argv)
-    if args.method == "mtp":
-        return mtp_main(args, argv)
-    run = results.Run("spec", "Prompt-lookup speculation on vs off: batch-1 decode of a code-editing answer", argv)
-    from deltaserve.config import EngineConfig
-    from deltaserve.engine.engine import Engine
-
+def batch_one(args, run, off, on, peer) -> None:
+    """The batch-1 table: the code-editing prompt decoded with speculation off and on, alternated (and llama.cpp's
+    lookup beside them with a peer)."""
     import llamacpp
 
-    peer = llamacpp.tree_with(args.llama_cpp, "llama-lookup")
-    common = dict(model=args.model, device="cpu", max_total_tokens=8192 + 1024 * args.mixed,
-                  max_running_requests=max(4, args.mixed), prefix_cache=False)
-    off = Engine(EngineConfig(**common), log=None)
-    on = Engine(EngineConfig(**common, speculative="ngram", speculative_tokens=args.k), log=None)
     prompt = edit_prompt(off.tokenizer, ROOT / args.file, args.lines)
     print(f"prompt {len(prompt)} tokens ({args.file}, {args.lines} lines), {args.tokens} new tokens, k {args.k}")
     rates = {"off": [], "ngram": []}
@@ -214,9 +191,49 @@ def main(argv: list[str]) -> None:
         print(f"llama.cpp: plain {lp:.1f} tok/s, lookup {ll:.1f} tok/s (x{ll / lp:.2f}), acceptance {acc}")
     run.table(f"batch-1 greedy decode, {len(prompt)}-token code-editing prompt, {args.tokens} new tokens", columns,
               rows)
+    run.note(f"speed-up x{on_rate / off_rate:.2f}; greedy outputs identical on and off; a verifying step costs "
+             f"{verify_ms / plain_ms:.2f} plain decode steps (medians)")
+
+
+def main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--tokens", type=int, default=192)
+    parser.add_argument("--k", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--file", default="deltaserve/engine/sampler.py")
+    parser.add_argument("--lines", type=int, default=60)
+    parser.add_argument("--mixed", type=int, default=16, help="requests of the mixed load (0: skip it) [16]")
+    parser.add_argument("--mixed-tokens", type=int, default=48)
+    parser.add_argument("--batch1", action=argparse.BooleanOptionalAction, default=True,
+                        help="the batch-1 table (--no-batch1: the mixed load alone) [on]")
+    parser.add_argument("--activation-dtype", default="float32",
+                        help="the engines' --activation-dtype [float32: int8's greedy token at a near-tie can change "
+                             "with the rows a step holds, which differ on and off, so outputs could not be compared]")
+    parser.add_argument("--llama-cpp", default=None, help="a llama.cpp tree with build/bin/llama-lookup")
+    parser.add_argument("--threads", type=int, default=2, help="llama.cpp's threads [2]")
+    parser.add_argument("--method", choices=["ngram", "mtp"], default="ngram", help="the drafter [ngram]")
+    parser.add_argument("--mtp-prompts", type=int, default=8, help="with --method mtp: prompts decoded [8]")
+    args = parser.parse_args(argv)
+    if args.method == "mtp":
+        return mtp_main(args, argv)
+    run = results.Run("spec", "Prompt-lookup speculation on vs off: batch-1 decode of a code-editing answer", argv)
+    from deltaserve.config import EngineConfig
+    from deltaserve.engine.engine import Engine
+
+    import llamacpp
+
+    peer = llamacpp.tree_with(args.llama_cpp, "llama-lookup")
+    common = dict(model=args.model, device="cpu", max_total_tokens=8192 + 1024 * args.mixed,
+                  max_running_requests=max(4, args.mixed), prefix_cache=False, activation_dtype=args.activation_dtype)
+    off = Engine(EngineConfig(**common), log=None)
+    on = Engine(EngineConfig(**common, speculative="ngram", speculative_tokens=args.k), log=None)
+    if args.batch1:
+        batch_one(args, run, off, on, peer)
     if args.mixed:
         prompts = mixed_prompts(off.tokenizer, args.mixed)
         through = {"off": [], "ngram": []}
+        cpu_ratios = []  # CPU seconds off over on, per pair: steadier than wall time on a shared machine (1 thread)
         drafted, accepted = on.speculation.drafted_total, on.speculation.accepted_total
         for _ in range(args.repeats):
             a = run_mixed(off, prompts, args.mixed_tokens)
@@ -226,6 +243,8 @@ def main(argv: list[str]) -> None:
             new = sum(map(len, a["tokens"]))
             through["off"].append(new / a["seconds"])
             through["ngram"].append(new / b["seconds"])
+            cpu_ratios.append(a["cpu_s"] / b["cpu_s"])
+            print(f"  pair: wall x{a['seconds'] / b['seconds']:.3f}, process CPU time x{cpu_ratios[-1]:.3f}")
         drafted = on.speculation.drafted_total - drafted
         accepted = on.speculation.accepted_total - accepted
         t_off, t_on = statistics.median(through["off"]), statistics.median(through["ngram"])
@@ -234,13 +253,11 @@ def main(argv: list[str]) -> None:
         mixed_columns = ["speculative", "throughput tok/s", "accepted / drafted"]
         for row in [mixed_columns] + mixed_rows:
             print("  ".join(str(c) for c in row))
-        print(f"mixed load: x{t_on / t_off:.2f}")
+        print(f"mixed load: x{t_on / t_off:.2f} (process CPU time x{statistics.median(cpu_ratios):.2f})")
         run.table(f"{args.mixed} requests at once ({', '.join(str(len(p)) for p in prompts[:2])}.. prompt tokens), "
                   f"{args.mixed_tokens} new tokens each, greedy", mixed_columns, mixed_rows)
         run.note(f"mixed load: speculation x{t_on / t_off:.2f} throughput (medians of {args.repeats} alternated "
                  f"runs; outputs identical on and off)")
-    run.note(f"speed-up x{on_rate / off_rate:.2f}; greedy outputs identical on and off; a verifying step costs "
-             f"{verify_ms / plain_ms:.2f} plain decode steps (medians)")
     run.note(f"machine load average (1, 5, 15 min) at the end: {', '.join(f'{x:.1f}' for x in os.getloadavg())} "
              f"on {os.cpu_count()} logical CPUs: other work shared the cores, so absolute rates are low and noisy; "
              f"on and off alternate, so the ratio is the figure to read")

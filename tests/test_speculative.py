@@ -249,11 +249,12 @@ def test_ngram_drafts_and_acceptance_policy():
     assert ngram_drafts(tokens, 3) == [8, 9, 1]  # the 3-gram 5 6 7 seen before
     assert ngram_drafts(np.array([1, 2, 3, 4]), 2) == []
     assert ngram_drafts(np.array([4, 2, 9, 9, 3, 2]), 2) == [9, 9]  # only the last token recurs
-    assert draft_len(0.9, 3) == 3 and draft_len(0.05, 3) == 0
+    batch_one = [0.18 * k for k in (1, 2, 3)]  # a draft row at batch 1: ~0.18 of the request's plain step
+    assert draft_len(0.9, batch_one) == 3 and draft_len(0.05, batch_one) == 0
     state = SpecState()
     for _ in range(10):
         state.record(3, 0)
-    assert draft_len(state.rate, 3) == 0
+    assert draft_len(state.rate, batch_one) == 0
 
 
 def test_ngram_drafting_on_a_repetitive_prompt_is_greedy_equal(hybrid_folder):
@@ -331,25 +332,40 @@ def test_usage_reports_drafts_only_when_speculating(hybrid_folder, tmp_path):
 
 
 def test_measured_step_cost_decides_the_draft_length():
-    """A verifying step of 3 drafts measured at 3 plain steps makes a 0.6 acceptance rate not worth drafting; at 1.6
-    (its draft rows and a small fixed part) it is."""
+    """Steps measured as a CPU decodes them (a row costs about as much as a request's share of a 16-row step, little
+    beside a one-row step): a request accepting 0.7 of its drafts drafts 3 alone, none among 15 others, none in a step
+    that carries a prompt chunk (where its rows run per op). The old rule (one cost per draft row for every batch and
+    step, 0.18 of a plain step) drafted 3 in all three."""
     from types import SimpleNamespace
 
-    from deltaserve.engine.speculative import DRAFT_ROW_COST, NgramDrafter, Speculation
+    from deltaserve.engine.speculative import NgramDrafter, Speculation, StepRows
 
     spec = Speculation(NgramDrafter(), 3)
-    plain, verify, mixed = (SimpleNamespace(prefill=p, verify=v, drafts={r: [7, 8, 9] for r in v})
-                            for p, v in (([], []), ([], [1]), ([1], [1])))
-    for _ in range(50):
-        spec.observe(plain, 0.010)
-        spec.observe(verify, 0.030)
-        spec.observe(mixed, 1.0)  # a step with a prompt chunk is not a verifying step's cost
-    assert spec.fixed_cost == pytest.approx(2.0 - 3 * DRAFT_ROW_COST, rel=1e-3)
-    assert draft_len(0.6, 3, spec.fixed_cost) == 0 and draft_len(0.95, 3, spec.fixed_cost) == 3
-    for _ in range(200):
-        spec.observe(verify, 0.016)
-    assert spec.fixed_cost == pytest.approx(0.6 - 3 * DRAFT_ROW_COST, abs=1e-3)
-    assert draft_len(0.6, 3, spec.fixed_cost) == 2 and draft_len(0.7, 3, spec.fixed_cost) == 3
+    step_ms = {1: 19, 2: 25, 4: 32, 8: 59, 16: 104, 19: 122}  # one thread, SmolLM2, 550-token context
+    for rows, ms in step_ms.items():
+        plan = SimpleNamespace(decode=[object()] * rows, verify=[], drafts={}, prefill=[])
+        for _ in range(3):
+            spec.observe(plan, ms / 1000)
+    chunk = SimpleNamespace(decode=[object()] * 8, verify=[], drafts={}, prefill=[(object(), 504)])
+    spec.observe(chunk, 0.001)  # a step with a prompt chunk is not a decode step's cost
+    alone, crowded, beside_chunk = StepRows(1, 1), StepRows(16, 16), StepRows(8, 8, prefill=True)
+    assert draft_len(0.7, spec.draft_costs(alone, 3)) == 3
+    assert draft_len(0.7, spec.draft_costs(crowded, 3)) == 0
+    assert draft_len(0.7, spec.draft_costs(beside_chunk, 3)) == 0 == draft_len(1.0, spec.draft_costs(beside_chunk, 3))
+    assert draft_len(0.95, spec.draft_costs(crowded, 3)) > 0  # nearly sure drafts still pay
+    cost = spec.draft_costs(crowded, 1)[0]
+    assert 0.7 < cost < 1.0  # a draft row is most of a request's share of a 16-row step
+    # A noisy row count (a 17-row step measured fast) does not make a draft row look free.
+    spec.observe(SimpleNamespace(decode=[object()] * 17, verify=[], drafts={}, prefill=[]), 0.090)
+    assert draft_len(0.7, spec.draft_costs(crowded, 3)) == 0
+    # A request that stopped drafting probes now and then alone, never in a crowded step.
+    spec.drafter = SimpleNamespace(propose=lambda request, k: [1] * k)
+    lone, crowd = (SimpleNamespace(images=None, speculative=SpecState(rate=0.1)) for _ in range(2))
+    assert sum(map(len, (spec.propose(lone, 3, StepRows(1, 1)) for _ in range(40)))) == 2
+    assert sum(map(len, (spec.propose(crowd, 3, StepRows(16, 16)) for _ in range(40)))) == 0
+    # Before any step is measured, the prior: a draft row 1 / (STEP_FIXED_ROWS + 1) of a one-row step.
+    fresh = Speculation(NgramDrafter(), 3)
+    assert draft_len(0.6, fresh.draft_costs(alone, 3)) == 2 and draft_len(0.6, fresh.draft_costs(crowded, 3)) == 0
 
 
 def test_deploy_file_sets_speculation_per_role(tmp_path):

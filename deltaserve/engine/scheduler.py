@@ -32,7 +32,7 @@ from deltaserve.cache.state_pool import StatePool
 from deltaserve.engine.admission import AdmissionLedger, AdmissionPolicy, Reservation
 from deltaserve.engine.request import Request, TokenLogprob
 from deltaserve.engine.sampler import Sampled
-from deltaserve.engine.speculative import Speculation, SpecState
+from deltaserve.engine.speculative import Speculation, SpecState, StepRows
 
 
 class RequestRefused(Exception):
@@ -211,16 +211,19 @@ class Scheduler:
 
     def _drafts(self, decode: list[Request], budget: int) -> dict[Request, list[int]]:
         """Each decode request's drafts this step, within the chunk's rows and its own token budget (its last
-        token and k drafts yield at most k + 1 tokens, so its KV never passes its reservation)."""
+        token and k drafts yield at most k + 1 tokens, so its KV never passes its reservation), each priced on this
+        step: its decode rows so far, and whether a prompt chunk will ride in it."""
         drafts: dict[Request, list[int]] = {}
         if self.speculation is None:
             return drafts
+        step = StepRows(len(decode), len(decode), any(not r.prefilled for r in self.running))
         for request in decode:
             limit = min(self.speculation.max_tokens, request.max_new_tokens - len(request.output_ids) - 1, budget)
-            proposed = self.speculation.propose(request, limit)
+            proposed = self.speculation.propose(request, limit, step)
             if proposed:
                 drafts[request] = proposed
                 budget -= len(proposed)
+                step.rows += len(proposed)
         return drafts
 
     def _scores_fit(self, cached: int, rows: int) -> bool:

@@ -24,8 +24,13 @@ and which admission holds by construction: snapshot slots s*k .. s*k+k-1 belong 
 that holds a state slot holds its snapshots.
 
 When drafting does not pay: each request keeps a running estimate of its acceptance rate and drafts the k that
-maximizes expected tokens per unit of step cost (`draft_len`), the cost of a verifying step measured against a plain
-one while serving; a request at k = 0 probes with one draft now and then, so an estimate that recovers is seen.
+maximizes its expected tokens per unit of what they cost (`draft_len`), priced on the step being planned
+(`Speculation.draft_costs`, from step times measured while serving, `StepCosts`): a request's plain token costs its
+share of a decode step of B requests, t(B) / B; k drafts add t(R + k) - t(R) to a decode-only step of R rows; in a
+step that carries a prompt chunk (run per op, not as decode rows) a verifying request costs more than it gains, so
+none drafts there. At batch 1 a draft row is ~0.2 of the step, so drafting pays; at batch 16 a row is ~0.9 of a
+request's share (a CPU decode step of many rows is arithmetic, not weight reads), so it almost never does. A request
+at k = 0 probes with one draft now and then, so an estimate that recovers is seen.
 
 Not speculated (they decode plainly, one token a step): requests with images (their rotary positions come from
 the image grid).
@@ -33,7 +38,8 @@ the image grid).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -45,18 +51,17 @@ NGRAM_MAX = 3  # the longest suffix looked up; shorter ones are tried when it do
 NGRAM_MIN = 1
 ACCEPTANCE_SMOOTHING = 0.3  # weight of the newest verification in a request's acceptance estimate
 ACCEPTANCE_PRIOR = 0.6  # the estimate before a request's first verification
-# The cost of a verifying step relative to a plain decode step: a fixed part plus each draft row. Since a verifying
-# request's rows run as decode rows of the native one-call path (models/batch.py as_decode_rows), the fixed part is
-# small (the chunk's batch, one sampler call per row) and each row costs what a decode row does: its projections'
-# arithmetic (the weights are read once for all rows) and its attention over the context. Measured on SmolLM2 (int4
-# projections, int8 head, 900-token context, 2 threads on a shared 2-core machine, 2026-12-06): a step of 1 + k rows
-# took 1.15, 1.3, 1.7, 1.55 and 2.5 plain steps for k = 1, 2, 3, 4 and 8 (noisy: load 10), about 0.18 a row; before,
-# on the per-op path, 1.3 to 3.8. The fixed part is also measured while serving (`Speculation.observe`: decode-only
-# steps against steps with drafts and no prompt chunk, less DRAFT_ROW_COST a draft); this is its value before then.
-STEP_FIXED_COST = 0.05
-DRAFT_ROW_COST = 0.18
+# A decode step of R rows (decode rows and draft rows alike: a verifying request's rows run as decode rows of the
+# native one-call path, models/batch.py as_decode_rows) costs about STEP_FIXED_ROWS + R rows' worth until measured.
+# Measured on SmolLM2 (int4 projections, 2026-12-06): at batch 1 a draft row costs ~0.18 of a one-row step (900-token
+# context, 2 threads), which is 1 / (STEP_FIXED_ROWS + 1); one thread, 550-token context: 1, 2, 4, 8, 16 rows took
+# 19, 25, 32, 59, 104 ms, verifying steps the same for their total rows (4 verifying x 3 drafts beside 4 decode: 118
+# ms for 20 rows). So a draft row is cheap beside one request's step and costs nearly a whole request's share of a
+# 16-row step.
+STEP_FIXED_ROWS = 4.5
 STEP_TIME_SMOOTHING = 0.1  # weight of the newest step in the running step times
 PROBE_EVERY = 16  # decode steps at k = 0 before a one-draft probe
+PROBE_RATE = 0.8  # ... taken only where one draft accepted at this rate would pay
 
 
 @dataclass
@@ -75,17 +80,55 @@ class SpecState:
         self.rate += ACCEPTANCE_SMOOTHING * (accepted / drafted - self.rate)
 
 
-def draft_len(rate: float, k_max: int, fixed_cost: float = STEP_FIXED_COST) -> int:
-    """The number of drafts (0..k_max) with the most expected tokens per unit of step cost, when each draft is
-    accepted with probability `rate` independently: E[tokens] = 1 + rate + .. + rate^k, and a step with k drafts
-    costs 1 + fixed_cost + DRAFT_ROW_COST x k plain decode steps."""
+@dataclass
+class StepRows:
+    """The step being planned, as the drafting decision sees it."""
+
+    requests: int = 1  # decode requests in it (plain and verifying)
+    rows: int = 1  # its decode rows so far: one per decode request and the drafts already given
+    prefill: bool = False  # it carries a prompt chunk (the drafts take that chunk's rows)
+
+
+def draft_len(rate: float, costs: list[float]) -> int:
+    """The number of drafts (0..len(costs)) with the most expected tokens per unit of cost, when each draft is
+    accepted with probability `rate` independently: E[tokens] = 1 + rate + .. + rate^k for 1 + costs[k - 1], a plain
+    token costing 1."""
     best, best_value = 0, 1.0
-    for k in range(1, k_max + 1):
-        tokens = sum(rate ** i for i in range(k + 1))
-        value = tokens / (1 + fixed_cost + DRAFT_ROW_COST * k)
+    for k, cost in enumerate(costs, 1):
+        value = sum(rate ** i for i in range(k + 1)) / (1 + cost)
         if value > best_value:
             best, best_value = k, value
     return best
+
+
+class StepCosts:
+    """Running wall times of decode-only steps (verifying ones included), by their rows."""
+
+    def __init__(self):
+        self.decode_s: dict[int, float] = {}  # rows -> running seconds
+
+    def observe(self, rows: int, seconds: float) -> None:
+        old = self.decode_s.get(rows)
+        self.decode_s[rows] = seconds if old is None else old + STEP_TIME_SMOOTHING * (seconds - old)
+
+    def decode_line(self, low: float, high: float) -> tuple[float, float]:
+        """(fixed, per row): a decode step of R rows between `low` and `high` costs fixed + per_row x R, fitted to the
+        measured row counts there (least squares: one noisy count cannot make a row look free); with one measured
+        count, or none there, the nearest scaled by the prior shape STEP_FIXED_ROWS + R; before any, the prior."""
+        points = [(r, t) for r, t in self.decode_s.items() if low <= r <= high]
+        if len({r for r, _ in points}) >= 2:
+            mean_r = sum(r for r, _ in points) / len(points)
+            mean_t = sum(t for _, t in points) / len(points)
+            slope = (sum((r - mean_r) * (t - mean_t) for r, t in points)
+                     / sum((r - mean_r) ** 2 for r, _ in points))
+            if slope > 0 and mean_t - slope * mean_r > -slope:  # a step of one row costs something
+                return mean_t - slope * mean_r, slope
+        if not self.decode_s:
+            return STEP_FIXED_ROWS, 1.0
+        mid = (low + high) / 2
+        near = min(self.decode_s, key=lambda r: abs(r - mid))
+        per_row = self.decode_s[near] / (STEP_FIXED_ROWS + near)
+        return STEP_FIXED_ROWS * per_row, per_row
 
 
 def ngram_drafts(tokens: np.ndarray, k: int) -> list[int]:
@@ -125,40 +168,37 @@ class Speculation:
     drafted_total: int = 0
     accepted_total: int = 0
     verify_steps_total: int = 0
-    plain_step_s: float | None = None  # running wall time of a decode-only step
-    verify_step_s: float | None = None  # ... of a step with drafts and no prompt chunk
-    verify_drafts: float = 0.0  # running drafts per verifying request of those steps
+    costs: StepCosts = field(default_factory=StepCosts)
 
-    @property
-    def fixed_cost(self) -> float:
-        """What a verifying step costs beyond a plain one and its draft rows (DRAFT_ROW_COST each), in plain steps, as
-        measured (the prior until both are)."""
-        if self.plain_step_s is None or self.verify_step_s is None:
-            return STEP_FIXED_COST
-        return max(0.0, self.verify_step_s / self.plain_step_s - 1 - DRAFT_ROW_COST * self.verify_drafts)
+    def draft_costs(self, step: StepRows, k_max: int) -> list[float]:
+        """What 1..k_max drafts of one request add to the step, in units of that request's plain token (its share of
+        a decode step of step.requests rows). In a step that carries a prompt chunk the step runs per op, not as
+        decode rows, and a verifying request there cost ~0.1 s more than its rows at the chunk's rate (SmolLM2, one
+        thread, 16 requests: 1.13 s against 0.97 s, one to two drafts each): priced as not paying."""
+        if step.prefill:
+            return [math.inf] * k_max
+        fixed, per_row = self.costs.decode_line(step.requests / 2, step.rows + k_max)
+        share = fixed / step.requests + per_row
+        return [k * per_row / share for k in range(1, k_max + 1)]
 
     def observe(self, plan, seconds: float) -> None:
-        """Fold one step's wall time into the running step times (steps with a prompt chunk say nothing here)."""
-        if plan.prefill:
-            return
-        name = "verify_step_s" if plan.verify else "plain_step_s"
-        old = getattr(self, name)
-        setattr(self, name, seconds if old is None else old + STEP_TIME_SMOOTHING * (seconds - old))
-        if plan.verify:
-            drafts = sum(map(len, plan.drafts.values())) / len(plan.verify)
-            self.verify_drafts = drafts if old is None else self.verify_drafts + STEP_TIME_SMOOTHING * (
-                drafts - self.verify_drafts)
+        """Fold one step's wall time into the running step costs (steps with a prompt chunk say nothing here)."""
+        if not plan.prefill:
+            self.costs.observe(len(plan.decode) + sum(1 + len(plan.drafts[r]) for r in plan.verify), seconds)
 
-    def propose(self, request, limit: int) -> list[int]:
-        """Drafts for a decode request this step (at most `limit`); [] when it decodes plainly."""
+    def propose(self, request, limit: int, step: StepRows | None = None) -> list[int]:
+        """Drafts for a decode request this step (at most `limit`); [] when it decodes plainly. `step`: the step being
+        planned (None: a decode step of this request alone)."""
         if request.images is not None or limit <= 0:
             return []
         state = request.speculative
-        k = min(draft_len(state.rate, self.max_tokens, self.fixed_cost) if self.adaptive else self.max_tokens,
-                limit)
+        k_max = min(self.max_tokens, limit)
+        costs = self.draft_costs(step or StepRows(), k_max)
+        k = draft_len(state.rate, costs) if self.adaptive else k_max
         if k == 0:
             state.idle_steps += 1
-            if state.idle_steps < PROBE_EVERY:
+            # a probe only where drafts that mostly hit would pay: in a crowded step even it is a loss
+            if state.idle_steps < PROBE_EVERY or draft_len(PROBE_RATE, costs[:1]) == 0:
                 return []
             k = 1
         state.idle_steps = 0
