@@ -165,3 +165,27 @@ def test_rope_equals_the_portable_rotation(rotary):
     assert fused_cpu.rope(x.double(), cos, sin) is None  # not float32: the caller's torch ops serve
     with pytest.raises(RuntimeError, match="rd even <= D"):
         fused_cpu.KERNELS.module.rope(x, cos[:, 0, :rotary - 1], sin[:, 0, :rotary - 1])
+
+
+def test_flush_denormals_reads_them_as_zero_on_every_thread():
+    """After flush_denormals (what the engine calls on its step thread), a denormal input is read as zero by the
+    kernels on every thread of the team: rms_norm of rows of 1e-39 gives 0, where without it 1e-39 / sqrt(1e-78 + eps)
+    is a normal float (torch.set_flush_denormal alone leaves the worker thread's half of the rows: measured). And the chunked gated delta rule of a head whose decays
+    pass through the denormal range keeps its result (within float32 rounding of the portable path)."""
+    assert fused_cpu.flush_denormals()
+    # 1e-39, a denormal, written by its bits (any float op on this thread now reads it as 0, torch's conversions too)
+    rows = torch.full((65536, 64), 0x000AE398, dtype=torch.int32).view(torch.float32)  # split over the threads
+    out = fused_cpu.rms_norm(rows, torch.ones(64), 1e-6)
+    assert torch.count_nonzero(out) == 0
+    from deltaserve.kernels.gated_delta import chunk_gated_delta_rule
+
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(200, 2, 32, generator=g), torch.randn(200, 2, 32, generator=g)
+    v = torch.randn(200, 4, 32, generator=g)
+    decay = -3 * torch.rand(200, 4, generator=g)  # exp(G) over a 64-row chunk reaches 1e-80: through the denormals
+    beta = torch.rand(200, 4, generator=g)
+    native, state = chunk_gated_delta_rule(q, k, v, decay, beta)
+    with fused_cpu.disabled():
+        portable, portable_state = chunk_gated_delta_rule(q, k, v, decay, beta)
+    torch.testing.assert_close(native, portable, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(state, portable_state, rtol=1e-4, atol=1e-5)

@@ -21,7 +21,7 @@ from deltaserve.kernels.cpp_build import CSRC, CompiledKernels
 
 KERNELS = CompiledKernels("deltaserve_fused_cpu", CSRC / "fused.cpp",
                            ["causal_conv1d", "rms_norm", "gdn_prefill", "gdn_decode", "argmax_rows", "int8_rows",
-                            "silu_mul", "rope"],
+                            "silu_mul", "rope", "flush_denormals"],
                            "fused CPU kernels (conv, RMSNorm, gated delta rule, argmax, int8 rows, SwiGLU, RoPE)",
                            "the portable PyTorch ops")
 
@@ -29,6 +29,17 @@ KERNELS = CompiledKernels("deltaserve_fused_cpu", CSRC / "fused.cpp",
 def load(log=None):
     """The compiled module (built once per machine into our kernel cache), or None when it cannot be built here."""
     return KERNELS.load(log)
+
+
+def flush_denormals() -> bool:
+    """Denormal floats read and written as zero on this thread and its OpenMP team, our kernels' and torch's
+    (csrc/fused.cpp says why: the GDN's decays pass through that range, at ~100 cycles an operand); call it on each
+    thread that runs steps. False where the module is not built (torch's ops are still set)."""
+    torch.set_flush_denormal(True)
+    if KERNELS.module is None:
+        return False
+    KERNELS.module.flush_denormals()
+    return True
 
 
 def disabled():
