@@ -3,7 +3,9 @@
 The workload is code editing: the prompt holds a source file of this repository and asks for it back with one
 name changed, so the answer repeats most of the prompt (what coding agents do with the files they edit). Both sides
 run the same Engine on the built-in SmolLM2 GGUF (or --model), greedy, alternated --repeats times (a shared machine's
-speed drifts within minutes), and the outputs must be equal token for token (speculation is lossless).
+speed drifts within minutes), and the outputs must be equal token for token (speculation is lossless) under
+--activation-dtype float32; under int8 (the engine's CPU default for packed 4-bit weights) a greedy token at a
+near-tie may change with the rows a step holds, which differ on and off, so outputs that differ are counted, not fatal.
 - decode tok/s: (new tokens - 1) / (time from the first to the last token);
 - acceptance: accepted / drafted draft tokens; tokens per verifying step: what one such step emitted on average;
 - step cost: a verifying step's wall time over a plain decode step's (the figures engine/speculative.py's
@@ -171,8 +173,7 @@ def batch_one(args, run, off, on, peer) -> None:
         drafted, accepted, verifies = (on.speculation.drafted_total, on.speculation.accepted_total,
                                        on.speculation.verify_steps_total)
         b = run_once(on, prompt, args.tokens)
-        if a["tokens"] != b["tokens"]:
-            sys.exit("speculation changed the greedy output: a bug")
+        same_output(a["tokens"], b["tokens"], args, "the code-editing answer")
         rates["off"].append((len(a["tokens"]) - 1) / a["decode_s"])
         rates["ngram"].append((len(b["tokens"]) - 1) / b["decode_s"])
         steps["plain"] += a["plain_steps"]
@@ -191,8 +192,28 @@ def batch_one(args, run, off, on, peer) -> None:
         print(f"llama.cpp: plain {lp:.1f} tok/s, lookup {ll:.1f} tok/s (x{ll / lp:.2f}), acceptance {acc}")
     run.table(f"batch-1 greedy decode, {len(prompt)}-token code-editing prompt, {args.tokens} new tokens", columns,
               rows)
-    run.note(f"speed-up x{on_rate / off_rate:.2f}; greedy outputs identical on and off; a verifying step costs "
+    run.note(f"speed-up x{on_rate / off_rate:.2f}; {outputs_note()}; a verifying step costs "
              f"{verify_ms / plain_ms:.2f} plain decode steps (medians)")
+
+
+DIFFERED: list[str] = []  # int8 runs: the outputs speculation changed at a near-tie
+
+
+def same_output(off_tokens: list, on_tokens: list, args, what: str) -> None:
+    """Speculation is lossless: under float32 activations a differing output is a bug (exit); under int8 a near-tie
+    may go the other way with the step's rows, so it is counted (DIFFERED) and said in the record's note."""
+    if off_tokens == on_tokens:
+        return
+    if args.activation_dtype == "float32":
+        sys.exit(f"speculation changed the greedy output of {what}: a bug")
+    DIFFERED.append(what)
+    print(f"  int8: speculation on and off differ for {what} (a near-tie the step's rows moved)")
+
+
+def outputs_note() -> str:
+    return ("greedy outputs identical on and off" if not DIFFERED else
+            f"greedy outputs differed on and off in {len(DIFFERED)} of the pairs (int8 activations: a near-tie the "
+            f"step's rows moved)")
 
 
 def main(argv: list[str]) -> None:
@@ -208,8 +229,9 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--batch1", action=argparse.BooleanOptionalAction, default=True,
                         help="the batch-1 table (--no-batch1: the mixed load alone) [on]")
     parser.add_argument("--activation-dtype", default="float32",
-                        help="the engines' --activation-dtype [float32: int8's greedy token at a near-tie can change "
-                             "with the rows a step holds, which differ on and off, so outputs could not be compared]")
+                        help="the engines' --activation-dtype [float32: outputs on and off must be equal; under int8, "
+                             "the CPU default, a greedy token at a near-tie can change with the rows a step holds, so "
+                             "differing outputs are counted instead]")
     parser.add_argument("--llama-cpp", default=None, help="a llama.cpp tree with build/bin/llama-lookup")
     parser.add_argument("--threads", type=int, default=2, help="llama.cpp's threads [2]")
     parser.add_argument("--method", choices=["ngram", "mtp"], default="ngram", help="the drafter [ngram]")
@@ -238,8 +260,7 @@ def main(argv: list[str]) -> None:
         for _ in range(args.repeats):
             a = run_mixed(off, prompts, args.mixed_tokens)
             b = run_mixed(on, prompts, args.mixed_tokens)
-            if a["tokens"] != b["tokens"]:
-                sys.exit("speculation changed the greedy output of the mixed load: a bug")
+            same_output(a["tokens"], b["tokens"], args, "the mixed load")
             new = sum(map(len, a["tokens"]))
             through["off"].append(new / a["seconds"])
             through["ngram"].append(new / b["seconds"])
@@ -257,10 +278,9 @@ def main(argv: list[str]) -> None:
         run.table(f"{args.mixed} requests at once ({', '.join(str(len(p)) for p in prompts[:2])}.. prompt tokens), "
                   f"{args.mixed_tokens} new tokens each, greedy", mixed_columns, mixed_rows)
         run.note(f"mixed load: speculation x{t_on / t_off:.2f} throughput (medians of {args.repeats} alternated "
-                 f"runs; outputs identical on and off)")
+                 f"runs; {outputs_note()})")
     run.note(f"machine load average (1, 5, 15 min) at the end: {', '.join(f'{x:.1f}' for x in os.getloadavg())} "
-             f"on {os.cpu_count()} logical CPUs: other work shared the cores, so absolute rates are low and noisy; "
-             f"on and off alternate, so the ratio is the figure to read")
+             f"on {os.cpu_count()} logical CPUs (on and off alternate, so the ratio is the figure to read)")
     run.save()
 
 
@@ -288,8 +308,7 @@ def mtp_main(args, argv) -> None:
         for prompt in prompts:
             a = run_once(off, prompt, args.tokens)
             b = run_once(on, prompt, args.tokens)
-            if a["tokens"] != b["tokens"]:
-                sys.exit("MTP speculation changed the greedy output: a bug")
+            same_output(a["tokens"], b["tokens"], args, "an MTP prompt")
             seconds["off"] += a["decode_s"]
             seconds["mtp"] += b["decode_s"]
             new += len(a["tokens"]) - 1
@@ -303,7 +322,7 @@ def mtp_main(args, argv) -> None:
                                                       verifies, steps)
     run.table(f"batch-1 greedy decode, {len(prompts)} held-out 16-token prompts x {args.repeats}, {args.tokens} new "
               f"tokens each, {Path(model).name}", columns, rows)
-    run.note(f"speed-up x{on_rate / off_rate:.2f}; greedy outputs identical on and off; accepted {accepted} of "
+    run.note(f"speed-up x{on_rate / off_rate:.2f}; {outputs_note()}; accepted {accepted} of "
              f"{drafted} drafts; a verifying step costs {verify_ms / plain_ms:.2f} plain decode steps (medians)")
     run.note(f"machine load average (1, 5, 15 min) at the end: {', '.join(f'{x:.1f}' for x in os.getloadavg())} "
              f"on {os.cpu_count()} logical CPUs")
