@@ -167,16 +167,19 @@ def test_rope_equals_the_portable_rotation(rotary):
         fused_cpu.KERNELS.module.rope(x, cos[:, 0, :rotary - 1], sin[:, 0, :rotary - 1])
 
 
-def test_flush_denormals_reads_them_as_zero_on_every_thread():
-    """After flush_denormals (what the engine calls on its step thread), a denormal input is read as zero by the
-    kernels on every thread of the team: rms_norm of rows of 1e-39 gives 0, where without it 1e-39 / sqrt(1e-78 + eps)
-    is a normal float (torch.set_flush_denormal alone leaves the worker thread's half of the rows: measured). And the chunked gated delta rule of a head whose decays
-    pass through the denormal range keeps its result (within float32 rounding of the portable path)."""
-    assert fused_cpu.flush_denormals()
-    # 1e-39, a denormal, written by its bits (any float op on this thread now reads it as 0, torch's conversions too)
+def test_denormals_flushed_reads_them_as_zero_on_every_thread_and_only_inside():
+    """Inside denormals_flushed (what the engine wraps each step in), a denormal input is read as zero by the kernels
+    on every thread of the team: rms_norm of rows of 1e-39 gives 0, where without it 1e-39 / sqrt(1e-78 + eps) is a
+    normal float (torch.set_flush_denormal alone leaves the worker thread's half of the rows: measured). After the
+    block every thread computes with denormals again (process state other code relies on). And the chunked gated
+    delta rule of a head whose decays pass through the denormal range keeps its result (within float32 rounding of
+    the portable path)."""
+    # 1e-39, a denormal, written by its bits (inside the block even torch's conversions read it as 0)
     rows = torch.full((65536, 64), 0x000AE398, dtype=torch.int32).view(torch.float32)  # split over the threads
-    out = fused_cpu.rms_norm(rows, torch.ones(64), 1e-6)
-    assert torch.count_nonzero(out) == 0
+    with fused_cpu.denormals_flushed():
+        assert torch.count_nonzero(fused_cpu.rms_norm(rows, torch.ones(64), 1e-6)) == 0
+    assert torch.count_nonzero(fused_cpu.rms_norm(rows, torch.ones(64), 1e-6)) == rows.numel()
+    assert torch.tensor(1e-39).item() != 0.0  # this thread's own state back
     from deltaserve.kernels.gated_delta import chunk_gated_delta_rule
 
     g = torch.Generator().manual_seed(0)
@@ -184,7 +187,8 @@ def test_flush_denormals_reads_them_as_zero_on_every_thread():
     v = torch.randn(200, 4, 32, generator=g)
     decay = -3 * torch.rand(200, 4, generator=g)  # exp(G) over a 64-row chunk reaches 1e-80: through the denormals
     beta = torch.rand(200, 4, generator=g)
-    native, state = chunk_gated_delta_rule(q, k, v, decay, beta)
+    with fused_cpu.denormals_flushed():
+        native, state = chunk_gated_delta_rule(q, k, v, decay, beta)
     with fused_cpu.disabled():
         portable, portable_state = chunk_gated_delta_rule(q, k, v, decay, beta)
     torch.testing.assert_close(native, portable, rtol=1e-4, atol=1e-5)

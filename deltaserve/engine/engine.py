@@ -153,7 +153,6 @@ class Engine:
                           "op by op in torch (decode ~3x slower than float32 here); float32 is the CPU default")
             _keep_step_memory()
             fused_cpu.load(self._log)  # each built once per machine (~1 min), then loaded from torch's cache
-            fused_cpu.flush_denormals()  # and again on the step loop's thread (_loop)
             linear_cpu.load(self._log)
             int4_cpu.load(self._log)
             if c.prefill_dtype == "bfloat16" and c.activation_dtype == "int8":
@@ -393,7 +392,8 @@ class Engine:
                 return encoded
             self._in_step = True
         try:
-            self._run(plan)
+            with fused_cpu.denormals_flushed(self.device.type == "cpu"):  # for the step only: csrc/fused.cpp
+                self._run(plan)
         finally:
             with self._cond:
                 self._in_step = False
@@ -480,8 +480,6 @@ class Engine:
         self._thread.start()
 
     def _loop(self) -> None:
-        if self.device.type == "cpu":
-            fused_cpu.flush_denormals()  # this thread's own OpenMP team
         while True:
             with self._cond:
                 while not self._stopping and not self.scheduler.has_work and not self._pending_aborts:

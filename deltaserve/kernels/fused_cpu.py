@@ -14,6 +14,8 @@ gated_delta.py and the norms in models/, to float32 rounding; the tests run both
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 
@@ -31,15 +33,19 @@ def load(log=None):
     return KERNELS.load(log)
 
 
-def flush_denormals() -> bool:
-    """Denormal floats read and written as zero on this thread and its OpenMP team, our kernels' and torch's
-    (csrc/fused.cpp says why: the GDN's decays pass through that range, at ~100 cycles an operand); call it on each
-    thread that runs steps. False where the module is not built (torch's ops are still set)."""
-    torch.set_flush_denormal(True)
-    if KERNELS.module is None:
-        return False
-    KERNELS.module.flush_denormals()
-    return True
+@contextlib.contextmanager
+def denormals_flushed(active: bool = True):
+    """Inside the block denormal floats are read and written as zero on this thread and its OpenMP team (our
+    kernels' and torch's ops alike; csrc/fused.cpp says why: the GDN's decays pass through that range, at ~100 cycles
+    an operand); after it each thread's setting is back. Nothing where not active or the module is not built."""
+    if not active or KERNELS.module is None:
+        yield
+        return
+    KERNELS.module.flush_denormals(True)
+    try:
+        yield
+    finally:
+        KERNELS.module.flush_denormals(False)
 
 
 def disabled():

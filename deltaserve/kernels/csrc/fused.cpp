@@ -33,16 +33,34 @@ inline void conv_row(float* __restrict out, const float* const* src, const float
 
 }  // namespace
 
-// Denormal floats (|x| < 2^-126) read and written as zero (MXCSR's DAZ and FTZ bits) on the calling thread and on
-// every thread of its OpenMP team; threads made later inherit the caller's setting. A denormal operand costs x86 a
-// microcode assist of ~100 cycles: the chunked gated delta rule's decays exp(G) of a strongly decaying head pass
-// through that range on their way to 0, and the tiny hybrid's 512-token prefill ran its GDN 7x slower for it (36 vs
-// 5.3 ms a layer). What it changes is below 2^-126 of a value: nothing the float32 bounds can see.
-void flush_denormals() {
+// on: denormal floats (|x| < 2^-126) read and written as zero (MXCSR's DAZ and FTZ bits) on the calling thread and
+// on every thread of its OpenMP team, each thread's MXCSR kept; off: each thread's kept MXCSR back. A denormal
+// operand costs x86 a microcode assist of ~100 cycles: the chunked gated delta rule's decays exp(G) of a strongly
+// decaying head pass through that range on their way to 0, and the tiny hybrid's 512-token prefill ran its GDN 7x
+// slower for it (36 vs 5.3 ms a layer). What it changes is below 2^-126 of a value: nothing the float32 bounds can
+// see. Scoped (the engine sets it for a step and restores it after), since it is process state other code may rely
+// on (hypothesis, in our own test process, refuses to run where subnormals are flushed).
+namespace {
+thread_local unsigned kept_csr = 0;
+thread_local bool kept = false;
+
+void flush_this_thread(bool on) {
   constexpr unsigned FTZ_DAZ = 0x8040;
-  _mm_setcsr(_mm_getcsr() | FTZ_DAZ);
+  if (on && !kept) {
+    kept_csr = _mm_getcsr();
+    kept = true;
+    _mm_setcsr(kept_csr | FTZ_DAZ);
+  } else if (!on && kept) {
+    _mm_setcsr(kept_csr);
+    kept = false;
+  }
+}
+}  // namespace
+
+void flush_denormals(bool on) {
+  flush_this_thread(on);
   #pragma omp parallel
-  { _mm_setcsr(_mm_getcsr() | FTZ_DAZ); }
+  { flush_this_thread(on); }  // the calling thread is one of the team: its second call changes nothing
 }
 
 // x [T, C] packed sequences (cu_seqlens [N+1]); weight [C, W]; initial_state [N, C, W-1] or None (zeros).
