@@ -97,3 +97,31 @@ def logprob_bounds(ref, layers: dict[str, torch.Tensor | None], sequence: list[i
 def failure_probability() -> float:
     """Of one bound (module docstring)."""
     return 2 * math.exp(-LAMBDA ** 2 / 2)
+
+
+def greedy_problems(ref, layers: dict[str, torch.Tensor | None], prompt: list[int], tokens: list[int],
+                    chosen: list[float], rtol: float) -> tuple[list[str], int]:
+    """The oracle `ref` (transformers) teacher-forced on the engine's greedy `tokens` after `prompt`, their
+    log-probabilities as the engine reported them (`chosen`): each must lie within the float32 bound (rtol of
+    tests/tolerance.py times max|logit|, twice: log-softmax) plus its own bound above, and each token's logit gap to
+    the oracle's argmax within the float32 bound plus both tokens' bounds. Returns (the differences found, the
+    positions where the oracle's top-2 margin exceeds what is allowed: where the greedy tokens must agree)."""
+    sequence = prompt + tokens[:-1]
+    with torch.no_grad():
+        logits = ref(torch.tensor([sequence]), use_cache=False).logits[0, len(prompt) - 1:].double()
+    expected, argmax = logits.log_softmax(-1), logits.argmax(-1).tolist()
+    bounds = logprob_bounds(ref, layers, sequence, len(prompt) - 1, [[a, t] for a, t in zip(argmax, tokens)])
+    float_error = 2 * rtol * float(logits.abs().max())
+    problems, decided = [], 0
+    for step, (token, value, (b_argmax, b_token)) in enumerate(zip(tokens, chosen, bounds)):
+        off = abs(value - expected[step, token].item())
+        if off > float_error + b_token:
+            problems.append(f"step {step}: logprob of {token} off by {off:.3g} > {float_error + b_token:.3g}")
+        allowed = float_error + b_argmax + b_token
+        gap = (logits[step, argmax[step]] - logits[step, token]).item()
+        if gap > allowed:
+            problems.append(f"step {step}: greedy {token}, oracle's argmax {argmax[step]}: gap {gap:.3g} > "
+                            f"{allowed:.3g}")
+        top2 = logits[step].topk(2).values
+        decided += (top2[0] - top2[1]).item() > allowed
+    return problems, decided
