@@ -17,6 +17,7 @@ by the oracle's gradient) is added to it."""
 from __future__ import annotations
 
 import math
+import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,7 +29,7 @@ from deltaserve.engine.engine import Engine
 from deltaserve.engine.request import SamplingParams
 from deltaserve.weights import CheckpointError
 from . import formats
-from .draw import Case, ImageCase, Request, draw_case
+from .draw import MOE_FAMILIES, Case, ImageCase, Request, draw_case
 from tests.int8_bound import logprob_bounds, swapped_layers
 from tests.test_engine_support import run_all
 from tests.tolerance import config_rtol
@@ -190,19 +191,38 @@ def check_outputs(result: Result, ref, label: str, prompts: list[list[int]], out
 def compare(case: Case, ref, prompt: list[int], tokens: list[int], logprobs: list,
             kv_dtype: str = "float32", int8_layers: dict | None = None) -> list[str]:
     """Differences of the engine's log-probabilities from the oracle's at each generated position, the engine's KV
-    cache stored in `kv_dtype`, the inputs of `int8_layers` (int8_bound.swapped_layers) rounded to int8."""
+    cache stored in `kv_dtype`, the inputs of `int8_layers` (int8_bound.swapped_layers) rounded to int8.
+
+    An MoE family with a 16-bit KV cache that differs gets a second oracle: transformers with its K (after the
+    rotary, as the cache holds it) and V rounded to that dtype, within the float32 bound alone. A router's top-k
+    choice is discontinuous, so where the KV rounding moves a router logit across a near-tie the expert changes and a
+    log-probability moves by O(1), which kv_rtol's smooth bound cannot cover (seed 1844: a top-1 router under a
+    bfloat16 cache, 2.8 off the exact oracle; transformers with its K/V rounded chose the same expert and token as
+    we did). Agreeing with either oracle passes."""
     if len(logprobs) != len(tokens):
         return [f"{len(tokens)} tokens but {len(logprobs)} logprobs"]
     sequence = prompt + tokens[:-1]
     with torch.no_grad():
         logits = ref(torch.tensor([sequence]), use_cache=False).logits[0, len(prompt) - 1:].double()
-    expected = logits.log_softmax(-1)
-    bound = rtol(case, ref, len(sequence)) + kv_rtol(ref, sequence, kv_dtype)
     # per step: the argmax, the chosen token, then the top ids, each with the int8 rounding's bound (0: float32)
     checked = [[int(logits[step].argmax()), token] + [tid for tid, _, _ in lp.top]
                for step, (token, lp) in enumerate(zip(tokens, logprobs))]
     int8 = (logprob_bounds(ref, int8_layers, sequence, len(prompt) - 1, checked) if int8_layers
             else [[0.0] * len(ids) for ids in checked])
+    problems = differences(logits, tokens, logprobs, rtol(case, ref, len(sequence)) + kv_rtol(ref, sequence, kv_dtype),
+                           int8)
+    if problems and kv_dtype != "float32" and case.family in MOE_FAMILIES:
+        rounded = kv_rounded_logits(ref, sequence, kv_dtype)[len(prompt) - 1:]
+        if not differences(rounded, tokens, logprobs, rtol(case, ref, len(sequence)), int8):
+            return []
+    return problems
+
+
+def differences(logits: torch.Tensor, tokens: list[int], logprobs: list, bound: float,
+                int8: list[list[float]]) -> list[str]:
+    """compare's checks against one oracle's logits (float64, a row per generated position) within `bound` (relative
+    to each row's largest logit) plus the int8 bounds per checked id."""
+    expected = logits.log_softmax(-1)
     problems = []
     for step, (token, lp) in enumerate(zip(tokens, logprobs)):
         logit_error = bound * logits[step].abs().max().item()
@@ -219,3 +239,31 @@ def compare(case: Case, ref, prompt: list[int], tokens: list[int], logprobs: lis
                                 f"{2 * logit_error + extra:.3g} (rtol {bound:.3g}, int8 rounding {extra:.3g})")
                 break
     return problems
+
+
+def kv_rounded_logits(ref, sequence: list[int], kv_dtype: str) -> torch.Tensor:
+    """The oracle's logits [len(sequence), vocab] (float64) with every attention layer's K after the rotary and its V
+    rounded to `kv_dtype`, as the engine's cache stores them: each attention module's apply_rotary_pos_emb (looked up
+    in its modeling module at call time) wrapped, and v_proj's output rounded."""
+    dtype = {"float16": torch.float16, "bfloat16": torch.bfloat16}[kv_dtype]
+    attention = [m for m in ref.modules() if hasattr(m, "k_proj") and hasattr(m, "v_proj") and hasattr(m, "scaling")]
+    modules = {sys.modules[type(m).__module__] for m in attention}
+    originals = {module: module.apply_rotary_pos_emb for module in modules}
+
+    def wrap(original):
+        def rounded(q, k, *args, **kwargs):
+            q, k = original(q, k, *args, **kwargs)
+            return q, k.to(dtype).to(k.dtype)
+        return rounded
+
+    hooks = [m.v_proj.register_forward_hook(lambda _m, _a, out: out.to(dtype).to(out.dtype)) for m in attention]
+    try:
+        for module, original in originals.items():
+            module.apply_rotary_pos_emb = wrap(original)
+        with torch.no_grad():
+            return ref(torch.tensor([sequence]), use_cache=False).logits[0].double()
+    finally:
+        for module, original in originals.items():
+            module.apply_rotary_pos_emb = original
+        for hook in hooks:
+            hook.remove()

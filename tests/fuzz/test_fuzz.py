@@ -22,8 +22,10 @@ SLICE = range(0, 40)
 # slice) and 42. Image cases (draw_image_case) in the slice: 7 and 16 (merge 1); 89 (16-pixel patches, merge 1); 121
 # (a text model of one GDN layer and no attention layer, which transformers' cache could not size before the oracle
 # ran with use_cache=False). 251: a Qwen3-Next GPTQ case whose oracle, on the package's float16 dequantization, chose
-# another expert than the exact weights do (the oracle is exact since).
-REGRESSIONS = (41, 42, 47, 77, 89, 121, 251)
+# another expert than the exact weights do (the oracle is exact since). 1844: a Qwen3.5-MoE (top-1 router) under a
+# bfloat16 KV cache, whose rounding flips a router choice: 2.8 off the exact oracle at a 177-token prompt's end, the
+# engine's answer that of transformers with its K/V rounded alike (run.compare's second oracle since).
+REGRESSIONS = (41, 42, 47, 77, 89, 121, 251, 1844)
 
 
 @pytest.mark.parametrize("seed", [*SLICE, *REGRESSIONS], ids=lambda seed: f"seed_{seed}")
@@ -95,3 +97,36 @@ def test_int8_comparison_passes_int8_rounding_and_finds_int6():
             hook.remove()
     assert results[127] == []
     assert results[31]
+
+
+def test_moe_second_oracle_takes_the_kv_rounded_run_and_is_as_tight_as_the_float32_bound():
+    """An MoE family under a bfloat16 KV cache: log-probabilities computed by transformers with its K and V rounded to
+    bfloat16 (what the engine's cache does) pass compare through its second oracle; that oracle is held to the float32
+    bound alone, so it finds an attention projection scaled by 1 + 1e-2: the route it adds is held as tightly as the
+    exact path, not by kv_rtol's wider bfloat16 bound."""
+    from .draw import MOE_FAMILIES
+    from .run import differences, kv_rounded_logits, rtol
+
+    case = next(c for c in map(draw_case, range(100)) if c.family in MOE_FAMILIES and c.config["num_hidden_layers"] > 1)
+    ref = random_model(case)
+    prompt = torch.randint(0, case.config["vocab_size"], (40,), generator=torch.Generator().manual_seed(0)).tolist()
+    tokens = []
+    for _ in range(3):
+        tokens.append(int(kv_rounded_logits(ref, prompt + tokens, "bfloat16")[-1].argmax()))
+    sequence = prompt + tokens[:-1]
+    rounded_logits = kv_rounded_logits(ref, sequence, "bfloat16")[len(prompt) - 1:]
+    rounded = []
+    for row, token in zip(rounded_logits.log_softmax(-1), tokens):
+        values, ids = row.topk(TOP_LOGPROBS)
+        rounded.append(TokenLogprob(token, "", row[token].item(),
+                                    [(int(i), "", v.item()) for v, i in zip(values, ids)]))
+    assert compare(case, ref, prompt, tokens, rounded, kv_dtype="bfloat16") == []
+    no_int8 = [[0.0] * (2 + TOP_LOGPROBS)] * len(tokens)
+    assert differences(rounded_logits, tokens, rounded, rtol(case, ref, len(sequence)), no_int8) == []
+    off = random_model(case)
+    with torch.no_grad():
+        next(m for m in off.modules() if hasattr(m, "v_proj") and hasattr(m, "scaling")).o_proj.weight.mul_(1 + 1e-2)
+    off_rounded = kv_rounded_logits(off, sequence, "bfloat16")[len(prompt) - 1:].log_softmax(-1)
+    shifted = [TokenLogprob(t, "", row[t].item(), [(tid, "", row[tid].item()) for tid, _, _ in lp.top])
+               for t, row, lp in zip(tokens, off_rounded, rounded)]
+    assert differences(rounded_logits, tokens, shifted, rtol(case, ref, len(sequence)), no_int8)
