@@ -100,28 +100,44 @@ def failure_probability() -> float:
 
 
 def greedy_problems(ref, layers: dict[str, torch.Tensor | None], prompt: list[int], tokens: list[int],
-                    chosen: list[float], rtol: float) -> tuple[list[str], int]:
-    """The oracle `ref` (transformers) teacher-forced on the engine's greedy `tokens` after `prompt`, their
-    log-probabilities as the engine reported them (`chosen`): each must lie within the float32 bound (rtol of
-    tests/tolerance.py times max|logit|, twice: log-softmax) plus its own bound above, and each token's logit gap to
-    the oracle's argmax within the float32 bound plus both tokens' bounds. Returns (the differences found, the
-    positions where the oracle's top-2 margin exceeds what is allowed: where the greedy tokens must agree)."""
+                    logprobs: list, rtol: float) -> tuple[list[str], int]:
+    """The oracle `ref` (transformers) teacher-forced on the engine's greedy `tokens` after `prompt`, the engine's
+    log-probabilities of them (`logprobs`, TokenLogprob) held by `differences` within the float32 bound (`rtol` of
+    tests/tolerance.py) plus each checked id's bound above. Returns (the differences found, the positions where the
+    oracle's top-2 margin exceeds what is allowed there: where the greedy tokens must agree)."""
     sequence = prompt + tokens[:-1]
     with torch.no_grad():
         logits = ref(torch.tensor([sequence]), use_cache=False).logits[0, len(prompt) - 1:].double()
-    expected, argmax = logits.log_softmax(-1), logits.argmax(-1).tolist()
-    bounds = logprob_bounds(ref, layers, sequence, len(prompt) - 1, [[a, t] for a, t in zip(argmax, tokens)])
-    float_error = 2 * rtol * float(logits.abs().max())
-    problems, decided = [], 0
-    for step, (token, value, (b_argmax, b_token)) in enumerate(zip(tokens, chosen, bounds)):
-        off = abs(value - expected[step, token].item())
-        if off > float_error + b_token:
-            problems.append(f"step {step}: logprob of {token} off by {off:.3g} > {float_error + b_token:.3g}")
-        allowed = float_error + b_argmax + b_token
-        gap = (logits[step, argmax[step]] - logits[step, token]).item()
+    checked = [[int(logits[step].argmax()), token] + [tid for tid, _, _ in lp.top]
+               for step, (token, lp) in enumerate(zip(tokens, logprobs))]
+    bounds = logprob_bounds(ref, layers, sequence, len(prompt) - 1, checked)
+    decided = 0
+    for step, row in enumerate(logits):
+        top2 = row.topk(2).values
+        decided += (top2[0] - top2[1]).item() > 2 * rtol * row.abs().max().item() + bounds[step][0] + bounds[step][1]
+    return differences(logits, tokens, logprobs, rtol, bounds), decided
+
+
+def differences(logits: torch.Tensor, tokens: list[int], logprobs: list, bound: float,
+                int8: list[list[float]]) -> list[str]:
+    """The checks of an engine's greedy run against one oracle's logits (float64, a row per generated position):
+    each token's logit gap to the oracle's argmax, and the log-probabilities of the token and of its reported top ids,
+    within `bound` (relative to the row's largest logit, twice: log-softmax) plus `int8[step]`'s bounds for
+    [argmax, token, top ids...] (zeros on float32 activations)."""
+    expected = logits.log_softmax(-1)
+    problems = []
+    for step, (token, lp) in enumerate(zip(tokens, logprobs)):
+        logit_error = bound * logits[step].abs().max().item()
+        gap = (logits[step].max() - logits[step, token]).item()
+        allowed = 2 * logit_error + int8[step][0] + int8[step][1]
         if gap > allowed:
-            problems.append(f"step {step}: greedy {token}, oracle's argmax {argmax[step]}: gap {gap:.3g} > "
-                            f"{allowed:.3g}")
-        top2 = logits[step].topk(2).values
-        decided += (top2[0] - top2[1]).item() > allowed
-    return problems, decided
+            problems.append(f"step {step}: greedy token {token} is not the oracle's argmax "
+                            f"{int(logits[step].argmax())} (logit gap {gap:.3g}, allowed {allowed:.3g})")
+        for (tid, value), extra in zip([(token, lp.logprob)] + [(tid, value) for tid, _, value in lp.top],
+                                       int8[step][1:]):
+            off = abs(value - expected[step, tid].item())
+            if off > 2 * logit_error + extra:
+                problems.append(f"step {step}: logprob of {tid} off by {off:.3g} > bound "
+                                f"{2 * logit_error + extra:.3g} (rtol {bound:.3g}, int8 rounding {extra:.3g})")
+                break
+    return problems

@@ -50,8 +50,8 @@ def test_greedy_tokens_agree_with_transformers_where_the_margin_exceeds_the_int8
                                                            dtype=torch.float32).eval()
     prompt = eng.tokenizer.encode(TEXT)[:40]
     out = run_all(eng, [(prompt, SamplingParams(max_tokens=STEPS, temperature=0, ignore_eos=True, logprobs=0))])[0]
-    chosen = [lp.logprob for o in out for lp in o.logprobs]
-    problems, decided = greedy_problems(hf, swapped_layers(eng.runner.model), prompt, tokens_of(out), chosen,
+    logprobs = [lp for o in out for lp in o.logprobs]
+    problems, decided = greedy_problems(hf, swapped_layers(eng.runner.model), prompt, tokens_of(out), logprobs,
                                         config_rtol(hf.config, context=len(prompt) + STEPS - 1))
     assert problems == []
     assert decided >= STEPS // 2, "the bound decides too few positions to test anything"

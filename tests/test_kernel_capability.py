@@ -129,8 +129,8 @@ def assert_engine_within_int8(ref, folder, **settings) -> None:
     rtol = config_rtol(ref.config, context=max(PROMPT_LENGTHS) + STEPS)
     for p, out in zip(prompts, outs):
         assert all(o.error is None for o in out), out[-1].error
-        chosen = [lp.logprob for o in out for lp in o.logprobs]
-        problems, _ = greedy_problems(ref, layers, p, tokens_of(out), chosen, rtol)
+        logprobs = [lp for o in out for lp in o.logprobs]
+        problems, _ = greedy_problems(ref, layers, p, tokens_of(out), logprobs, rtol)
         assert problems == []
 
 

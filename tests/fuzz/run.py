@@ -30,7 +30,7 @@ from deltaserve.engine.request import SamplingParams
 from deltaserve.weights import CheckpointError
 from . import formats
 from .draw import MOE_FAMILIES, Case, ImageCase, Request, draw_case
-from tests.int8_bound import logprob_bounds, swapped_layers
+from tests.int8_bound import differences, logprob_bounds, swapped_layers
 from tests.test_engine_support import run_all
 from tests.tolerance import config_rtol
 
@@ -215,29 +215,6 @@ def compare(case: Case, ref, prompt: list[int], tokens: list[int], logprobs: lis
         rounded = kv_rounded_logits(ref, sequence, kv_dtype)[len(prompt) - 1:]
         if not differences(rounded, tokens, logprobs, rtol(case, ref, len(sequence)), int8):
             return []
-    return problems
-
-
-def differences(logits: torch.Tensor, tokens: list[int], logprobs: list, bound: float,
-                int8: list[list[float]]) -> list[str]:
-    """compare's checks against one oracle's logits (float64, a row per generated position) within `bound` (relative
-    to each row's largest logit) plus the int8 bounds per checked id."""
-    expected = logits.log_softmax(-1)
-    problems = []
-    for step, (token, lp) in enumerate(zip(tokens, logprobs)):
-        logit_error = bound * logits[step].abs().max().item()
-        gap = (logits[step].max() - logits[step, token]).item()
-        allowed = 2 * logit_error + int8[step][0] + int8[step][1]
-        if gap > allowed:
-            problems.append(f"step {step}: greedy token {token} is not the oracle's argmax "
-                            f"{int(logits[step].argmax())} (logit gap {gap:.3g}, allowed {allowed:.3g})")
-        for (tid, value), extra in zip([(token, lp.logprob)] + [(tid, value) for tid, _, value in lp.top],
-                                       int8[step][1:]):
-            off = abs(value - expected[step, tid].item())
-            if off > 2 * logit_error + extra:
-                problems.append(f"step {step}: logprob of {tid} off by {off:.3g} > bound "
-                                f"{2 * logit_error + extra:.3g} (rtol {bound:.3g}, int8 rounding {extra:.3g})")
-                break
     return problems
 
 
