@@ -30,9 +30,9 @@ QUANT_BLOCK = 32  # kernels/int4_int8.py's QUANT_BLOCK
 
 def swapped_layers(model) -> dict[str, torch.Tensor | None]:
     """The engine model's layers that took int8 activations: name -> the input permutation they quantize in."""
-    from deltaserve.models.layers import Int4Int8Linear
+    from deltaserve.models.layers import Int8DotLinear
 
-    return {name: module.perm for name, module in model.named_modules() if isinstance(module, Int4Int8Linear)}
+    return {name: module.perm for name, module in model.named_modules() if isinstance(module, Int8DotLinear)}
 
 
 def half_quanta(x: torch.Tensor, perm: torch.Tensor | None) -> torch.Tensor:

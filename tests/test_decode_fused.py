@@ -201,7 +201,7 @@ def test_int8_head_equals_a_float64_product(rows, symmetric, isa):
     scales = torch.rand(n, k // 32, generator=gen) * 0.01
     offsets = torch.zeros_like(scales) if symmetric else torch.randn(n, k // 32, generator=gen) * 0.01
     table = Int8Rows(codes, scales, offsets, 32)
-    head = Int8Linear(Int8Embedding(table))
+    head = Int8Linear.of_embedding(Int8Embedding(table))
     assert head.symmetric == symmetric
     x = torch.randn(rows, k, generator=gen)
     got = head(x)
@@ -234,7 +234,7 @@ def test_a_projection_of_no_rows_widens_nothing(monkeypatch):
     n, k = 96, 64
     table = Int8Rows(torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8),
                      torch.rand(n, k // 32, generator=gen), torch.rand(n, k // 32, generator=gen), 32)
-    assert Int8Linear(Int8Embedding(table))(torch.empty(0, k)).shape == (0, n)
+    assert Int8Linear.of_embedding(Int8Embedding(table))(torch.empty(0, k)).shape == (0, n)
     codes = Int4Codes(torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8),
                       torch.rand(n, k // 32, generator=gen), None, 32)
     assert int4_linear(torch.empty(0, k), pack(codes), torch.randn(n)).shape == (0, n)

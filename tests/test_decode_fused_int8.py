@@ -1,4 +1,4 @@
-"""The fused decode blocks (kernels/decode_cpu.py) on --activation-dtype int8's panel weights (Int4Int8Linear).
+"""The fused decode blocks (kernels/decode_cpu.py) on --activation-dtype int8's panel weights (Int8DotLinear).
 
 Against the per-op int8 path on the same model and caches (tiny Llama / Qwen3 with packed 4-bit projections, and the
 Qwen3.5 hybrid test configs quantized to 4 bits): every decode step's logits agree to float32 rounding
@@ -26,7 +26,7 @@ from deltaserve.kernels import decode_cpu, int4_int8
 from deltaserve.kernels.cpp_build import cpu_features
 from deltaserve.kernels.int4 import Int4Codes, pack
 from deltaserve.models.int8_activations import use_int8_activations
-from deltaserve.models.layers import FusedParts, Int4Int8Linear, Int4Linear, Linear, projection_parts
+from deltaserve.models.layers import FusedParts, Int8DotLinear, Int4Linear, Linear, projection_parts
 
 U = 2.0**-24
 
@@ -95,6 +95,35 @@ def quantized_to_int4(model) -> int:
     return replaced
 
 
+def quantized_to_int8(model, symmetric: bool = True) -> int:
+    """Every float32 Linear of the decoder layers whose width is a multiple of 32 becomes an Int8Linear of its weight
+    rounded to 8 bits per group of 32 (Q8_0's max / 127 scale; or 255 levels from the minimum); the number replaced."""
+    from deltaserve.kernels.int8 import Int8Rows
+    from deltaserve.models.layers import Int8Linear
+
+    replaced = 0
+    for parent in list(model.model.layers.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is not Linear or child.in_features % 32:
+                continue
+            w = child.weight.detach().float().view(child.out_features, -1, 32)
+            if symmetric:
+                scales, low = (w.abs().amax(-1) / 127).clamp_min(1e-6), torch.zeros(w.shape[:2])
+                q = torch.round(w / scales[..., None]).clamp(-127, 127)
+            else:
+                low = w.amin(-1)
+                scales = ((w.amax(-1) - low) / 255).clamp_min(1e-6)
+                q = torch.round((w - low[..., None]) / scales[..., None]).clamp(0, 255) - 128
+                low = low + 128 * scales  # w = s (q + 128) + low
+            rows = Int8Rows(q.to(torch.int8).view(child.out_features, -1), scales, low, 32)
+            setattr(parent, name, Int8Linear(rows, None if child.bias is None else child.bias.detach().float()))
+            replaced += 1
+    for module in model.modules():
+        if isinstance(getattr(module, "fused", None), FusedParts):
+            module.fused.key = None
+    return replaced
+
+
 def int8_model(model):
     model = copy.deepcopy(model)
     swapped, _ = use_int8_activations(model)
@@ -146,6 +175,29 @@ def test_fused_int8_decode_equals_the_per_op_int8_path(kind, cache, int8_isa):
     assert (fused[0] - float_fused[0]).abs().max() > logits_rtol(3, 192) * float_fused.abs().max()
 
 
+SEED8 = 13  # prompts that meet no int8 rounding tie on any build (assert_fused_int8_equals_per_op's docstring)
+
+
+@pytest.mark.parametrize("kind,symmetric", [("llama", True), ("qwen3", False), ("llama", False), ("qwen3", True)])
+@torch.inference_mode()
+def test_fused_decode_of_int8_weights_equals_the_per_op_int8_path(kind, symmetric, int8_isa):
+    """8-bit weights (Q8_0's symmetric form, an asymmetric INT8's offsets) in 8-bit panels: the blocks take them as
+    the 4-bit ones (int4_int8_tile.h's BITS 8), one decode_stack call a step."""
+    from deltaserve.models.layers import Int8Linear
+
+    float_model = tiny_dense(kind, "fp32")
+    assert quantized_to_int8(float_model, symmetric) == 3 * 7
+    model = int8_model(float_model)
+    assert not any(type(m) is Int8Linear for m in model.modules())
+    gen = torch.Generator().manual_seed(SEED8)
+    prompts = [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in (5, 17, 1, 40, 9)]
+    fused = assert_fused_int8_equals_per_op(model, prompts, torch.float32, 3, 192)
+    attn, mlp = model.model.layers[0].fused.parts
+    assert all(group < 0 for group in attn[1][4:]) and all(group < 0 for group in mlp[1])
+    float_fused, _, _, _ = steps_both_ways(float_model, prompts, torch.float32, steps=1)
+    assert (fused[0] - float_fused[0]).abs().max() > logits_rtol(3, 192) * float_fused.abs().max()
+
+
 @pytest.mark.parametrize("name", ["qwen3_5_text", "qwen3_5_text_tied"])
 @torch.inference_mode()
 def test_hybrid_fused_int8_decode_equals_the_per_op_int8_path(name, int8_isa, tmp_path):
@@ -166,7 +218,7 @@ def test_hybrid_fused_int8_decode_equals_the_per_op_int8_path(name, int8_isa, tm
                                     compare=not name.endswith("tied"))
     gdn = next(layer for layer in model.model.layers if layer.kind == "linear_attention")
     groups = gdn.fused.parts[0][1][4:]  # in_proj_qkv, z, b, a, out_proj
-    assert type(gdn.linear_attn.in_proj_qkv) is Int4Int8Linear and type(gdn.linear_attn.in_proj_b) is Int4Linear
+    assert type(gdn.linear_attn.in_proj_qkv) is Int8DotLinear and type(gdn.linear_attn.in_proj_b) is Int4Linear
     assert groups[0] < 0 and groups[1] < 0 and groups[2] > 0 and groups[4] < 0
 
 
@@ -198,7 +250,7 @@ def test_fused_int8_mlp_is_the_float32_mlp_within_the_activation_rounding(rows, 
     x = torch.randn(rows, hidden, generator=gen)
     x[:, 7] *= 30  # an outlier channel: its block's quantum is large
     float_layers = [Int4Linear(c, None) for c in codes]
-    int8_layers = [Int4Int8Linear(int4_int8.repack(pack(c)), None) for c in codes]
+    int8_layers = [Int8DotLinear(int4_int8.repack(pack(c)), None) for c in codes]
 
     def block(layers):
         parts = [projection_parts(layer) for layer in layers]
@@ -236,17 +288,17 @@ def test_fused_int8_mlp_is_the_float32_mlp_within_the_activation_rounding(rows, 
 def test_int8_activations_serve_an_int4_lm_head(tmp_path):
     """The field's layout (W4 body, INT8 embedding, INT4 lm_head; compressed-tensors' compressor) with
     --activation-dtype int8: the head becomes an int8-activation layer too and the model's forward takes it (it
-    asked the head for a float weight's dtype and failed mid-answer, "'Int4Int8Linear' object has no attribute
+    asked the head for a float weight's dtype and failed mid-answer, "'Int8DotLinear' object has no attribute
     'weight'"), and the answer's tokens come."""
     from test_engine_support import engine, run_all, tokens_of
 
     from deltaserve.engine.request import SamplingParams
-    from deltaserve.models.layers import Int4Int8Linear
+    from deltaserve.models.layers import Int8DotLinear
     from tests.test_weights_compressed_tensors import make_checkpoint
 
     make_checkpoint("dense_w4_g32_int8embed_int4head", tmp_path)
     eng = engine(str(tmp_path), activation_dtype="int8", dequantize_weights=False)
-    assert isinstance(eng.loaded.model.lm_head, Int4Int8Linear), type(eng.loaded.model.lm_head)
+    assert isinstance(eng.loaded.model.lm_head, Int8DotLinear), type(eng.loaded.model.lm_head)
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
     out = tokens_of(run_all(eng, [([5, 6, 7, 8], params)])[0])
     assert len(out) == 4 and all(0 <= t < eng.vocab_size for t in out)

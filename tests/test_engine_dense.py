@@ -301,12 +301,12 @@ def test_prefill_dtype_bfloat16_takes_the_bf16_gemm(long_ids, monkeypatch):
 def test_prefill_dtype_bfloat16_under_int8_activations_says_int8_serves():
     """The default --activation-dtype int8 takes every packed 4-bit layer's rows as int8, prefill included: a
     --prefill-dtype bfloat16 beside it has nothing to round, and the engine says so (and which flag brings it back)."""
-    from deltaserve.models.layers import Int4Int8Linear, Int4Linear
+    from deltaserve.models.layers import Int8DotLinear, Int4Linear
 
     logs: list[str] = []
     eng = Engine(EngineConfig(prefill_dtype="bfloat16", max_total_tokens=2048, device="cpu"), log=logs.append)
     assert any("--prefill-dtype bfloat16 rounds float32 activations" in line and "--activation-dtype float32" in line
                for line in logs)
     modules = list(eng.runner.model.modules())
-    assert any(isinstance(m, Int4Int8Linear) for m in modules)
+    assert any(isinstance(m, Int8DotLinear) for m in modules)
     assert not any(isinstance(m, Int4Linear) and m.prefill_bf16 for m in modules)

@@ -219,7 +219,7 @@ def test_declines_what_it_cannot_take():
 def test_the_model_swap_takes_the_layers_the_kernel_serves():
     from torch import nn
 
-    from deltaserve.models.int8_activations import Int4Int8Linear, use_int8_activations
+    from deltaserve.models.int8_activations import Int8DotLinear, use_int8_activations
     from deltaserve.models.layers import Int4Linear
 
     served, declined = weight(CASES[0], 3), random_codes(50, 576, 32, 4)
@@ -228,7 +228,7 @@ def test_the_model_swap_takes_the_layers_the_kernel_serves():
     x = activations(3, 576, 9)
     expect = int4_int8.linear(x, int4_int8.repack(pack(served)), model[0].bias)
     swapped, lines = use_int8_activations(model)
-    assert swapped == 1 and type(model[0]) is Int4Int8Linear and type(model[1]) is Int4Linear
+    assert swapped == 1 and type(model[0]) is Int8DotLinear and type(model[1]) is Int4Linear
     assert len(lines) == 1 and "16-row panel" in lines[0] and "1 layers" in lines[0]
     assert sum(b.numel() * b.element_size() for b in model.buffers()) == held  # the same bytes, moved
     assert torch.equal(model[0](x), expect)

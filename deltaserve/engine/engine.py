@@ -232,21 +232,21 @@ class Engine:
                       f"{int4_cpu.MAX_ROWS}) in bfloat16")
 
     def _int8_activations(self, model) -> None:
-        """--activation-dtype int8: every packed 4-bit layer the int8 dot-product kernel serves takes it (the
-        others, and every layer where the kernel cannot be built, keep float32: said)."""
+        """--activation-dtype int8: every packed 4-bit and untied int8 layer the int8 dot-product kernel serves takes
+        it (the others, and every layer where the kernel cannot be built, keep float32: said)."""
         from deltaserve.models.int8_activations import use_int8_activations
-        from deltaserve.models.layers import Int4Linear
+        from deltaserve.models.layers import Int4Linear, Int8Linear
 
-        if not any(isinstance(m, Int4Linear) for m in model.modules()):
-            return  # no packed 4-bit layer: nothing to take int8 activations (and no kernel to build for it)
+        if not any(type(m) is Int4Linear or (type(m) is Int8Linear and not m.tied) for m in model.modules()):
+            return  # no packed 4-bit or int8 layer: nothing to take int8 activations (and no kernel to build for it)
         if int4_int8.load(self._log) is None:
             self._log("note: --activation-dtype int8 needs the int8 dot-product kernel, not built here: float32 stays")
             return
         swapped, refusals = use_int8_activations(model)
         for line in refusals:
             self._log(line)
-        self._log(f"activations: {swapped} packed 4-bit layers multiply int8 activations ({int4_int8.isa()} integer "
-                  f"dot products)")
+        self._log(f"activations: {swapped} packed 4-bit and int8 layers multiply int8 activations ({int4_int8.isa()} "
+                  f"integer dot products)")
 
     def measured_bytes(self) -> dict[str, int]:
         """What the engine really holds per ledger line (torch tensor bytes)."""

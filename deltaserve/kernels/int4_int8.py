@@ -1,4 +1,4 @@
-"""Packed 4-bit weights times int8 activations on CPU (`--activation-dtype int8`): integer dot products.
+"""Packed 4-bit and int8 weights times int8 activations on CPU (`--activation-dtype int8`): integer dot products.
 
 The C++ is kernels/csrc/int4_int8dot.cpp (its header says the arithmetic and the layout), its tiles in
 int4_int8_tile.h, which decode.cpp's fused blocks compile too. Each input row is
@@ -10,7 +10,10 @@ times the dequantized activations; against the float32 path it differs by the ac
 quantum (d / 2) a column: |dy| <= sum_k |w_k| d_k / 2.
 
 `repack` moves a PackedInt4's bytes into 16-row panels (a permutation of the same bytes: a layer that holds the
-panel form holds exactly the packed layout's bytes, so the ledger's weights line does not change).
+panel form holds exactly the packed layout's bytes, so the ledger's weights line does not change). `repack_int8` does
+the same for an 8-bit weight (kernels/int8.Int8Rows: Q8_0, compressed-tensors INT8): each code q becomes q + 128, a
+byte vpdpbusd takes unsigned, and the offset o - 128 s carries the shift (symmetric weights store none: the kernel
+takes -128 s), so a code's byte and a scale per group are all it holds, as the Int8Rows' own codes and scales.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import torch
 
 from deltaserve.kernels.cpp_build import CSRC, CompiledKernels
 from deltaserve.kernels.int4 import BLOCK, PackedInt4
+from deltaserve.kernels.int8 import Int8Rows
 
 PANEL_ROWS = 16  # output rows interleaved in one panel
 QUANT_BLOCK = 32  # activation columns sharing one int8 scale
@@ -40,9 +44,9 @@ def built() -> bool:
     return KERNELS.module is not None
 
 
-def declines(out_features: int, in_features: int, group_size: int, lut: bool) -> str | None:
-    """Why the kernel cannot take a packed 4-bit weight of this shape and form (int4_int8_linear's TORCH_CHECKs and
-    the layout's conditions), or None."""
+def declines(out_features: int, in_features: int, group_size: int, lut: bool = False) -> str | None:
+    """Why the kernel cannot take a packed 4-bit or int8 weight of this shape and form (int4_int8_linear's
+    TORCH_CHECKs and the layout's conditions), or None."""
     if lut:
         return "a level table (IQ4): its levels are not integers the int8 dot product can take"
     if out_features % PANEL_ROWS:
@@ -54,8 +58,8 @@ def declines(out_features: int, in_features: int, group_size: int, lut: bool) ->
 
 
 @dataclass
-class PanelInt4:
-    """A packed 4-bit weight in the kernel's panel layout: codes [N / 16, K * 8] uint8, scales and offsets
+class PanelWeight:
+    """A 4- or 8-bit weight in the kernel's panel layout: codes [N / 16, K * bits * 2] uint8, scales and offsets
     [N / 16, K / group, 16] in the packed weight's dtype (offsets None: symmetric), the input permutation as packed."""
 
     codes: torch.Tensor
@@ -63,16 +67,17 @@ class PanelInt4:
     offsets: torch.Tensor | None
     group_size: int
     perm: torch.Tensor | None = None
+    bits: int = 4
 
     @property
     def shape(self) -> tuple[int, int]:
-        return self.codes.shape[0] * PANEL_ROWS, self.codes.shape[1] // 8
+        return self.codes.shape[0] * PANEL_ROWS, self.codes.shape[1] // (2 * self.bits)
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.codes, self.scales, self.offsets) if t is not None)
 
 
-def repack(w: PackedInt4) -> PanelInt4:
+def repack(w: PackedInt4) -> PanelWeight:
     """The panel layout of a packed weight (csrc/int4_int8dot.cpp's header): byte i of a 32-column run holds columns
     i and i + 16 in both layouts, so the codes' bytes are only moved; the kernel must not decline it."""
     n, k = w.shape
@@ -85,11 +90,33 @@ def repack(w: PackedInt4) -> PanelInt4:
     def panels(t):
         return None if t is None else t.view(n // PANEL_ROWS, PANEL_ROWS, groups).transpose(1, 2).contiguous()
 
-    return PanelInt4(codes.reshape(n // PANEL_ROWS, k * 8).contiguous(), panels(w.scales), panels(w.offsets),
-                     w.group_size, w.perm)
+    return PanelWeight(codes.reshape(n // PANEL_ROWS, k * 8).contiguous(), panels(w.scales), panels(w.offsets),
+                       w.group_size, w.perm)
 
 
-def linear(x: torch.Tensor, w: PanelInt4, bias: torch.Tensor | None = None) -> torch.Tensor:
+def repack_int8(w: Int8Rows, perm: torch.Tensor | None = None) -> PanelWeight:
+    """The panel layout of an 8-bit weight (module docstring, csrc/int4_int8dot.cpp's header): codes q + 128 with
+    row r's columns 4L .. 4L + 3 of each 32-column block at bytes 4r .. 4r + 3 of its chunk L; offsets only where some
+    are not zero (o - 128 s); the kernel must not decline it. `perm`: the input permutation the weight's columns
+    follow (None: in order)."""
+    n, k = w.shape
+    reason = declines(n, k, w.group_size)
+    if reason:
+        raise ValueError(f"int4_int8: cannot take a {n} x {k} 8-bit weight in groups of {w.group_size}: {reason}")
+    biased = (w.codes.view(torch.uint8) ^ 0x80)  # q + 128 as two's complement bytes read unsigned
+    codes = biased.view(n // PANEL_ROWS, PANEL_ROWS, k // BLOCK, 8, 4).permute(0, 2, 3, 1, 4)
+    groups = k // w.group_size
+    scales = w.scales.to(torch.float32)
+
+    def panels(t):
+        return t.view(n // PANEL_ROWS, PANEL_ROWS, groups).transpose(1, 2).contiguous()
+
+    offsets = None if not bool(w.offsets.any()) else panels(w.offsets.to(torch.float32) - 128.0 * scales)
+    return PanelWeight(codes.reshape(n // PANEL_ROWS, k * 16).contiguous(), panels(scales), offsets, w.group_size,
+                       perm, bits=8)
+
+
+def linear(x: torch.Tensor, w: PanelWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] @ W.T with x's rows quantized to int8 per block of 32 (module docstring); the result in x's dtype."""
     from deltaserve.kernels.int4 import input_rows
 

@@ -13,12 +13,14 @@ import torch
 
 @dataclass
 class Int8Rows:
-    """An 8-bit weight [N, K]: codes int8, scales and offsets [N, K / group_size] float32."""
+    """An 8-bit weight [N, K]: codes int8, scales and offsets [N, K / group_size] float32; `perm`: stored column j
+    multiplies input j's perm[j] (a GGUF hybrid's reordered value heads), None in order."""
 
     codes: torch.Tensor
     scales: torch.Tensor
     offsets: torch.Tensor
     group_size: int
+    perm: torch.Tensor | None = None
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -30,9 +32,16 @@ class Int8Rows:
         rows = self._widen(self.codes[flat], self.scales[flat], self.offsets[flat])
         return rows.view(*ids.shape, self.codes.shape[1]).to(dtype)
 
+    def rows(self, index: torch.Tensor) -> "Int8Rows":
+        """Output rows `index` (a reorder or a subset), the input permutation kept."""
+        return Int8Rows(self.codes[index], self.scales[index], self.offsets[index], self.group_size, self.perm)
+
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The whole float weight [N, K]."""
-        return self._widen(self.codes, self.scales, self.offsets).to(dtype)
+        """The whole float weight [N, K], its columns in input order."""
+        w = self._widen(self.codes, self.scales, self.offsets)
+        if self.perm is not None:
+            w = torch.empty_like(w).index_copy_(1, self.perm, w)
+        return w.to(dtype)
 
     def nbytes(self) -> int:
         """Bytes held: the int8 codes plus the float32 scales and offsets."""

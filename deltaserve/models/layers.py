@@ -210,15 +210,15 @@ class TorchInt4Linear(nn.Module):
         return int4_torch.int4_linear(x, w, self.bias)
 
 
-class Int4Int8Linear(nn.Module):
-    """A 4-bit linear in the int8 dot-product kernel's panel layout (--activation-dtype int8, swapped in by
+class Int8DotLinear(nn.Module):
+    """A 4- or 8-bit linear in the int8 dot-product kernel's panel layout (--activation-dtype int8, swapped in by
     models/int8_activations.py): its result is the dequantized weight times the input rounded to int8 per block of 32
     (within sum |w| d / 2 of the float32 path, d the block's quantum)."""
 
-    def __init__(self, w: int4_int8.PanelInt4, bias: torch.Tensor | None):
+    def __init__(self, w: int4_int8.PanelWeight, bias: torch.Tensor | None):
         super().__init__()
         self.out_features, self.in_features = w.shape
-        self.group_size = w.group_size
+        self.group_size, self.bits = w.group_size, w.bits
         self.register_buffer("codes", w.codes)
         self.register_buffer("scales", w.scales)
         self.register_buffer("offsets", w.offsets)
@@ -226,7 +226,7 @@ class Int4Int8Linear(nn.Module):
         self.bias = bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = int4_int8.PanelInt4(self.codes, self.scales, self.offsets, self.group_size, self.perm)
+        w = int4_int8.PanelWeight(self.codes, self.scales, self.offsets, self.group_size, self.perm, self.bits)
         return int4_int8.linear(x, w, self.bias)
 
 
@@ -272,14 +272,14 @@ def announce_refusals(refusals: list[list[str]]) -> None:
 
 def projection_parts(layer: nn.Module) -> tuple[list[torch.Tensor], int] | None:
     """A projection as kernels/decode_cpu.py's blocks take it: [weight or packed codes, scales, offsets, level
-    table, bias] (EMPTY where absent) and its group size (0: a float32 weight; negative: an Int4Int8Linear's panel
+    table, bias] (EMPTY where absent) and its group size (0: a float32 weight; negative: an Int8DotLinear's panel
     codes, on int8 activations); None where they do not take it."""
     EMPTY, projection_declines = decode_cpu.EMPTY, decode_cpu.projection_declines
 
     bias = EMPTY if layer.bias is None else layer.bias
     if bias.dtype != torch.float32:
         return None
-    if type(layer) is Int4Int8Linear:
+    if type(layer) is Int8DotLinear:
         if layer.perm is not None or projection_declines(layer.in_features, -layer.group_size,
                                                          layer.out_features) is not None:
             return None
@@ -386,7 +386,7 @@ def load_weights(module: nn.Module, tensors: dict[str, torch.Tensor], *, dtype: 
                 continue
             tensor = tensor.dequantize()
         if isinstance(tensor, Int8Rows):
-            if pname not in tied and _held_int8(module, pname, tensor, device, dtype):
+            if pname not in tied and _held_int8(module, pname, tensor, tensors, device, dtype):
                 continue
             if pname in tied and _tied_int8_head(module, pname, tied[pname]):
                 continue
@@ -455,36 +455,52 @@ class Int8Embedding(nn.Module):
 
 
 class Int8Linear(nn.Module):
-    """A linear layer whose weight stays int8: a vocabulary projection tied to an Int8Embedding, multiplying the
-    embedding's own codes (no second copy). Its result equals the dequantized float32 weight's to float32 rounding:
-    decode rows (kernels/decode_cpu.py) widen each code in registers; more rows widen a tile at a time for
-    linear_cpu.gemm."""
+    """A linear layer whose weight stays int8 (kernels/int8.py: Q8_0, compressed-tensors INT8), or a vocabulary
+    projection tied to an Int8Embedding, multiplying the embedding's own codes (no second copy: `tied`). Its result
+    equals the dequantized float32 weight's to float32 rounding: decode rows (kernels/decode_cpu.py) widen each code
+    in registers; more rows widen a tile at a time for linear_cpu.gemm. Under --activation-dtype int8 an untied one
+    becomes an Int8DotLinear (models/int8_activations.py)."""
 
-    def __init__(self, embedding: Int8Embedding):
+    def __init__(self, rows: Int8Rows, bias: torch.Tensor | None = None, perm: torch.Tensor | None = None,
+                 tied: bool = False):
         super().__init__()
-        self.out_features, self.in_features = embedding.num_embeddings, embedding.embedding_dim
-        self.group_size = embedding.group_size
-        self.register_buffer("codes", embedding.codes)  # the same tensors: counted once by the ledger's measure
-        self.register_buffer("scales", embedding.scales)
-        self.register_buffer("offsets", embedding.offsets)
-        self.symmetric = embedding.symmetric  # w = scale * q: the decode kernel skips the offsets
-        self.bias = None
+        self.out_features, self.in_features = rows.shape
+        self.group_size = rows.group_size
+        self.register_buffer("codes", rows.codes)  # tied: the embedding's tensors, counted once by the ledger
+        self.register_buffer("scales", rows.scales)
+        self.symmetric = not bool(rows.offsets.any())  # w = scale * q: no offsets read (nor held, untied)
+        self.register_buffer("offsets", rows.offsets if tied or not self.symmetric else None)
+        self.register_buffer("perm", perm, persistent=False)  # an index into the input, not weight bytes
+        self.tied = tied
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    @classmethod
+    def of_embedding(cls, embedding: "Int8Embedding") -> "Int8Linear":
+        return cls(Int8Rows(embedding.codes, embedding.scales, embedding.offsets, embedding.group_size), tied=True)
+
+    def rows(self) -> Int8Rows:
+        """The weight as an Int8Rows (zero offsets where symmetric)."""
+        offsets = self.offsets if self.offsets is not None else torch.zeros_like(self.scales)
+        return Int8Rows(self.codes, self.scales, offsets, self.group_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from deltaserve.kernels import decode_cpu
+        from deltaserve.kernels.int4 import input_rows
 
-        rows = x.reshape(-1, self.in_features).to(torch.float32).contiguous()
+        rows = input_rows(x, self.in_features, self.perm, torch.float32)
         if rows.shape[0] == 0:  # the head of a prefill chunk that ends no prompt: widening the table took ~0.45 s
             y = rows.new_empty((0, self.out_features))
         elif decode_cpu.serves_int8(rows, self.group_size):
             offsets = decode_cpu.EMPTY if self.symmetric else self.offsets
             y = decode_cpu.int8_linear(rows, self.codes, self.scales, offsets, self.group_size)
         else:
-            step = max(16, (1 << 20) // self.in_features)  # ~4 MiB of widened rows at a time
-            y = torch.cat([linear_cpu.gemm(rows, Int8Rows(self.codes[a:a + step], self.scales[a:a + step],
-                                                          self.offsets[a:a + step], self.group_size).dequantize())
+            w, step = self.rows(), max(16, (1 << 20) // self.in_features)  # ~4 MiB of widened rows at a time
+            y = torch.cat([linear_cpu.gemm(rows, Int8Rows(w.codes[a:a + step], w.scales[a:a + step],
+                                                          w.offsets[a:a + step], self.group_size).dequantize())
                            for a in range(0, self.out_features, step)], dim=1)
-        return y.view(*x.shape[:-1], self.out_features)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
 
 
 def _tied_int8_head(module: nn.Module, pname: str, source: str) -> bool:
@@ -499,19 +515,28 @@ def _tied_int8_head(module: nn.Module, pname: str, source: str) -> bool:
         return False
     parent_name, _, child = owner_name.rpartition(".")
     parent = module.get_submodule(parent_name) if parent_name else module
-    setattr(parent, child, Int8Linear(embedding))
+    setattr(parent, child, Int8Linear.of_embedding(embedding))
     return True
 
 
-def _held_int8(module: nn.Module, pname: str, rows: Int8Rows, device, dtype: torch.dtype) -> bool:
-    """Swap the nn.Embedding owning `pname` for an Int8Embedding; False (dequantize) for anything else."""
+def _held_int8(module: nn.Module, pname: str, rows: Int8Rows, tensors: dict, device, dtype: torch.dtype) -> bool:
+    """Swap the nn.Embedding owning `pname` for an Int8Embedding, or the Linear for an Int8Linear (on CPU, where its
+    kernels are: weights/held.py prices it so; elsewhere it is dequantized, as the ledger says too); False
+    (dequantize) for anything else."""
     owner_name, _, leaf = pname.rpartition(".")
     owner = module.get_submodule(owner_name) if owner_name else module
-    if leaf != "weight" or type(owner) is not nn.Embedding:
+    if leaf != "weight" or type(owner) not in (nn.Embedding, Linear):
+        return False
+    if type(owner) is Linear and torch.device(device).type != "cpu":
         return False
     if tuple(owner.weight.shape) != rows.shape:
         raise ValueError(f"tensor {pname} has shape {rows.shape}, expected {tuple(owner.weight.shape)}")
     parent_name, _, child = owner_name.rpartition(".")
     parent = module.get_submodule(parent_name) if parent_name else module
-    setattr(parent, child, Int8Embedding(rows, dtype).to(device))
+    if type(owner) is nn.Embedding:
+        setattr(parent, child, Int8Embedding(rows, dtype).to(device))
+        return True
+    bias = tensors.get(owner_name + ".bias") if owner.bias is not None else None
+    bias = None if bias is None else bias.to(torch.float32)
+    setattr(parent, child, Int8Linear(rows, bias, rows.perm))
     return True

@@ -13,7 +13,7 @@ from deltaserve.kernels import decode_cpu, fused_cpu
 from deltaserve.kernels.attention import paged_attention, write_kv
 from deltaserve.models.batch import (ATTENTION, CacheGeometry, ForwardBatch, ModelCaches, as_decode_rows,
                                      rows_as_decode)
-from deltaserve.models.layers import (FusedParts, Int4Int8Linear, Int4Linear, Int8Linear, RMSNorm, Rotary,
+from deltaserve.models.layers import (FusedParts, Int8DotLinear, Int4Linear, Int8Linear, RMSNorm, Rotary,
                                      TorchInt4Linear, announce_refusals, apply_rotary, attention_parts,
                                      attention_refusals, by_row_blocks, current_parts, embedding, linear, mlp_parts,
                                      mlp_refusals, rope_parameters)
@@ -169,5 +169,5 @@ class LlamaForCausalLM(nn.Module):
         # Only the rows the sampler needs pass the final norm and the vocab projection.
         hidden = self.model.norm(self.model(batch, caches))
         head = self.lm_head
-        held = isinstance(head, (Int4Linear, Int4Int8Linear, Int8Linear, TorchInt4Linear))  # any input dtype
+        held = isinstance(head, (Int4Linear, Int8DotLinear, Int8Linear, TorchInt4Linear))  # any input dtype
         return head(hidden if held else hidden.to(head.weight.dtype)).float()

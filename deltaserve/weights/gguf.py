@@ -279,10 +279,17 @@ def _read(tensor, name: str, config: dict, dtype: torch.dtype, keep_int4: bool):
         if columns is not None:  # stored column j is the checkpoint's column columns[j]: Int4Codes.perm
             codes.perm = torch.from_numpy(columns.astype(np.int64))
         return codes
-    if (keep_int4 and kept_int8(tensor.tensor_type, tensor.name, shape)
-            and not (hybrid and (gguf_hybrid.row_order(config, name) is not None
-                                 or gguf_hybrid.column_order(config, name) is not None))):
-        return q8_0_rows(tensor.data, shape)
+    if keep_int4 and kept_int8(tensor.tensor_type, tensor.name, shape):
+        rows = q8_0_rows(tensor.data, shape)
+        if heads is not None:
+            rows = rows.rows(torch.from_numpy(unpermute_rotary(np.arange(shape[0]), heads)))
+        order = gguf_hybrid.row_order(config, name) if hybrid else None
+        if order is not None:
+            rows = rows.rows(torch.from_numpy(np.argsort(order)))
+        columns = gguf_hybrid.column_order(config, name) if hybrid else None
+        if columns is not None:  # stored column j is the checkpoint's column columns[j]
+            rows.perm = torch.from_numpy(columns.astype(np.int64))
+        return rows
     values = dequantize(tensor.data, tensor.tensor_type).reshape(shape)
     if heads is not None:
         values = unpermute_rotary(values, heads)
@@ -310,7 +317,10 @@ def _fused_qkvz(config: dict, qkv, z):
         both = Int4Codes(torch.cat([qkv.codes, z.codes]), torch.cat([qkv.scales, z.scales]), offsets,
                          qkv.group_size, qkv.lut)
         return both.rows(order)
-    as_float = [t.dequantize() if isinstance(t, Int4Codes) else t for t in (qkv, z)]
+    if isinstance(qkv, Int8Rows) and isinstance(z, Int8Rows) and qkv.group_size == z.group_size:
+        return Int8Rows(torch.cat([qkv.codes, z.codes]), torch.cat([qkv.scales, z.scales]),
+                        torch.cat([qkv.offsets, z.offsets]), qkv.group_size).rows(order)
+    as_float = [t.dequantize() if isinstance(t, (Int4Codes, Int8Rows)) else t for t in (qkv, z)]
     return torch.cat(as_float)[order]
 
 
@@ -328,13 +338,16 @@ def kept_int4(kind: Q, gguf_name: str, shape: tuple[int, ...]) -> bool:
 
 
 def kept_int8(kind: Q, gguf_name: str, shape: tuple[int, ...]) -> bool:
-    """Whether loading with `keep_int4` holds this tensor 8-bit: a Q8_0 embedding (kernels/int8.py's Int8Rows)."""
-    return kind == Q.Q8_0 and gguf_name.startswith("token_embd") and len(shape) == 2 and shape[1] % Q8_BLOCK == 0
+    """Whether loading with `keep_int4` holds this tensor 8-bit (kernels/int8.py's Int8Rows): a Q8_0 matrix, the
+    embedding (models/layers.Int8Embedding) or a linear (Int8Linear, on CPU; int8 activations multiply its codes by
+    integer dot products); stacked experts and 1-D tensors are dequantized."""
+    return kind == Q.Q8_0 and len(shape) == 2 and shape[1] % Q8_BLOCK == 0
 
 
-def int8_held_bytes(params: int) -> int:
-    """Bytes a kept Q8_0 tensor of `params` weights holds: a byte each, a float32 scale and offset per 32."""
-    return params + params // Q8_BLOCK * 8
+def int8_held_bytes(params: int, embedding: bool = True) -> int:
+    """Bytes a kept Q8_0 tensor of `params` weights holds: a byte each and a float32 scale per 32, and for the
+    embedding a float32 offset per 32 too (Int8Embedding's lookups read one; a linear holds none: Q8_0 is symmetric)."""
+    return params + params // Q8_BLOCK * (8 if embedding else 4)
 
 
 def q8_0_rows(data, shape: tuple[int, int]) -> Int8Rows:

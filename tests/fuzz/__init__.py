@@ -2,7 +2,7 @@
 Qwen3, Qwen3.5 dense and hybrid, Qwen3-Next, Qwen3.5-MoE), each saved in a format drawn at random (safetensors
 float32 / bfloat16, compressed-tensors, GPTQ / AWQ, GGUF) by that format's own tool, served by the real engine with
 prompts that cross its chunk, page and checkpoint boundaries (batched, and again through the prefix cache), its KV
-cache float32 or 16-bit (the CPU default is float16), packed 4-bit weights on float32 or int8 activations (the CPU
+cache float32 or 16-bit (the CPU default is float16), packed 4-bit (and int8-held Q8_0) weights on float32 or int8 activations (the CPU
 default is int8), and compared with transformers on the format's own dequantization within tests/tolerance.py's
 float32 bound plus the KV cache's rounding (run.kv_rtol) and the int8 activations' rounding (tests/int8_bound.py).
 One seed in ten also carries a Qwen3.5 multimodal case (vision and text configs, pixel range and images drawn), an

@@ -30,8 +30,8 @@ IMAGE_CASE_RATE = 0.1
 # drafts a step (its own draw, "speculative"), so the verify rows' native path (decode rows chained through the GDN
 # state, snapshots) meets every drawn shape; speculation is lossless, so the oracle and its bound are unchanged
 SPECULATIVE_RATE = 0.3
-# Activations rounded to int8 (issue 41, the CPU default for packed 4-bit weights): one case in INT8_RATE of those
-# that keep 4-bit weights packed runs --activation-dtype int8 (its own draw, "activation"), compared within the
+# Activations rounded to int8 (issue 41, the CPU default for packed 4-bit and int8 weights): one case in INT8_RATE of
+# those that keep 4-bit weights packed or Q8_0 matrices int8 runs --activation-dtype int8 (its own draw, "activation"), compared within the
 # activations' rounding propagated (tests/int8_bound.py); every other case runs float32, the exact path. Not the MoE
 # families: a router's top-k choice is discontinuous, so a rounding that flips it moves a log-probability by O(1)
 # where no first-order bound reaches (and transformers holds their experts as one fused parameter, no module whose
@@ -134,7 +134,7 @@ def draw_case(seed: int) -> Case:
     if speculative.random() < SPECULATIVE_RATE:
         engine.update(speculative="ngram", speculative_tokens=speculative.randint(1, 4))
     engine["activation_dtype"] = "float32"
-    if packed_4bit(fmt, engine) and family not in MOE_FAMILIES:
+    if held_quantized(fmt, engine) and family not in MOE_FAMILIES:
         if random.Random(f"{seed}:activation").random() < INT8_RATE:
             engine["activation_dtype"] = "int8"
     batch, follow_ups = draw_requests(rng, engine, GGUF_CONTEXT if gguf else None)
@@ -281,14 +281,15 @@ def draw_engine(rng: random.Random, family: str, fmt: Format) -> dict:
     return settings
 
 
-def packed_4bit(fmt: Format, engine: dict) -> bool:
-    """Whether the engine keeps 4-bit weights packed (the layers --activation-dtype int8 applies to)."""
+def held_quantized(fmt: Format, engine: dict) -> bool:
+    """Whether the engine keeps 4-bit weights packed or a GGUF's Q8_0 matrices int8 (the layers --activation-dtype
+    int8 applies to)."""
     if engine.get("dequantize_weights", True):
         return False
     if fmt.kind == "compressed_tensors":
         return fmt.bits == 4
     if fmt.kind == "gguf":
-        return any(t in ("Q4_0", "Q4_1") for t in fmt.gguf_types)
+        return any(t in ("Q4_0", "Q4_1", "Q8_0") for t in fmt.gguf_types)
     return fmt.kind in ("gptq", "awq")
 
 

@@ -23,8 +23,8 @@ namespace {
 
 inline float silu(float a) { return a / (1.0f + std::exp(-a)); }
 
-// One projection: float32 weight [N, K] (group 0), packed 4-bit (int4_cpu's layout, group > 0) or packed 4-bit in
-// int4_int8's 16-row panels times int8 activations (group < 0: --activation-dtype int8), and an optional bias.
+// One projection: float32 weight [N, K] (group 0), packed 4-bit (int4_cpu's layout, group > 0) or 4- or 8-bit codes
+// in int4_int8's 16-row panels times int8 activations (group < 0: --activation-dtype int8), and an optional bias.
 struct Lin {
   int64_t N = 0, K = 0, group = 0;
   const float* w = nullptr;
@@ -34,14 +34,15 @@ struct Lin {
   const float* bias = nullptr;
 };
 
-// A panel weight (int4_int8_linear's checks): codes [N / 16, K * 8] uint8, scales (and offsets, or empty: symmetric)
-// [N / 16, K / group, 16] float32, bfloat16 or float16.
+// A panel weight (int4_int8_linear's checks): codes [N / 16, K * 8] (4-bit) or [N / 16, K * 16] (8-bit) uint8, scales
+// (and offsets, or empty: symmetric) [N / 16, K / group, 16] float32, bfloat16 or float16.
 i8dotk::Weight panel_of(const torch::Tensor& codes, const torch::Tensor& scales, const torch::Tensor& offsets,
                         int64_t group, int64_t K) {
   using namespace i8dotk;
   TORCH_CHECK(codes.scalar_type() == torch::kUInt8 && codes.is_contiguous() && codes.dim() == 2 &&
-              codes.size(1) == K * 8 && K % QB == 0 && group % QB == 0 && K % group == 0,
-              "decode block: panel codes must be [N / 16, K * 8] uint8, K and the group multiples of 32");
+              (codes.size(1) == K * 8 || codes.size(1) == K * 16) && K % QB == 0 && group % QB == 0 &&
+              K % group == 0,
+              "decode block: panel codes must be [N / 16, K * 8 or K * 16] uint8, K and the group multiples of 32");
   TORCH_CHECK(scales.is_contiguous() && scales.dim() == 3 && scales.size(0) == codes.size(0) &&
               scales.size(1) * group == K && scales.size(2) == RI,
               "decode block: panel scales [N / 16, K / group, 16]");
@@ -49,7 +50,7 @@ i8dotk::Weight panel_of(const torch::Tensor& codes, const torch::Tensor& scales,
   TORCH_CHECK(symmetric || (offsets.sizes() == scales.sizes() && offsets.scalar_type() == scales.scalar_type() &&
                             offsets.is_contiguous()), "decode block: panel offsets shaped and typed as the scales");
   return Weight{codes.data_ptr<uint8_t>(), scales.data_ptr(), symmetric ? nullptr : offsets.data_ptr(),
-                kind_of(scales), K, group, K / group};
+                kind_of(scales), K, group, K / group, codes.size(1) == K * 16 ? 8 : 4};
 }
 
 // t[i .. i + 4]: weight or packed codes, scales, offsets, level table, bias (empty tensors where absent).
@@ -131,9 +132,9 @@ inline void rows_of(const Lin& l, const float* x, int64_t M, int64_t n0, int64_t
 }
 
 // The weight bytes of rows [n0, n0 + rows), fetched ahead while earlier rows are multiplied.
-// A panel weight's rows lie in 16-row panels of K / 2 bytes a row: a block's rows are as contiguous as packed ones.
+// A panel weight's rows lie in 16-row panels of K / 2 (K) bytes a row: a block's rows are as contiguous as packed ones.
 inline void prefetch_rows(const Lin& l, int64_t n0, int64_t rows) {
-  const int64_t row_bytes = l.group ? l.K / 2 : l.K * 4;
+  const int64_t row_bytes = l.i8 ? l.K * l.p8.bits / 8 : l.group ? l.K / 2 : l.K * 4;
   const char* p = l.i8 ? reinterpret_cast<const char*>(l.p8.codes)
                 : l.group ? reinterpret_cast<const char*>(l.q4.packed) : reinterpret_cast<const char*>(l.w);
   for (int64_t c = 0; c < rows * row_bytes; c += 64) __builtin_prefetch(p + n0 * row_bytes + c, 0, 1);

@@ -1,4 +1,4 @@
-// The 4-bit x int8 dot-product tiles and the activation quantization (the arithmetic and the panel layout:
+// The 4- and 8-bit x int8 dot-product tiles and the activation quantization (the arithmetic and the panel layouts:
 // int4_int8dot.cpp's header); int4_int8dot.cpp and decode.cpp compile them. Three dot products: AVX-512 VNNI
 // (vpdpbusd, 16 rows a register), AVX-VNNI without AVX-512 (VEX vpdpbusd, 8 rows: Alder Lake / Raptor Lake) and AVX2
 // (vpmaddubsw + vpmaddwd, 8 rows); the last two share one tile, whose block sums are the same exact integers either
@@ -19,7 +19,7 @@ namespace {
 
 constexpr int QB = 32;          // columns per activation block (one int8 scale)
 constexpr int RI = 16;          // weight rows per panel
-constexpr int PANEL_BLOCK = 256;  // bytes of one panel's block: 16 rows x 32 codes
+constexpr int CHUNK = 64;       // bytes one load takes: 16 rows x 4 columns (8-bit), or x 8 columns (4-bit)
 constexpr float INV127 = 1.0f / 127.0f;
 
 enum ScaleKind : int { F32 = 0, BF16 = 1, F16 = 2 };
@@ -69,12 +69,16 @@ struct Act {  // quantized input rows
   int64_t K, groups;
 };
 
+// Bytes of one panel's block of 32 columns: 16 rows x 32 codes of `bits` bits
+constexpr int64_t panel_block(int bits) { return 64 * bits; }
+
 struct Weight {
-  const uint8_t* codes;  // [N / 16][K / 32][256]
+  const uint8_t* codes;  // [N / 16][K / 32][panel_block(bits)]
   const void* scales;    // [N / 16][K / group][16]
-  const void* offsets;   // the same, or nullptr: symmetric (offset = -8 * scale)
+  const void* offsets;   // the same, or nullptr: symmetric (offset = -2^(bits - 1) * scale)
   ScaleKind kind;
   int64_t K, group, groups;
+  int bits;              // 4 or 8
 };
 
 #if defined(__AVX512F__) && defined(__AVX512VNNI__)
@@ -92,9 +96,13 @@ inline __m512 params16(const void* base, ScaleKind kind, int64_t i) {
 }
 
 // y[m, 16 p + r] for MR input rows from m0 and NP panels from p0: int32 sums per block, scaled into float32.
-template <int MR, int NP>
+// BITS 4: chunk L (0..3) holds columns 4L.. in its low nibbles and 16 + 4L.. in its high ones; BITS 8: chunk L
+// (0..7) holds columns 4L.. (the header), so chunks L and L + 4 are the same two registers.
+template <int MR, int NP, int BITS>
 void tile(const Act& a, int64_t m0, const Weight& w, int64_t p0, float* __restrict y, int64_t ldy) {
   const int64_t K = w.K, blocks = K / QB, per_group = w.group / QB;
+  constexpr int64_t BLOCK_BYTES = panel_block(BITS);
+  constexpr float ZERO = -static_cast<float>(1 << (BITS - 1));
   const __m512i nib = _mm512_set1_epi8(0x0F);
   __m512 acc[MR][NP];
   for (int m = 0; m < MR; ++m)
@@ -104,7 +112,7 @@ void tile(const Act& a, int64_t m0, const Weight& w, int64_t p0, float* __restri
     for (int n = 0; n < NP; ++n) {
       const int64_t at = ((p0 + n) * w.groups + g) * RI;
       s[n] = params16(w.scales, w.kind, at);
-      o[n] = w.offsets ? params16(w.offsets, w.kind, at) : _mm512_mul_ps(s[n], _mm512_set1_ps(-8.0f));
+      o[n] = w.offsets ? params16(w.offsets, w.kind, at) : _mm512_mul_ps(s[n], _mm512_set1_ps(ZERO));
     }
     for (int64_t b = g * per_group; b < (g + 1) * per_group; ++b) {
       __m512i isum[MR][NP];
@@ -113,9 +121,15 @@ void tile(const Act& a, int64_t m0, const Weight& w, int64_t p0, float* __restri
       for (int L = 0; L < 4; ++L) {
         __m512i lo[NP], hi[NP];
         for (int n = 0; n < NP; ++n) {
-          const __m512i z = _mm512_loadu_si512(w.codes + ((p0 + n) * blocks + b) * PANEL_BLOCK + 64 * L);
-          lo[n] = _mm512_and_si512(z, nib);
-          hi[n] = _mm512_and_si512(_mm512_srli_epi16(z, 4), nib);
+          const uint8_t* base = w.codes + ((p0 + n) * blocks + b) * BLOCK_BYTES + CHUNK * L;
+          if constexpr (BITS == 4) {
+            const __m512i z = _mm512_loadu_si512(base);
+            lo[n] = _mm512_and_si512(z, nib);
+            hi[n] = _mm512_and_si512(_mm512_srli_epi16(z, 4), nib);
+          } else {
+            lo[n] = _mm512_loadu_si512(base);
+            hi[n] = _mm512_loadu_si512(base + 4 * CHUNK);
+          }
         }
         for (int m = 0; m < MR; ++m) {
           const int8_t* qm = a.q + (m0 + m) * K + b * QB + 4 * L;
@@ -159,9 +173,14 @@ inline __m256 params8(const void* base, ScaleKind kind, int64_t i) {
   }
 }
 
-template <int MR, int NP>
+// BITS 8 on AVX2: vpmaddubsw's pairs of 255 x 127 would saturate int16, so each code is split into its nibbles,
+// summed apart (each sum at most 8 x 2 x 15 x 127 = 30480 < 2^15, as the 4-bit codes') and joined as lo + 16 hi in
+// int32: the same exact integer vpdpbusd sums.
+template <int MR, int NP, int BITS>
 void tile(const Act& a, int64_t m0, const Weight& w, int64_t h0, float* __restrict y, int64_t ldy) {
   const int64_t K = w.K, blocks = K / QB, per_group = w.group / QB;
+  constexpr int64_t BLOCK_BYTES = panel_block(BITS);
+  constexpr float ZERO = -static_cast<float>(1 << (BITS - 1));
   const __m256i nib = _mm256_set1_epi8(0x0F);
 #if !defined(__AVXVNNI__)
   const __m256i ones = _mm256_set1_epi16(1);
@@ -174,20 +193,26 @@ void tile(const Act& a, int64_t m0, const Weight& w, int64_t h0, float* __restri
     for (int n = 0; n < NP; ++n) {
       const int64_t h = h0 + n, at = ((h / 2) * w.groups + g) * RI + (h % 2) * 8;
       s[n] = params8(w.scales, w.kind, at);
-      o[n] = w.offsets ? params8(w.offsets, w.kind, at) : _mm256_mul_ps(s[n], _mm256_set1_ps(-8.0f));
+      o[n] = w.offsets ? params8(w.offsets, w.kind, at) : _mm256_mul_ps(s[n], _mm256_set1_ps(ZERO));
     }
     for (int64_t b = g * per_group; b < (g + 1) * per_group; ++b) {
       __m256i isum[MR][NP];  // AVX-VNNI: int32 per row; AVX2: int16 pairs (8 chunks' sums stay below 2^15: header)
+      [[maybe_unused]] __m256i isum_hi[MR][NP];  // AVX2, 8 bits: the high nibbles' int16 pairs
       for (int m = 0; m < MR; ++m)
-        for (int n = 0; n < NP; ++n) isum[m][n] = _mm256_setzero_si256();
+        for (int n = 0; n < NP; ++n) isum[m][n] = isum_hi[m][n] = _mm256_setzero_si256();
       for (int L = 0; L < 4; ++L) {
         __m256i lo[NP], hi[NP];
         for (int n = 0; n < NP; ++n) {
           const int64_t h = h0 + n;
-          const __m256i z = _mm256_loadu_si256(
-              reinterpret_cast<const __m256i*>(w.codes + ((h / 2) * blocks + b) * PANEL_BLOCK + 64 * L + 32 * (h % 2)));
-          lo[n] = _mm256_and_si256(z, nib);
-          hi[n] = _mm256_and_si256(_mm256_srli_epi16(z, 4), nib);
+          const uint8_t* base = w.codes + ((h / 2) * blocks + b) * BLOCK_BYTES + CHUNK * L + 32 * (h % 2);
+          if constexpr (BITS == 4) {
+            const __m256i z = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(base));
+            lo[n] = _mm256_and_si256(z, nib);
+            hi[n] = _mm256_and_si256(_mm256_srli_epi16(z, 4), nib);
+          } else {
+            lo[n] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(base));
+            hi[n] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(base + 4 * CHUNK));
+          }
         }
         for (int m = 0; m < MR; ++m) {
           const int8_t* qm = a.q + (m0 + m) * K + b * QB + 4 * L;
@@ -200,8 +225,18 @@ void tile(const Act& a, int64_t m0, const Weight& w, int64_t h0, float* __restri
             isum[m][n] = _mm256_dpbusd_avx_epi32(isum[m][n], lo[n], vl);
             isum[m][n] = _mm256_dpbusd_avx_epi32(isum[m][n], hi[n], vh);
 #else
-            isum[m][n] = _mm256_add_epi16(isum[m][n], _mm256_add_epi16(_mm256_maddubs_epi16(lo[n], vl),
-                                                                         _mm256_maddubs_epi16(hi[n], vh)));
+            if constexpr (BITS == 4) {
+              isum[m][n] = _mm256_add_epi16(isum[m][n], _mm256_add_epi16(_mm256_maddubs_epi16(lo[n], vl),
+                                                                           _mm256_maddubs_epi16(hi[n], vh)));
+            } else {
+              const __m256i ll = _mm256_and_si256(lo[n], nib), hl = _mm256_and_si256(hi[n], nib);
+              const __m256i lh = _mm256_and_si256(_mm256_srli_epi16(lo[n], 4), nib);
+              const __m256i hh = _mm256_and_si256(_mm256_srli_epi16(hi[n], 4), nib);
+              isum[m][n] = _mm256_add_epi16(isum[m][n], _mm256_add_epi16(_mm256_maddubs_epi16(ll, vl),
+                                                                           _mm256_maddubs_epi16(hl, vh)));
+              isum_hi[m][n] = _mm256_add_epi16(isum_hi[m][n], _mm256_add_epi16(_mm256_maddubs_epi16(lh, vl),
+                                                                                 _mm256_maddubs_epi16(hh, vh)));
+            }
 #endif
           }
         }
@@ -212,7 +247,9 @@ void tile(const Act& a, int64_t m0, const Weight& w, int64_t h0, float* __restri
 #if defined(__AVXVNNI__)
           const __m256i block = isum[m][n];
 #else
-          const __m256i block = _mm256_madd_epi16(isum[m][n], ones);
+          __m256i block = _mm256_madd_epi16(isum[m][n], ones);
+          if constexpr (BITS == 8)
+            block = _mm256_add_epi32(block, _mm256_slli_epi32(_mm256_madd_epi16(isum_hi[m][n], ones), 4));
 #endif
           acc[m][n] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(block), _mm256_mul_ps(s[n], dm), acc[m][n]);
         }
@@ -236,20 +273,26 @@ constexpr int UNIT_ROWS = 8;
 #endif
 
 // Rows m0 .. m0 + left (left < MR_MAX) of units u0 .. u0 + NP
-template <int NP, int R = MR_MAX - 1>
+template <int NP, int BITS, int R = MR_MAX - 1>
 void tail(const Act& a, int64_t m0, int64_t left, const Weight& w, int64_t u0, float* y, int64_t ldy) {
   if constexpr (R >= 1) {
-    if (left == R) tile<R, NP>(a, m0, w, u0, y, ldy);
-    else tail<NP, R - 1>(a, m0, left, w, u0, y, ldy);
+    if (left == R) tile<R, NP, BITS>(a, m0, w, u0, y, ldy);
+    else tail<NP, BITS, R - 1>(a, m0, left, w, u0, y, ldy);
   }
+}
+
+template <int NP, int BITS>
+void column_bits(const Act& a, int64_t m_begin, int64_t m_end, const Weight& w, int64_t u0, float* y, int64_t ldy) {
+  int64_t m0 = m_begin;
+  for (; m0 + MR_MAX <= m_end; m0 += MR_MAX) tile<MR_MAX, NP, BITS>(a, m0, w, u0, y, ldy);
+  if (m0 < m_end) tail<NP, BITS>(a, m0, m_end - m0, w, u0, y, ldy);
 }
 
 // Input rows m_begin .. m_end times units u0 .. u0 + NP (a task: its codes stay in L1 while the rows pass)
 template <int NP>
 void column(const Act& a, int64_t m_begin, int64_t m_end, const Weight& w, int64_t u0, float* y, int64_t ldy) {
-  int64_t m0 = m_begin;
-  for (; m0 + MR_MAX <= m_end; m0 += MR_MAX) tile<MR_MAX, NP>(a, m0, w, u0, y, ldy);
-  if (m0 < m_end) tail<NP>(a, m0, m_end - m0, w, u0, y, ldy);
+  if (w.bits == 8) column_bits<NP, 8>(a, m_begin, m_end, w, u0, y, ldy);
+  else column_bits<NP, 4>(a, m_begin, m_end, w, u0, y, ldy);
 }
 
 // Rows per task of a many-row product: their int8 rows (64 x K bytes) stay in L2 while every panel passes them; a

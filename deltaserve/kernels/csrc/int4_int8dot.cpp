@@ -1,5 +1,5 @@
-// Packed 4-bit weights times int8 activations by integer dot products (issue 41): llama.cpp's Q8_0 / Q8_1 scheme
-// for Q4_0 / Q4_1, on the repacked layout kernels/int4_int8.py makes at load.
+// Packed 4-bit and int8 weights times int8 activations by integer dot products (issue 41): llama.cpp's Q8_0 / Q8_1
+// scheme for Q4_0 / Q4_1 / Q8_0, on the repacked layouts kernels/int4_int8.py makes at load.
 //
 // Activations: each row's blocks of 32 columns are quantized to int8 with one float32 scale, d = max|x| / 127 and
 // q = round-half-even(x / d) (computed as x * (1 / d), the scale as max|x| * fl(1/127): the reference in the tests
@@ -13,12 +13,18 @@
 // and of column 32b + 16 + 4L + i in its high nibble: the packed layout's own bytes (GGUF's nibble order), moved.
 // One 64-byte load, an and and a shift give two registers of 16 rows x 4 codes; vpdpbusd multiplies each by the
 // same 4 int8 activations broadcast to every lane and sums into one int32 per row: no horizontal sums anywhere.
+// 8-bit weights (w = s * q + o', q a signed int8: Q8_0, compressed-tensors INT8) are held as c = q + 128, a uint8
+// vpdpbusd takes as the 4-bit codes, with the offset o = o' - 128 s (symmetric: -128 s, never stored), so the sums
+// above hold unchanged. Their panel block is 512 bytes: eight 64-byte chunks, byte 4r + i of chunk L holding row
+// 16p + r's code of column 32b + 4L + i; chunks L and L + 4 give the same two registers a 4-bit chunk gives.
 // Scales (and offsets) are held [N / 16, K / group, 16] in the checkpoint's dtype (float32, bfloat16, float16).
 // AVX-512 VNNI builds take 16 rows a register; AVX2 builds 8 (the two halves of each chunk) with vpmaddubsw
 // (u8 x s8 pairs summed to int16: at most 2 * 15 * 127 = 3810 per pair, 8 of them 30480 < 2^15, so the block's
 // int16 sums never saturate) and vpmaddwd by ones to int32; AVX-VNNI builds without AVX-512 (Alder Lake, Raptor
 // Lake: -mavxvnni, or -march=native there) take the AVX2 tile's 8 rows with the 256-bit VEX vpdpbusd, summing into
-// int32 directly. The block sums are exact integers on every path, so the AVX-VNNI and AVX2 builds agree bit for bit.
+// int32 directly. 8-bit codes on AVX2 go through vpmaddubsw a nibble at a time (int4_int8_tile.h). The block sums
+// are exact integers on every path (at most 32 x 255 x 127 < 2^24, so exact in float32 too), so the AVX-VNNI and
+// AVX2 builds agree bit for bit.
 #include "int4_int8_tile.h"
 
 using namespace i8dotk;
@@ -40,13 +46,14 @@ std::vector<torch::Tensor> int4_int8_quantize(torch::Tensor x, int64_t group) {
   return {q, d, gsum};
 }
 
-// x [M, K] float32 @ W.T [M, N] with W in the panel layout (header): codes [N / 16, K * 8] uint8, scales and
-// offsets [N / 16, K / group, 16] (offsets empty: symmetric).
+// x [M, K] float32 @ W.T [M, N] with W in the panel layout (header): codes [N / 16, K * 8] uint8 (4-bit) or
+// [N / 16, K * 16] (8-bit), scales and offsets [N / 16, K / group, 16] (offsets empty: symmetric).
 torch::Tensor int4_int8_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, torch::Tensor offsets,
                                int64_t group) {
   const int64_t M = x.size(0), K = x.dim() == 2 ? x.size(1) : 0, panels = codes.size(0), N = panels * RI;
-  TORCH_CHECK(codes.scalar_type() == torch::kUInt8 && codes.is_contiguous() && codes.dim() == 2 &&
-              codes.size(1) == K * 8, "int4_int8_linear: codes [N / 16, K * 8] uint8 for x [M, K]");
+  TORCH_CHECK(codes.scalar_type() == torch::kUInt8 && codes.is_contiguous() && codes.dim() == 2 && K > 0 &&
+              (codes.size(1) == K * 8 || codes.size(1) == K * 16),
+              "int4_int8_linear: codes [N / 16, K * 8] (4-bit) or [N / 16, K * 16] (8-bit) uint8 for x [M, K]");
   TORCH_CHECK(scales.is_contiguous() && scales.dim() == 3 && scales.size(0) == panels && scales.size(2) == RI &&
               scales.size(1) * group == K, "int4_int8_linear: scales [N / 16, K / group, 16]");
   const bool symmetric = offsets.numel() == 0;
@@ -55,7 +62,7 @@ torch::Tensor int4_int8_linear(torch::Tensor x, torch::Tensor codes, torch::Tens
   auto parts = int4_int8_quantize(x, group);
   const Act a{parts[0].data_ptr<int8_t>(), parts[1].data_ptr<float>(), parts[2].data_ptr<float>(), K, K / group};
   const Weight w{codes.data_ptr<uint8_t>(), scales.data_ptr(), symmetric ? nullptr : offsets.data_ptr(),
-                 kind_of(scales), K, group, K / group};
+                 kind_of(scales), K, group, K / group, codes.size(1) == K * 16 ? 8 : 4};
   auto y = torch::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;
   float* yp = y.data_ptr<float>();

@@ -1,0 +1,149 @@
+"""8-bit weights (kernels/int8.Int8Rows: GGUF Q8_0, compressed-tensors INT8) on the int8 dot-product kernel
+(kernels/int4_int8.repack_int8, csrc/int4_int8dot.cpp), on each build (native, AVX2, AVX-VNNI: the fixtures of
+test_kernels_int4_int8): the product against a float64 product of exactly the int8 arithmetic, against the float32
+path within the activations' rounding, the AVX2 build's nibble-split sums against AVX-VNNI's bit for bit (codes at
++-127 / -128 times activations at +-127: where a plain vpmaddubsw would saturate), and the model swap."""
+
+import pytest
+import torch
+from test_kernels_int4_int8 import U, activations, avx2_build, avxvnni_build, dequantized_activations, isa  # noqa: F401
+
+from deltaserve.kernels import int4_int8
+from deltaserve.kernels.int8 import Int8Rows
+
+CASES = [  # (N, K, group, symmetric, permuted): Q8_0 (group 32, symmetric), INT8 per group and per channel
+    (96, 576, 32, True, False), (64, 512, 128, False, False), (32, 160, 160, True, False),
+    (48, 256, 32, True, True), (576, 576, 32, True, False), (16, 1536, 1536, False, False)]
+IDS = [f"{n}x{k}-g{g}{'-sym' if s else ''}{'-perm' if p else ''}" for n, k, g, s, p in CASES]
+
+
+def int8_weight(case, seed: int) -> Int8Rows:
+    """Codes over the whole int8 range (-128 included), float32 scales, offsets zero (symmetric) or -zero * scale."""
+    n, k, group, symmetric, permuted = case
+    gen = torch.Generator().manual_seed(seed)
+    codes = torch.randint(-128, 128, (n, k), generator=gen, dtype=torch.int16).to(torch.int8)
+    scales = torch.rand(n, k // group, generator=gen) * 0.02 + 1e-3
+    zeros = torch.zeros_like(scales) if symmetric else torch.randint(-20, 21, scales.shape, generator=gen).float()
+    perm = torch.randperm(k, generator=gen) if permuted else None
+    return Int8Rows(codes, scales, -zeros * scales, group, perm)
+
+
+def magnitude(rows: Int8Rows) -> torch.Tensor:
+    """Per weight, in stored column order and float64: |s| c + |o - 128 s| with c = q + 128, the two terms the kernel
+    sums (its offset carries the code's shift)."""
+    n, k = rows.shape
+    s = rows.scales.double().repeat_interleave(rows.group_size, dim=1)
+    o = rows.offsets.double().repeat_interleave(rows.group_size, dim=1)
+    return s.abs() * (rows.codes.double() + 128) + (o - 128 * s).abs()
+
+
+def stored(rows: Int8Rows) -> torch.Tensor:
+    """The weight in float64, stored column order."""
+    return Int8Rows(rows.codes, rows.scales, rows.offsets, rows.group_size).dequantize(torch.float64)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 16, 17, 150])
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_product_is_the_int8_arithmetic_to_float32_rounding(case, rows):
+    """As the 4-bit kernel's: every c . q is an exact int32 (at most 32 x 255 x 127 < 2^24, exact in float32 too);
+    fewer than 2 K / 32 + 4 float32 roundings touch any output, each at most u times the sum of the magnitudes
+    summed, so |got - exact| <= (2 K / 32 + 4) u sum_k (|s| c_k + |o - 128 s|) |d q_k|, plus the bias add's."""
+    n, k, group = case[:3]
+    w = int8_weight(case, rows)
+    x = activations(rows, k, rows + 7)
+    bias = torch.randn(n)
+    got = int4_int8.linear(x, int4_int8.repack_int8(w, w.perm), bias)
+    stored_x = x if w.perm is None else x[:, w.perm]
+    xq, _ = dequantized_activations(stored_x.contiguous(), group)
+    exact = xq @ stored(w).T + bias.double()
+    bound = (2 * k // 32 + 4) * U * (xq.abs() @ magnitude(w).T) + U * exact.abs()
+    err = (got.double() - exact).abs()
+    assert got.shape == (rows, n) and got.dtype == torch.float32
+    assert bool((err <= bound).all()), f"max error {err.max().item():.3g}, bound {bound.min().item():.3g}"
+
+
+@pytest.mark.parametrize("rows", [1, 5])
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_product_is_within_the_activation_rounding_of_the_float32_path(case, rows):
+    """Against the float32 path (models/layers.Int8Linear: the dequantized weight times x in float32): x_k and d q_k
+    differ by at most d / 2 (1 + 2^-14), so the difference is at most sum_k |w_k| d_k / 2 (1 + 2^-14) plus each
+    side's float32 rounding."""
+    from deltaserve.models.layers import Int8Linear
+
+    n, k, group = case[:3]
+    w = int8_weight(case, rows + 50)
+    x = activations(rows, k, rows + 3)
+    got = int4_int8.linear(x, int4_int8.repack_int8(w, w.perm))
+    ref = Int8Linear(w, None, w.perm)(x)
+    stored_x = x if w.perm is None else x[:, w.perm]
+    xq, d_cols = dequantized_activations(stored_x.contiguous(), group)
+    mag, plain = magnitude(w), stored(w).abs()
+    bound = ((d_cols / 2 * (1 + 2.0**-14)) @ plain.T + (2 * k // 32 + 4) * U * (xq.abs() @ mag.T)
+             + (k + 2) * U * (stored_x.double().abs() @ plain.T))
+    err = (got.double() - ref.double()).abs()
+    assert bool((err <= bound).all()), f"max error {err.max().item():.3g}"
+    assert err.max() > 0  # the int8 path is not the float32 one
+
+
+@pytest.mark.parametrize("isa", ["avxvnni"], indirect=True)  # this test compares the builds itself
+@pytest.mark.parametrize("case", CASES[:3] + CASES[4:], ids=IDS[:3] + IDS[4:])
+def test_avxvnni_product_is_the_avx2_product_bit_for_bit(case, isa, avx2_build):
+    """AVX2 splits each code into nibbles (vpmaddubsw would saturate on 255 x 127 pairs) and joins lo + 16 hi in
+    int32; AVX-VNNI sums whole bytes: the same integers, so the same bits, at every row count and at the extremes
+    (codes at -128 and 127, every activation at +-127)."""
+    n, k = case[:2]
+    w = int8_weight(case, n)
+    w.codes[0] = 127
+    w.codes[1] = -128
+    panel = int4_int8.repack_int8(w)
+    for rows in range(1, 40):
+        x = activations(rows, k, rows + n)
+        x[0] = 1.0  # every block of row 0 quantizes to 127s
+        got = int4_int8.linear(x, panel)
+        with int4_int8.KERNELS.using(avx2_build):
+            expect = int4_int8.linear(x, panel)
+        assert torch.equal(got, expect), (rows, (got - expect).abs().max().item())
+
+
+def test_extreme_codes_do_not_saturate():
+    """Row 0 all 127 (c = 255) and row 1 all -128 (c = 0) times activations all 127 in every block: the exact
+    products are 127 s K and -128 s K, to float32 rounding, on whichever build the fixture runs."""
+    k = 256
+    w = Int8Rows(torch.full((16, k), 127, dtype=torch.int8), torch.full((16, k // 32), 0.5), torch.zeros(16, k // 32),
+                 32)
+    w.codes[1] = -128
+    y = int4_int8.linear(torch.ones(1, k), int4_int8.repack_int8(w))
+    assert abs(y[0, 0].item() - 0.5 * 127 * k) <= 1e-5 * 0.5 * 127 * k
+    assert abs(y[0, 1].item() + 0.5 * 128 * k) <= 1e-5 * 0.5 * 128 * k
+
+
+def test_repacking_keeps_codes_and_scales_bytes():
+    w = int8_weight(CASES[0], 1)
+    panel = int4_int8.repack_int8(w)
+    assert panel.bits == 8 and panel.shape == w.shape and panel.offsets is None  # symmetric: none held
+    assert panel.nbytes() == w.codes.numel() + w.scales.numel() * 4
+    assert torch.equal(torch.sort(panel.codes.flatten()).values,
+                       torch.sort((w.codes.view(torch.uint8) ^ 0x80).flatten()).values)
+    with pytest.raises(ValueError, match="16-row panel"):
+        int4_int8.repack_int8(int8_weight((50, 256, 32, True, False), 0))
+
+
+def test_the_model_swap_takes_untied_int8_layers():
+    from torch import nn
+
+    from deltaserve.models.int8_activations import use_int8_activations
+    from deltaserve.models.layers import Int8DotLinear, Int8Embedding, Int8Linear
+
+    served, declined = int8_weight(CASES[0], 3), int8_weight((50, 576, 32, True, False), 4)
+    table = int8_weight((64, 576, 32, True, False), 5)
+    model = nn.Sequential(Int8Linear(served, torch.randn(96)), Int8Linear(declined),
+                          Int8Linear.of_embedding(Int8Embedding(table)))
+    held = sum(b.numel() * b.element_size() for b in model.buffers())
+    x = activations(3, 576, 9)
+    expect = int4_int8.linear(x, int4_int8.repack_int8(served), model[0].bias)
+    swapped, lines = use_int8_activations(model)
+    assert swapped == 1 and type(model[0]) is Int8DotLinear and type(model[1]) is Int8Linear
+    assert type(model[2]) is Int8Linear  # tied to an embedding's codes: a panel copy would hold them twice
+    assert len(lines) == 1 and "16-row panel" in lines[0] and "int8 kernel serves 1 layers" in lines[0]
+    assert sum(b.numel() * b.element_size() for b in model.buffers()) == held  # the same bytes, moved
+    assert torch.equal(model[0](x), expect)
