@@ -70,13 +70,14 @@ def ik_tree(given: str | None) -> Path | None:
 IK_ARGS = ("-rtr", "1")
 
 
-def quantize(root: Path, gguf: Path, out: Path, kind: str = "Q4_0") -> Path:
-    """A GGUF quantized by llama.cpp's own llama-quantize (build/bin/llama-quantize), e.g. f32 -> Q4_0."""
+def quantize(root: Path, gguf: Path, out: Path, kind: str = "Q4_0", requantize: bool = False) -> Path:
+    """A GGUF quantized by llama.cpp's own llama-quantize (build/bin/llama-quantize), e.g. f32 -> Q4_0;
+    `requantize`: from an already quantized file (--allow-requantize, e.g. the built-in Q4_1 -> Q8_0)."""
     binary = root / "build" / "bin" / "llama-quantize"
     if not binary.exists():
         raise SystemExit(f"error: {root} has no build/bin/llama-quantize: build it first (see bench/llamacpp.py)")
-    subprocess.run([str(binary), str(gguf), str(out), kind], check=True, stdout=subprocess.DEVNULL,
-                   stderr=subprocess.PIPE)
+    subprocess.run([str(binary), *(["--allow-requantize"] if requantize else []), str(gguf), str(out), kind],
+                   check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     return out
 
 
