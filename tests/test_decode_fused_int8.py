@@ -124,6 +124,29 @@ def quantized_to_int8(model, symmetric: bool = True) -> int:
     return replaced
 
 
+def quantized_to_iq4(model) -> int:
+    """Every float32 Linear of the decoder layers whose width is a multiple of 32 becomes an Int4Linear of its weight
+    rounded to the nearest of IQ4_NL's 16 integer levels times max|w| / 127 per group of 32; the number replaced."""
+    from deltaserve.weights.gguf_int4 import IQ4_LEVELS
+
+    levels = torch.tensor(IQ4_LEVELS, dtype=torch.float32)
+    replaced = 0
+    for parent in list(model.model.layers.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is not Linear or child.in_features % 32:
+                continue
+            w = child.weight.detach().float().view(child.out_features, -1, 32)
+            scales = (w.abs().amax(-1) / 127).clamp_min(1e-6)
+            codes = ((w / scales[..., None])[..., None] - levels).abs().argmin(-1).to(torch.uint8)
+            int4 = Int4Codes(codes.view(child.out_features, -1), scales, None, 32, levels)
+            setattr(parent, name, Int4Linear(int4, None if child.bias is None else child.bias.detach().float()))
+            replaced += 1
+    for module in model.modules():
+        if isinstance(getattr(module, "fused", None), FusedParts):
+            module.fused.key = None
+    return replaced
+
+
 def int8_model(model):
     model = copy.deepcopy(model)
     swapped, _ = use_int8_activations(model)
@@ -189,6 +212,24 @@ def test_fused_decode_of_int8_weights_equals_the_per_op_int8_path(kind, symmetri
     assert quantized_to_int8(float_model, symmetric) == 3 * 7
     model = int8_model(float_model)
     assert not any(type(m) is Int8Linear for m in model.modules())
+    gen = torch.Generator().manual_seed(SEED8)
+    prompts = [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in (5, 17, 1, 40, 9)]
+    fused = assert_fused_int8_equals_per_op(model, prompts, torch.float32, 3, 192)
+    attn, mlp = model.model.layers[0].fused.parts
+    assert all(group < 0 for group in attn[1][4:]) and all(group < 0 for group in mlp[1])
+    float_fused, _, _, _ = steps_both_ways(float_model, prompts, torch.float32, steps=1)
+    assert (fused[0] - float_fused[0]).abs().max() > logits_rtol(3, 192) * float_fused.abs().max()
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+@torch.inference_mode()
+def test_fused_decode_of_iq4_levels_equals_the_per_op_int8_path(kind, int8_isa):
+    """IQ4's 4-bit codes naming integer levels: the blocks look each code up in the 16-byte table as the per-op
+    kernel does (int4_int8_tile.h's LEVELS), one decode_stack call a step."""
+    float_model = tiny_dense(kind, "fp32")
+    assert quantized_to_iq4(float_model) == 3 * 7
+    model = int8_model(float_model)
+    assert not any(type(m) is Int4Linear for m in model.modules())
     gen = torch.Generator().manual_seed(SEED8)
     prompts = [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in (5, 17, 1, 40, 9)]
     fused = assert_fused_int8_equals_per_op(model, prompts, torch.float32, 3, 192)

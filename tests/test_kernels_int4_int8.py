@@ -208,10 +208,15 @@ def test_repacking_moves_the_bytes_and_keeps_their_count():
 
 
 def test_declines_what_it_cannot_take():
-    assert int4_int8.declines(96, 576, 32, lut=False) is None
-    assert "level table" in int4_int8.declines(96, 576, 32, lut=True)
-    assert "16-row panel" in int4_int8.declines(50, 576, 32, lut=False)
-    assert int4_int8.declines(96, 560, 32, lut=False) is not None
+    from deltaserve.weights.gguf_int4 import IQ4_LEVELS
+
+    assert int4_int8.declines(96, 576, 32) is None
+    assert int4_int8.declines(96, 576, 32, torch.tensor(IQ4_LEVELS, dtype=torch.float32)) is None
+    assert "not integers" in int4_int8.declines(96, 576, 32, torch.linspace(-1, 1, 16))
+    assert "not integers" in int4_int8.declines(96, 576, 32, torch.arange(16.0) * 20)  # past 127
+    assert "offsets" in int4_int8.declines(96, 576, 32, torch.tensor(IQ4_LEVELS, dtype=torch.float32), offsets=True)
+    assert "16-row panel" in int4_int8.declines(50, 576, 32)
+    assert int4_int8.declines(96, 560, 32) is not None
     with pytest.raises(ValueError, match="16-row panel"):
         int4_int8.repack(pack(random_codes(50, 256, 64, 0)))
 

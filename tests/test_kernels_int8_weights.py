@@ -1,15 +1,20 @@
-"""8-bit weights (kernels/int8.Int8Rows: GGUF Q8_0, compressed-tensors INT8) on the int8 dot-product kernel
-(kernels/int4_int8.repack_int8, csrc/int4_int8dot.cpp), on each build (native, AVX2, AVX-VNNI: the fixtures of
-test_kernels_int4_int8): the product against a float64 product of exactly the int8 arithmetic, against the float32
-path within the activations' rounding, the AVX2 build's nibble-split sums against AVX-VNNI's bit for bit (codes at
-+-127 / -128 times activations at +-127: where a plain vpmaddubsw would saturate), and the model swap."""
+"""Byte-valued weights on the int8 dot-product kernel (csrc/int4_int8dot.cpp), on each build (native, AVX2, AVX-VNNI:
+the fixtures of test_kernels_int4_int8): 8-bit weights (kernels/int8.Int8Rows: GGUF Q8_0, compressed-tensors INT8;
+kernels/int4_int8.repack_int8) and IQ4_NL / IQ4_XS's 4-bit codes naming integer levels (looked up to bytes in the
+kernel). The product against a float64 product of exactly the int8 arithmetic, against the float32 path within the
+activations' rounding, the AVX2 build's nibble-split sums against AVX-VNNI's bit for bit (codes at +-127 / -128 times
+activations at +-127: where a plain vpmaddubsw would saturate), and the model swap."""
 
 import pytest
 import torch
 from test_kernels_int4_int8 import U, activations, avx2_build, avxvnni_build, dequantized_activations, isa  # noqa: F401
 
+from test_kernels_int4 import random_codes
+
 from deltaserve.kernels import int4_int8
+from deltaserve.kernels.int4 import Int4Codes, int4_linear, pack
 from deltaserve.kernels.int8 import Int8Rows
+from deltaserve.weights.gguf_int4 import IQ4_LEVELS
 
 CASES = [  # (N, K, group, symmetric, permuted): Q8_0 (group 32, symmetric), INT8 per group and per channel
     (96, 576, 32, True, False), (64, 512, 128, False, False), (32, 160, 160, True, False),
@@ -147,3 +152,70 @@ def test_the_model_swap_takes_untied_int8_layers():
     assert len(lines) == 1 and "16-row panel" in lines[0] and "int8 kernel serves 1 layers" in lines[0]
     assert sum(b.numel() * b.element_size() for b in model.buffers()) == held  # the same bytes, moved
     assert torch.equal(model[0](x), expect)
+
+
+IQ4_CASES = [  # (N, K, group, scale dtype): IQ4_NL (float16 scale per 32), IQ4_XS (float32 products per 32)
+    (96, 576, 32, torch.float16), (48, 512, 32, torch.float32), (576, 576, 32, torch.float32)]
+IQ4_IDS = [f"{n}x{k}-{str(t)[6:]}" for n, k, _, t in IQ4_CASES]
+
+
+def iq4_weight(case, seed: int) -> Int4Codes:
+    n, k, group, dtype = case
+    codes = random_codes(n, k, group, seed, dtype=dtype, symmetric=True)
+    codes.lut = torch.tensor(IQ4_LEVELS, dtype=torch.float32)
+    return codes
+
+
+def iq4_magnitude(codes: Int4Codes) -> torch.Tensor:
+    """|s| (l + 128) + 128 |s| per weight: the two terms the kernel sums (a level's byte and the offset -128 s)."""
+    s = codes.scales.double().abs().repeat_interleave(codes.group_size, dim=1)
+    return s * (codes.lut.double()[codes.codes.long()] + 128) + 128 * s
+
+
+@pytest.mark.parametrize("rows", [1, 3, 17, 150])
+@pytest.mark.parametrize("case", IQ4_CASES, ids=IQ4_IDS)
+def test_iq4_product_is_the_int8_arithmetic_to_float32_rounding(case, rows):
+    n, k, group = case[:3]
+    codes = iq4_weight(case, rows)
+    x = activations(rows, k, rows + 21)
+    panel = int4_int8.repack(pack(codes))
+    assert panel.levels is not None and panel.nbytes() == pack(codes).nbytes() - 16 * 4 + 16
+    got = int4_int8.linear(x, panel)
+    xq, _ = dequantized_activations(x, group)
+    exact = xq @ codes.dequantize(torch.float64).T
+    bound = (2 * k // 32 + 4) * U * (xq.abs() @ iq4_magnitude(codes).T)
+    err = (got.double() - exact).abs()
+    assert bool((err <= bound).all()), f"max error {err.max().item():.3g}, bound {bound.min().item():.3g}"
+
+
+@pytest.mark.parametrize("case", IQ4_CASES, ids=IQ4_IDS)
+def test_iq4_product_is_within_the_activation_rounding_of_the_float32_path(case):
+    n, k, group = case[:3]
+    codes = iq4_weight(case, 77)
+    x = activations(5, k, 6)
+    got = int4_int8.linear(x, int4_int8.repack(pack(codes)))
+    ref = int4_linear(x, pack(codes))
+    xq, d_cols = dequantized_activations(x, group)
+    plain = codes.dequantize(torch.float64).abs()
+    bound = ((d_cols / 2 * (1 + 2.0**-14)) @ plain.T + (2 * k // 32 + 4) * U * (xq.abs() @ iq4_magnitude(codes).T)
+             + (k + 2) * U * (x.double().abs() @ plain.T))
+    err = (got.double() - ref.double()).abs()
+    assert bool((err <= bound).all()), f"max error {err.max().item():.3g}"
+    assert err.max() > 0
+
+
+@pytest.mark.parametrize("isa", ["avxvnni"], indirect=True)
+@pytest.mark.parametrize("case", IQ4_CASES, ids=IQ4_IDS)
+def test_iq4_avxvnni_product_is_the_avx2_product_bit_for_bit(case, isa, avx2_build):
+    n, k = case[:2]
+    codes = iq4_weight(case, n)
+    codes.codes[0] = 0  # level -127 throughout (byte 1), and row 1 at 113 (byte 241)
+    codes.codes[1] = 15
+    panel = int4_int8.repack(pack(codes))
+    for rows in range(1, 40):
+        x = activations(rows, k, rows + n)
+        x[0] = -1.0
+        got = int4_int8.linear(x, panel)
+        with int4_int8.KERNELS.using(avx2_build):
+            expect = int4_int8.linear(x, panel)
+        assert torch.equal(got, expect), (rows, (got - expect).abs().max().item())

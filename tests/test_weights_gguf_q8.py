@@ -57,3 +57,41 @@ def test_ledger_weights_line_equals_resident_bytes(name, layout, monkeypatch):
     assert abs(predicted - measured) <= 0.01 * measured, (predicted, measured)
     if layout == "packed":
         assert any(type(m) is Int8Linear for m in model.modules())
+
+
+def test_int8_activations_agree_with_transformers_within_the_int8_bound():
+    """The engine's default on the Q8_0 hybrid: its 8-bit linears (and out_proj's permuted columns) on the integer dot
+    products, teacher-forced against transformers on gguf-py's dequantized weights: each chosen log-probability within
+    the float32 bound plus the activations' rounding propagated (tests/int8_bound.py), greedy tokens equal wherever
+    the oracle's margin exceeds that."""
+    import json
+
+    from int8_bound import greedy_problems, swapped_layers
+    from test_engine_support import run_all, tokens_of
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    from deltaserve.config import EngineConfig
+    from deltaserve.engine.engine import Engine
+    from deltaserve.engine.request import SamplingParams
+    from deltaserve.models.layers import Int8DotLinear
+
+    path = DATA / "tiny-qwen35-q8_0.gguf"
+    loaded = load_checkpoint(path)
+    ref = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**{k: v for k, v in loaded.config.items()
+                                                  if k not in ("architectures", "model_type")})).eval()
+    missing, unexpected = ref.load_state_dict({k: v.float() for k, v in loaded.tensors.items()}, strict=False)
+    assert not unexpected and not [m for m in missing if "rotary" not in m]
+    eng = Engine(EngineConfig(model=str(path), device="cpu", max_total_tokens=512, prefix_cache=False), log=None)
+    layers = swapped_layers(eng.runner.model)
+    held = [m for m in eng.runner.model.modules() if type(m) is Int8DotLinear]
+    assert held and all(m.bits == 8 for m in held)
+    assert layers["model.layers.0.linear_attn.out_proj"] is not None  # quantized in its stored column order
+    steps = 16
+    prompt = json.loads((DATA / "tiny-qwen35-q4_k.llamacpp.json").read_text())["tokens"]
+    out = run_all(eng, [(prompt, SamplingParams(max_tokens=steps, temperature=0, ignore_eos=True, logprobs=0))])[0]
+    logprobs = [lp for o in out for lp in o.logprobs]
+    problems, decided = greedy_problems(ref, layers, prompt, tokens_of(out), logprobs,
+                                        config_rtol(ref.config, context=len(prompt) + steps - 1))
+    assert problems == []
+    # this random model's top two logits lie close: the bound decides 5 of its 16 positions (measured)
+    assert decided >= steps // 4, "the bound decides too few positions to test anything"

@@ -172,3 +172,30 @@ def test_ledger_weights_line_equals_resident_bytes(fixture, layout, monkeypatch)
     budget = plan_budget(spec_from_checkpoint(path), config, device_total_bytes=4 * 2**30, device_kind=kind)
     predicted, measured = budget.line("weights").bytes, resident_bytes(model)
     assert abs(predicted - measured) <= 0.01 * measured, (predicted, measured)
+
+
+def test_int8_activations_agree_with_transformers_within_the_int8_bound(fixture, reference):
+    """The engine's default (int8 activations: Q4_K's affine codes and IQ4_XS's integer levels, looked up to bytes,
+    multiplied by integer dot products) teacher-forced against transformers on the dequantized weights: each chosen
+    log-probability within the float32 bound plus the activations' rounding propagated (tests/int8_bound.py), greedy
+    tokens equal wherever the oracle's margin exceeds that."""
+    from int8_bound import greedy_problems, swapped_layers
+    from test_engine_support import run_all, tokens_of
+
+    from deltaserve.config import EngineConfig
+    from deltaserve.engine.engine import Engine
+    from deltaserve.engine.request import SamplingParams
+    from deltaserve.models.layers import Int8DotLinear
+
+    kind, path, _, peer = fixture
+    eng = Engine(EngineConfig(model=str(path), device="cpu", max_total_tokens=512, prefix_cache=False), log=None)
+    layers = swapped_layers(eng.runner.model)
+    held = [m for m in eng.runner.model.modules() if type(m) is Int8DotLinear]
+    assert layers and all((m.levels is not None) == (kind == "iq4_xs") for m in held)
+    steps, prompt = 8, peer["tokens"]
+    out = run_all(eng, [(prompt, SamplingParams(max_tokens=steps, temperature=0, ignore_eos=True, logprobs=0))])[0]
+    logprobs = [lp for o in out for lp in o.logprobs]
+    problems, decided = greedy_problems(reference, layers, prompt, tokens_of(out), logprobs,
+                                        config_rtol(reference.config, context=len(prompt) + steps - 1))
+    assert problems == []
+    assert decided >= steps // 2, "the bound decides too few positions to test anything"

@@ -65,7 +65,7 @@ def projection_declines(in_features: int, group_size: int = 0, out_features: int
     4-bit in these groups, int4_cpu's checks; negative: packed 4-bit in int4_int8's panels on int8 activations, in
     groups of -group_size, int4_int8's checks), or None when they can."""
     if group_size < 0:
-        return int4_int8.declines(out_features, in_features, -group_size, lut=False)
+        return int4_int8.declines(out_features, in_features, -group_size)
     if group_size:
         return int4_cpu.declines(in_features, group_size)
     if in_features % FLOAT_WEIGHT_K_MULTIPLE:

@@ -10,7 +10,8 @@ times the dequantized activations; against the float32 path it differs by the ac
 quantum (d / 2) a column: |dy| <= sum_k |w_k| d_k / 2.
 
 `repack` moves a PackedInt4's bytes into 16-row panels (a permutation of the same bytes: a layer that holds the
-panel form holds exactly the packed layout's bytes, so the ledger's weights line does not change). `repack_int8` does
+panel form holds exactly the packed layout's bytes, so the ledger's weights line does not change; IQ4_NL / IQ4_XS's
+16 integer levels ride along as 16 bytes, level + 128, which the kernel looks each code up in). `repack_int8` does
 the same for an 8-bit weight (kernels/int8.Int8Rows: Q8_0, compressed-tensors INT8): each code q becomes q + 128, a
 byte vpdpbusd takes unsigned, and the offset o - 128 s carries the shift (symmetric weights store none: the kernel
 takes -128 s), so a code's byte and a scale per group are all it holds, as the Int8Rows' own codes and scales.
@@ -27,6 +28,7 @@ from deltaserve.kernels.int4 import BLOCK, PackedInt4
 from deltaserve.kernels.int8 import Int8Rows
 
 PANEL_ROWS = 16  # output rows interleaved in one panel
+EMPTY_LEVELS = torch.empty(0, dtype=torch.uint8)  # no level table
 QUANT_BLOCK = 32  # activation columns sharing one int8 scale
 
 KERNELS = CompiledKernels("deltaserve_int4_int8dot", CSRC / "int4_int8dot.cpp",
@@ -44,11 +46,16 @@ def built() -> bool:
     return KERNELS.module is not None
 
 
-def declines(out_features: int, in_features: int, group_size: int, lut: bool = False) -> str | None:
+def declines(out_features: int, in_features: int, group_size: int, lut: torch.Tensor | None = None,
+             offsets: bool = False) -> str | None:
     """Why the kernel cannot take a packed 4-bit or int8 weight of this shape and form (int4_int8_linear's
-    TORCH_CHECKs and the layout's conditions), or None."""
-    if lut:
-        return "a level table (IQ4): its levels are not integers the int8 dot product can take"
+    TORCH_CHECKs and the layout's conditions; `lut`: a 4-bit weight's level table, `offsets`: whether it stores
+    offsets), or None."""
+    if lut is not None:
+        if offsets:
+            return "a level table with offsets (no format stores both)"
+        if not bool(((lut == lut.round()) & (lut >= -128) & (lut <= 127)).all()):
+            return "a level table whose levels are not integers in -128 .. 127 (the int8 dot product's bytes)"
     if out_features % PANEL_ROWS:
         return f"{out_features} output rows, not a multiple of the {PANEL_ROWS}-row panel"
     if in_features % QUANT_BLOCK or group_size % QUANT_BLOCK or in_features % group_size:
@@ -68,20 +75,22 @@ class PanelWeight:
     group_size: int
     perm: torch.Tensor | None = None
     bits: int = 4
+    levels: torch.Tensor | None = None  # 4-bit codes naming levels: uint8 [16], level + 128
 
     @property
     def shape(self) -> tuple[int, int]:
         return self.codes.shape[0] * PANEL_ROWS, self.codes.shape[1] // (2 * self.bits)
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.codes, self.scales, self.offsets) if t is not None)
+        return sum(t.numel() * t.element_size() for t in (self.codes, self.scales, self.offsets, self.levels)
+                   if t is not None)
 
 
 def repack(w: PackedInt4) -> PanelWeight:
     """The panel layout of a packed weight (csrc/int4_int8dot.cpp's header): byte i of a 32-column run holds columns
     i and i + 16 in both layouts, so the codes' bytes are only moved; the kernel must not decline it."""
     n, k = w.shape
-    reason = declines(n, k, w.group_size, w.lut is not None)
+    reason = declines(n, k, w.group_size, w.lut, w.offsets is not None)
     if reason:
         raise ValueError(f"int4_int8: cannot take a {n} x {k} weight in groups of {w.group_size}: {reason}")
     codes = w.packed.view(n // PANEL_ROWS, PANEL_ROWS, k // BLOCK, 4, 4).permute(0, 2, 3, 1, 4)
@@ -90,8 +99,9 @@ def repack(w: PackedInt4) -> PanelWeight:
     def panels(t):
         return None if t is None else t.view(n // PANEL_ROWS, PANEL_ROWS, groups).transpose(1, 2).contiguous()
 
+    levels = None if w.lut is None else (w.lut.round().to(torch.int16) + 128).to(torch.uint8).contiguous()
     return PanelWeight(codes.reshape(n // PANEL_ROWS, k * 8).contiguous(), panels(w.scales), panels(w.offsets),
-                       w.group_size, w.perm)
+                       w.group_size, w.perm, levels=levels)
 
 
 def repack_int8(w: Int8Rows, perm: torch.Tensor | None = None) -> PanelWeight:
@@ -123,7 +133,8 @@ def linear(x: torch.Tensor, w: PanelWeight, bias: torch.Tensor | None = None) ->
     n, k = w.shape
     rows = input_rows(x, k, w.perm, torch.float32)
     offsets = torch.empty(0) if w.offsets is None else w.offsets
-    y = KERNELS.module.int4_int8_linear(rows, w.codes, w.scales, offsets, w.group_size)
+    levels = EMPTY_LEVELS if w.levels is None else w.levels
+    y = KERNELS.module.int4_int8_linear(rows, w.codes, w.scales, offsets, w.group_size, levels)
     if bias is not None:
         y += bias
     return y.to(x.dtype).view(*x.shape[:-1], n)

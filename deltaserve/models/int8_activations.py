@@ -1,4 +1,4 @@
-"""`--activation-dtype int8`: the packed 4-bit and the int8 linears (Q8_0, compressed-tensors INT8) whose shapes
+"""`--activation-dtype int8`: the packed 4-bit (affine or IQ4's integer levels) and the int8 linears (Q8_0, compressed-tensors INT8) whose shapes
 kernels/int4_int8.py serves take their input rows quantized to int8 per block of 32 and multiplied by integer dot
 products; the rest keep their float32 paths.
 
@@ -26,8 +26,8 @@ def use_int8_activations(model: nn.Module) -> tuple[int, list[str]]:
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is Int4Linear:
-                reason = int4_int8.declines(child.out_features, child.in_features, child.group_size,
-                                            child.lut is not None)
+                reason = int4_int8.declines(child.out_features, child.in_features, child.group_size, child.lut,
+                                            child.offsets is not None)
             elif type(child) is Int8Linear and not child.tied:
                 reason = int4_int8.declines(child.out_features, child.in_features, child.group_size)
             else:

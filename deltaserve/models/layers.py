@@ -211,7 +211,7 @@ class TorchInt4Linear(nn.Module):
 
 
 class Int8DotLinear(nn.Module):
-    """A 4- or 8-bit linear in the int8 dot-product kernel's panel layout (--activation-dtype int8, swapped in by
+    """A 4-bit (affine or IQ4's levels) or 8-bit linear in the int8 dot-product kernel's panel layout (--activation-dtype int8, swapped in by
     models/int8_activations.py): its result is the dequantized weight times the input rounded to int8 per block of 32
     (within sum |w| d / 2 of the float32 path, d the block's quantum)."""
 
@@ -222,11 +222,13 @@ class Int8DotLinear(nn.Module):
         self.register_buffer("codes", w.codes)
         self.register_buffer("scales", w.scales)
         self.register_buffer("offsets", w.offsets)
+        self.register_buffer("levels", w.levels)  # IQ4's level table (level + 128), or None
         self.register_buffer("perm", w.perm, persistent=False)
         self.bias = bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = int4_int8.PanelWeight(self.codes, self.scales, self.offsets, self.group_size, self.perm, self.bits)
+        w = int4_int8.PanelWeight(self.codes, self.scales, self.offsets, self.group_size, self.perm, self.bits,
+                                  self.levels)
         return int4_int8.linear(x, w, self.bias)
 
 
@@ -284,7 +286,8 @@ def projection_parts(layer: nn.Module) -> tuple[list[torch.Tensor], int] | None:
                                                          layer.out_features) is not None:
             return None
         offsets = EMPTY if layer.offsets is None else layer.offsets
-        return [layer.codes, layer.scales, offsets, EMPTY, bias], -layer.group_size
+        levels = EMPTY if layer.levels is None else layer.levels
+        return [layer.codes, layer.scales, offsets, levels, bias], -layer.group_size
     if type(layer) is Int4Linear:
         if layer.perm is not None or projection_declines(layer.in_features, layer.group_size) is not None:
             return None

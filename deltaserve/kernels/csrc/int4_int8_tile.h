@@ -72,6 +72,11 @@ struct Act {  // quantized input rows
 // Bytes of one panel's block of 32 columns: 16 rows x 32 codes of `bits` bits
 constexpr int64_t panel_block(int bits) { return 64 * bits; }
 
+// What a panel's codes are: NIBBLES, 4-bit codes c (w = s c + o); BYTES, 8-bit codes c = q + 128; LEVELS, 4-bit
+// codes naming one of 16 levels held as bytes l + 128 (IQ4_NL / IQ4_XS's integer levels: w = s l[c]). BYTES and
+// LEVELS multiply bytes up to 255, with the offset -128 s where none is stored.
+enum CodeMode : int { NIBBLES = 4, BYTES = 8, LEVELS = 16 };
+
 struct Weight {
   const uint8_t* codes;  // [N / 16][K / 32][panel_block(bits)]
   const void* scales;    // [N / 16][K / group][16]
@@ -79,6 +84,7 @@ struct Weight {
   ScaleKind kind;
   int64_t K, group, groups;
   int bits;              // 4 or 8
+  const uint8_t* levels = nullptr;  // 4-bit codes through a table: 16 bytes, level + 128 (LEVELS)
 };
 
 #if defined(__AVX512F__) && defined(__AVX512VNNI__)
@@ -96,14 +102,17 @@ inline __m512 params16(const void* base, ScaleKind kind, int64_t i) {
 }
 
 // y[m, 16 p + r] for MR input rows from m0 and NP panels from p0: int32 sums per block, scaled into float32.
-// BITS 4: chunk L (0..3) holds columns 4L.. in its low nibbles and 16 + 4L.. in its high ones; BITS 8: chunk L
-// (0..7) holds columns 4L.. (the header), so chunks L and L + 4 are the same two registers.
-template <int MR, int NP, int BITS>
+// 4-bit codes: chunk L (0..3) holds columns 4L.. in its low nibbles and 16 + 4L.. in its high ones; 8-bit: chunk L
+// (0..7) holds columns 4L.. (the header), so chunks L and L + 4 are the same two registers; levels: vpshufb looks
+// each nibble up in the 16-byte table.
+template <int MR, int NP, int MODE>
 void tile(const Act& a, int64_t m0, const Weight& w, int64_t p0, float* __restrict y, int64_t ldy) {
   const int64_t K = w.K, blocks = K / QB, per_group = w.group / QB;
-  constexpr int64_t BLOCK_BYTES = panel_block(BITS);
-  constexpr float ZERO = -static_cast<float>(1 << (BITS - 1));
+  constexpr int64_t BLOCK_BYTES = panel_block(MODE == BYTES ? 8 : 4);
+  constexpr float ZERO = MODE == NIBBLES ? -8.0f : -128.0f;
   const __m512i nib = _mm512_set1_epi8(0x0F);
+  [[maybe_unused]] __m512i table = _mm512_setzero_si512();
+  if constexpr (MODE == LEVELS) table = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.levels)));
   __m512 acc[MR][NP];
   for (int m = 0; m < MR; ++m)
     for (int n = 0; n < NP; ++n) acc[m][n] = _mm512_setzero_ps();
@@ -122,10 +131,14 @@ void tile(const Act& a, int64_t m0, const Weight& w, int64_t p0, float* __restri
         __m512i lo[NP], hi[NP];
         for (int n = 0; n < NP; ++n) {
           const uint8_t* base = w.codes + ((p0 + n) * blocks + b) * BLOCK_BYTES + CHUNK * L;
-          if constexpr (BITS == 4) {
+          if constexpr (MODE != BYTES) {
             const __m512i z = _mm512_loadu_si512(base);
             lo[n] = _mm512_and_si512(z, nib);
             hi[n] = _mm512_and_si512(_mm512_srli_epi16(z, 4), nib);
+            if constexpr (MODE == LEVELS) {
+              lo[n] = _mm512_shuffle_epi8(table, lo[n]);
+              hi[n] = _mm512_shuffle_epi8(table, hi[n]);
+            }
           } else {
             lo[n] = _mm512_loadu_si512(base);
             hi[n] = _mm512_loadu_si512(base + 4 * CHUNK);
@@ -173,15 +186,19 @@ inline __m256 params8(const void* base, ScaleKind kind, int64_t i) {
   }
 }
 
-// BITS 8 on AVX2: vpmaddubsw's pairs of 255 x 127 would saturate int16, so each code is split into its nibbles,
-// summed apart (each sum at most 8 x 2 x 15 x 127 = 30480 < 2^15, as the 4-bit codes') and joined as lo + 16 hi in
-// int32: the same exact integer vpdpbusd sums.
-template <int MR, int NP, int BITS>
+// Bytes (8-bit codes, looked-up levels) on AVX2: vpmaddubsw's pairs of 255 x 127 would saturate int16, so each byte
+// is split into its nibbles, summed apart (each sum at most 8 x 2 x 15 x 127 = 30480 < 2^15, as the 4-bit codes')
+// and joined as lo + 16 hi in int32: the same exact integer vpdpbusd sums.
+template <int MR, int NP, int MODE>
 void tile(const Act& a, int64_t m0, const Weight& w, int64_t h0, float* __restrict y, int64_t ldy) {
   const int64_t K = w.K, blocks = K / QB, per_group = w.group / QB;
-  constexpr int64_t BLOCK_BYTES = panel_block(BITS);
-  constexpr float ZERO = -static_cast<float>(1 << (BITS - 1));
+  constexpr int64_t BLOCK_BYTES = panel_block(MODE == BYTES ? 8 : 4);
+  constexpr float ZERO = MODE == NIBBLES ? -8.0f : -128.0f;
+  constexpr bool WIDE = MODE != NIBBLES;  // bytes up to 255
   const __m256i nib = _mm256_set1_epi8(0x0F);
+  [[maybe_unused]] __m256i table = _mm256_setzero_si256();
+  if constexpr (MODE == LEVELS)
+    table = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.levels)));
 #if !defined(__AVXVNNI__)
   const __m256i ones = _mm256_set1_epi16(1);
 #endif
@@ -205,10 +222,14 @@ void tile(const Act& a, int64_t m0, const Weight& w, int64_t h0, float* __restri
         for (int n = 0; n < NP; ++n) {
           const int64_t h = h0 + n;
           const uint8_t* base = w.codes + ((h / 2) * blocks + b) * BLOCK_BYTES + CHUNK * L + 32 * (h % 2);
-          if constexpr (BITS == 4) {
+          if constexpr (MODE != BYTES) {
             const __m256i z = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(base));
             lo[n] = _mm256_and_si256(z, nib);
             hi[n] = _mm256_and_si256(_mm256_srli_epi16(z, 4), nib);
+            if constexpr (MODE == LEVELS) {
+              lo[n] = _mm256_shuffle_epi8(table, lo[n]);
+              hi[n] = _mm256_shuffle_epi8(table, hi[n]);
+            }
           } else {
             lo[n] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(base));
             hi[n] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(base + 4 * CHUNK));
@@ -225,7 +246,7 @@ void tile(const Act& a, int64_t m0, const Weight& w, int64_t h0, float* __restri
             isum[m][n] = _mm256_dpbusd_avx_epi32(isum[m][n], lo[n], vl);
             isum[m][n] = _mm256_dpbusd_avx_epi32(isum[m][n], hi[n], vh);
 #else
-            if constexpr (BITS == 4) {
+            if constexpr (!WIDE) {
               isum[m][n] = _mm256_add_epi16(isum[m][n], _mm256_add_epi16(_mm256_maddubs_epi16(lo[n], vl),
                                                                            _mm256_maddubs_epi16(hi[n], vh)));
             } else {
@@ -248,7 +269,7 @@ void tile(const Act& a, int64_t m0, const Weight& w, int64_t h0, float* __restri
           const __m256i block = isum[m][n];
 #else
           __m256i block = _mm256_madd_epi16(isum[m][n], ones);
-          if constexpr (BITS == 8)
+          if constexpr (WIDE)
             block = _mm256_add_epi32(block, _mm256_slli_epi32(_mm256_madd_epi16(isum_hi[m][n], ones), 4));
 #endif
           acc[m][n] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(block), _mm256_mul_ps(s[n], dm), acc[m][n]);
@@ -273,26 +294,27 @@ constexpr int UNIT_ROWS = 8;
 #endif
 
 // Rows m0 .. m0 + left (left < MR_MAX) of units u0 .. u0 + NP
-template <int NP, int BITS, int R = MR_MAX - 1>
+template <int NP, int MODE, int R = MR_MAX - 1>
 void tail(const Act& a, int64_t m0, int64_t left, const Weight& w, int64_t u0, float* y, int64_t ldy) {
   if constexpr (R >= 1) {
-    if (left == R) tile<R, NP, BITS>(a, m0, w, u0, y, ldy);
-    else tail<NP, BITS, R - 1>(a, m0, left, w, u0, y, ldy);
+    if (left == R) tile<R, NP, MODE>(a, m0, w, u0, y, ldy);
+    else tail<NP, MODE, R - 1>(a, m0, left, w, u0, y, ldy);
   }
 }
 
-template <int NP, int BITS>
-void column_bits(const Act& a, int64_t m_begin, int64_t m_end, const Weight& w, int64_t u0, float* y, int64_t ldy) {
+template <int NP, int MODE>
+void column_of(const Act& a, int64_t m_begin, int64_t m_end, const Weight& w, int64_t u0, float* y, int64_t ldy) {
   int64_t m0 = m_begin;
-  for (; m0 + MR_MAX <= m_end; m0 += MR_MAX) tile<MR_MAX, NP, BITS>(a, m0, w, u0, y, ldy);
-  if (m0 < m_end) tail<NP, BITS>(a, m0, m_end - m0, w, u0, y, ldy);
+  for (; m0 + MR_MAX <= m_end; m0 += MR_MAX) tile<MR_MAX, NP, MODE>(a, m0, w, u0, y, ldy);
+  if (m0 < m_end) tail<NP, MODE>(a, m0, m_end - m0, w, u0, y, ldy);
 }
 
 // Input rows m_begin .. m_end times units u0 .. u0 + NP (a task: its codes stay in L1 while the rows pass)
 template <int NP>
 void column(const Act& a, int64_t m_begin, int64_t m_end, const Weight& w, int64_t u0, float* y, int64_t ldy) {
-  if (w.bits == 8) column_bits<NP, 8>(a, m_begin, m_end, w, u0, y, ldy);
-  else column_bits<NP, 4>(a, m_begin, m_end, w, u0, y, ldy);
+  if (w.bits == 8) column_of<NP, BYTES>(a, m_begin, m_end, w, u0, y, ldy);
+  else if (w.levels) column_of<NP, LEVELS>(a, m_begin, m_end, w, u0, y, ldy);
+  else column_of<NP, NIBBLES>(a, m_begin, m_end, w, u0, y, ldy);
 }
 
 // Rows per task of a many-row product: their int8 rows (64 x K bytes) stay in L2 while every panel passes them; a

@@ -17,6 +17,8 @@
 // vpdpbusd takes as the 4-bit codes, with the offset o = o' - 128 s (symmetric: -128 s, never stored), so the sums
 // above hold unchanged. Their panel block is 512 bytes: eight 64-byte chunks, byte 4r + i of chunk L holding row
 // 16p + r's code of column 32b + 4L + i; chunks L and L + 4 give the same two registers a 4-bit chunk gives.
+// IQ4_NL / IQ4_XS's 4-bit codes name integer levels l (-127 .. 113: w = s l[c]): their panels are the 4-bit layout,
+// and a 16-byte table of l + 128 turns each nibble into a byte by vpshufb, multiplied as the 8-bit codes are.
 // Scales (and offsets) are held [N / 16, K / group, 16] in the checkpoint's dtype (float32, bfloat16, float16).
 // AVX-512 VNNI builds take 16 rows a register; AVX2 builds 8 (the two halves of each chunk) with vpmaddubsw
 // (u8 x s8 pairs summed to int16: at most 2 * 15 * 127 = 3810 per pair, 8 of them 30480 < 2^15, so the block's
@@ -47,9 +49,10 @@ std::vector<torch::Tensor> int4_int8_quantize(torch::Tensor x, int64_t group) {
 }
 
 // x [M, K] float32 @ W.T [M, N] with W in the panel layout (header): codes [N / 16, K * 8] uint8 (4-bit) or
-// [N / 16, K * 16] (8-bit), scales and offsets [N / 16, K / group, 16] (offsets empty: symmetric).
+// [N / 16, K * 16] (8-bit), scales and offsets [N / 16, K / group, 16] (offsets empty: symmetric), levels uint8 [16]
+// (4-bit codes through a level table, each level + 128) or empty.
 torch::Tensor int4_int8_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, torch::Tensor offsets,
-                               int64_t group) {
+                               int64_t group, torch::Tensor levels) {
   const int64_t M = x.size(0), K = x.dim() == 2 ? x.size(1) : 0, panels = codes.size(0), N = panels * RI;
   TORCH_CHECK(codes.scalar_type() == torch::kUInt8 && codes.is_contiguous() && codes.dim() == 2 && K > 0 &&
               (codes.size(1) == K * 8 || codes.size(1) == K * 16),
@@ -59,10 +62,14 @@ torch::Tensor int4_int8_linear(torch::Tensor x, torch::Tensor codes, torch::Tens
   const bool symmetric = offsets.numel() == 0;
   TORCH_CHECK(symmetric || (offsets.sizes() == scales.sizes() && offsets.scalar_type() == scales.scalar_type() &&
                             offsets.is_contiguous()), "int4_int8_linear: offsets shaped and typed as the scales");
+  TORCH_CHECK(levels.numel() == 0 || (levels.scalar_type() == torch::kUInt8 && levels.numel() == 16 &&
+                                      levels.is_contiguous() && codes.size(1) == K * 8),
+              "int4_int8_linear: levels uint8 [16] with 4-bit codes, or empty");
   auto parts = int4_int8_quantize(x, group);
   const Act a{parts[0].data_ptr<int8_t>(), parts[1].data_ptr<float>(), parts[2].data_ptr<float>(), K, K / group};
   const Weight w{codes.data_ptr<uint8_t>(), scales.data_ptr(), symmetric ? nullptr : offsets.data_ptr(),
-                 kind_of(scales), K, group, K / group, codes.size(1) == K * 16 ? 8 : 4};
+                 kind_of(scales), K, group, K / group, codes.size(1) == K * 16 ? 8 : 4,
+                 levels.numel() ? levels.data_ptr<uint8_t>() : nullptr};
   auto y = torch::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;
   float* yp = y.data_ptr<float>();
