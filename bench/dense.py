@@ -24,11 +24,11 @@ random Llama of SmolLM2's shape with the hidden size rounded up to 640 (10 heads
 bound the W4A16 tests use (tests/tolerance.py), and whether the decode runs' greedy tokens are identical. Needs
 `compressed-tensors` (the [test] extra).
 
-The Q8_0 row (`--formats q8_0`, needs `--llama-cpp`: its llama-quantize --allow-requantize makes the file from the
-built-in Q4_1 one, every matrix 8-bit, so its values are the Q4_1 file's, requantized): deltaserve's default (the
-8-bit codes held as they are, times int8 activations by integer dot products), its float32-activation path over the
-same codes, and the weights dequantized to float32 (what a Q8_0 linear became before 8-bit weights were held), with
-llama.cpp and ik_llama.cpp on the same file.
+The Q8_0 and IQ4_NL rows (`--formats q8_0,iq4_nl`, need `--llama-cpp`: its llama-quantize --allow-requantize makes
+each file from the built-in Q4_1 one, so its values are the Q4_1 file's, requantized): deltaserve's default (the
+codes held as they are, times int8 activations by integer dot products: 8-bit codes, or IQ4_NL's 4-bit codes looked
+up to their integer levels), its float32-activation path over the same codes, and the weights dequantized to float32
+(what a Q8_0 linear became before 8-bit weights were held), with llama.cpp and ik_llama.cpp on the same file.
 
     OMP_NUM_THREADS=2 .venv/bin/python bench/dense.py --prefill 512,2048 --decode 128
     OMP_NUM_THREADS=2 .venv/bin/python bench/dense.py --formats w4a16 --prefill 512 --decode 64   # a few minutes
@@ -142,8 +142,8 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=3, help="best of this many runs per cell")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--formats", default="gguf,w4a16",
-                        help="tables to run: gguf (SmolLM2's Q4_1 file), w4a16 (compressed-tensors), q8_0 (the Q4_1 "
-                             "file requantized to Q8_0 by llama.cpp's llama-quantize: needs --llama-cpp) "
+                        help="tables to run: gguf (SmolLM2's Q4_1 file), w4a16 (compressed-tensors), q8_0 and iq4_nl "
+                             "(the Q4_1 file requantized by llama.cpp's llama-quantize: need --llama-cpp) "
                              "[gguf,w4a16]")
     parser.add_argument("--w4a16-group", type=int, default=128, help="the W4A16 checkpoint's group size [128]")
     parser.add_argument("--llama-cpp", help="a llama.cpp tree with build/bin/llama-bench (or LLAMA_CPP_DIR)")
@@ -158,12 +158,12 @@ def main(argv=None) -> int:
     try:
         lengths = [int(x) for x in args.prefill.split(",")]
         if (any(n < 1 for n in lengths) or args.decode < 2 or args.repeats < 1 or not formats
-                or set(formats) - {"gguf", "w4a16", "q8_0"} or args.w4a16_group not in (32, 64, 128, 256)
-                or ("q8_0" in formats and not (args.llama_cpp or os.environ.get("LLAMA_CPP_DIR")))):
+                or set(formats) - {"gguf", "w4a16", *REQUANTIZED} or args.w4a16_group not in (32, 64, 128, 256)
+                or (set(formats) & set(REQUANTIZED) and not (args.llama_cpp or os.environ.get("LLAMA_CPP_DIR")))):
             raise ValueError
     except ValueError:
-        print("error: --prefill must be positive ints, --decode >= 2, --repeats >= 1, --formats of gguf, w4a16 "
-              "and q8_0 (q8_0 needs --llama-cpp), --w4a16-group 32, 64, 128 or 256", file=sys.stderr)
+        print("error: --prefill must be positive ints, --decode >= 2, --repeats >= 1, --formats of gguf, w4a16, "
+              "q8_0 and iq4_nl (the last two need --llama-cpp), --w4a16-group 32, 64, 128 or 256", file=sys.stderr)
         return 2
     torch.set_num_threads(args.threads)
     longest = max(lengths + [args.decode_prompt + args.decode])
@@ -177,9 +177,9 @@ def main(argv=None) -> int:
                       f"{' and ik_llama.cpp' if args.ik_llama_cpp else ''}, {args.threads} threads", argv)
     if "gguf" in formats:
         gguf_table(args, lengths, longest, cells, run)
-    if "q8_0" in formats:
-        with tempfile.TemporaryDirectory(prefix="q8_0-") as folder:
-            q8_table(args, Path(folder), longest, cells, run)
+    for kind in (f for f in formats if f in REQUANTIZED):
+        with tempfile.TemporaryDirectory(prefix=f"{kind}-") as folder:
+            requantized_table(args, kind, Path(folder), longest, cells, run)
     if "w4a16" in formats:
         with tempfile.TemporaryDirectory(prefix="w4a16-") as folder:
             ok = w4a16_table(args, Path(folder), longest, cells, run)
@@ -213,15 +213,20 @@ def gguf_table(args, lengths: list[int], longest: int, cells: list, run: results
     print_bytes(sides, decode_rates, args.repeats, run)
 
 
-def q8_table(args, folder: Path, longest: int, cells: list, run: results.Run | None = None) -> None:
-    """The built-in file requantized to Q8_0 by llama-quantize: ours (int8 activations, float32 activations, dequantized
-    float32), llama.cpp and ik_llama.cpp when given, alternated."""
+REQUANTIZED = {"q8_0": "Q8_0", "iq4_nl": "IQ4_NL"}  # --formats -> llama-quantize's type
+
+
+def requantized_table(args, kind: str, folder: Path, longest: int, cells: list,
+                      run: results.Run | None = None) -> None:
+    """The built-in file requantized by llama-quantize (REQUANTIZED[kind]): ours (int8 activations, float32
+    activations, dequantized float32), llama.cpp and ik_llama.cpp when given, alternated."""
     import llamacpp
 
     from deltaserve.budget import default_model_path
 
     peer, ik_peer = llamacpp.tree(args.llama_cpp), llamacpp.ik_tree(args.ik_llama_cpp)
-    path = llamacpp.quantize(peer, default_model_path(), folder / "smollm2-135m-q8_0.gguf", "Q8_0", requantize=True)
+    path = llamacpp.quantize(peer, default_model_path(), folder / f"smollm2-135m-{kind}.gguf", REQUANTIZED[kind],
+                             requantize=True)
     peers = {"llama.cpp": lambda test: llamacpp.run_one(peer, path, test, args.threads)}
     if ik_peer:
         peers["ik_llama.cpp"] = lambda test: llamacpp.run_one(ik_peer, path, test, args.threads, llamacpp.IK_ARGS)
@@ -229,7 +234,7 @@ def q8_table(args, folder: Path, longest: int, cells: list, run: results.Run | N
              "deltaserve f32-act": Ours(str(path), longest, False, activation_dtype="float32")}
     title = (f"{path.name} (llama-quantize --allow-requantize of the built-in Q4_1 file), {torch.get_num_threads()} "
              f"threads, best of {args.repeats} (the peers' runs alternated with ours); tok/s, the ratio to the "
-             f"dequantized float32 side, and deltaserve's default side (packed: int8 codes x int8 activations) / "
+             f"dequantized float32 side, and deltaserve's default side (packed: the file's codes x int8 activations) / "
              f"each peer")
     print("\n" + title)
     decode_rates = run_table(sides, cells, args.repeats, peers, run=run, title=title)
