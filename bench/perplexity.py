@@ -10,6 +10,11 @@ BOS, so no token is replaced. Also printed: how often the int8 path's greedy tok
 all scored positions and over those where the float32 top-2 logit margin exceeds 1.
 
     OMP_NUM_THREADS=2 .venv/bin/python bench/perplexity.py --llama-cpp /path/to/llama.cpp
+
+With `--requantize q8_0` (or iq4_nl) every side reads the built-in file requantized by llama.cpp's own llama-quantize
+(--allow-requantize; bench/dense.py's q8_0 / iq4_nl rows): the int8 path on 8-bit codes, or on IQ4_NL's levels.
+
+    OMP_NUM_THREADS=2 .venv/bin/python bench/perplexity.py --llama-cpp /path/to/llama.cpp --requantize q8_0
 """
 
 from __future__ import annotations
@@ -85,13 +90,27 @@ def main(argv=None) -> int:
                         "IK_LLAMA_CPP_DIR): its perplexity on the same file and text beside llama.cpp's")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--chunks", type=int, default=CHUNKS)
+    parser.add_argument("--requantize", choices=["q8_0", "iq4_nl"],
+                        help="the built-in file requantized by llama-quantize (needs --llama-cpp)")
     args = parser.parse_args(argv)
     from deltaserve.budget import default_model_path
 
-    run = results.Run("perplexity", "SmolLM2-135M Q4_1 perplexity on the Python standard library's source: "
+    with tempfile.TemporaryDirectory(prefix="ppl-") as folder:
+        path = default_model_path()
+        if args.requantize:
+            root = llamacpp.tree_with(args.llama_cpp, "llama-quantize")
+            if root is None:
+                parser.error("--requantize needs --llama-cpp (its llama-quantize)")
+            path = llamacpp.quantize(root, path, Path(folder) / f"smollm2-135m-{args.requantize}.gguf",
+                                     args.requantize.upper(), requantize=True)
+        return measure(args, path)
+
+
+def measure(args, path: Path) -> int:
+    kind = args.requantize.upper() if args.requantize else "Q4_1"
+    run = results.Run("perplexity", f"SmolLM2-135M {kind} perplexity on the Python standard library's source: "
                       "float32 vs int8 activations vs llama.cpp")
     torch.set_num_threads(args.threads)
-    path = default_model_path()
     corpus = text()
     digest = hashlib.sha256(corpus.encode()).hexdigest()[:12]
     print(f"text: {', '.join(FILES)} from Python {sys.version.split()[0]}'s standard library "
@@ -120,8 +139,8 @@ def main(argv=None) -> int:
         margin_count += int(wide.sum())
         agree_margin += int(same[wide].sum())
     ppl = {dtype: math.exp(torch.cat(v).mean().item()) for dtype, v in nll.items()}
-    rows = [["deltaserve float32 (default)", round(ppl["float32"], 4), "-", round(seconds["float32"], 1)],
-            ["deltaserve --activation-dtype int8", round(ppl["int8"], 4),
+    rows = [["deltaserve --activation-dtype float32", round(ppl["float32"], 4), "-", round(seconds["float32"], 1)],
+            ["deltaserve int8 activations (default)", round(ppl["int8"], 4),
              f"{100 * (ppl['int8'] / ppl['float32'] - 1):+.2f}%", round(seconds["int8"], 1)]]
     peers = [("llama.cpp", llamacpp.tree_with(args.llama_cpp, "llama-perplexity"))]
     ik_root = args.ik_llama_cpp or os.environ.get("IK_LLAMA_CPP_DIR")

@@ -32,7 +32,7 @@ SIZE_FLAGS = {"headroom": "--headroom", "device_memory": "--device-memory", "max
 STATE_DTYPES = ("float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "portable", "paged")
 PREFILL_DTYPES = ("float32", "bfloat16")  # the packed 4-bit GEMM's arithmetic (kernels/int4_cpu.py)
-ACTIVATION_DTYPES = ("float32", "int8")  # what packed 4-bit weights multiply on CPU (kernels/int4_int8.py)
+ACTIVATION_DTYPES = ("float32", "int8")  # what packed 4-bit and int8 weights multiply on CPU (kernels/int4_int8.py)
 
 DEFAULT_MAX_NEW_TOKENS_CAP = 16384
 # Host RAM is shared with the OS, the page cache of the checkpoint, the tokenizer and the HTTP server.
@@ -343,15 +343,18 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                    "equal to the dequantized model to float32 rounding; bfloat16: rows and weights rounded to "
                    "bfloat16 and multiplied by AVX512-BF16 dot products (~1.7x the GEMM rate; CPUs with AVX512-BF16, "
                    "else float32 and a log line). Steps of more than 16 rows only: decode stays float32")
-    g.add_argument("--activation-dtype", help="int8 (default): on CPU, packed 4-bit weights multiply their input rows "
-                   "quantized to int8 per block of 32 columns (one float32 scale each, as llama.cpp's Q8_0 / Q8_1) by "
+    g.add_argument("--activation-dtype", help="int8 (default): on CPU, packed 4-bit weights (affine or IQ4's levels) "
+                   "and 8-bit ones (Q8_0, INT8) multiply their input rows quantized to int8 per block of 32 columns "
+                   "(one float32 scale each, as llama.cpp's Q8_0 / Q8_1) by "
                    "integer dot products (AVX-512 VNNI, else AVX2), decode and prefill rows alike: ~2x the float32 "
-                   "rate, perplexity within 0.1%% of float32, but a greedy token at a near-tie may differ with the "
+                   "rate, perplexity within 0.3%% of float32, but a greedy token at a near-tie may differ with the "
                    "batch a request shares a step with. float32: the exact path, equal to the dequantized model to "
                    "float32 rounding (use it for output that does not depend on batching). A layer the int8 kernel "
-                   "does not take (level tables, output rows not a multiple of 16) keeps float32, said in a log line")
+                   "does not take (output rows not a multiple of 16, a level table of non-integers) keeps float32, "
+                   "said in a log line")
     g.add_argument("--dequantize-weights", action=argparse.BooleanOptionalAction, default=None,
-                   help="hold 4-bit weights dequantized in the compute dtype (default: packed; on CPU multiplied by "
+                   help="hold 4-bit weights (and 8-bit ones) dequantized in the compute dtype (default: "
+                        "packed, 8-bit as int8 on CPU; on CPU multiplied by "
                         "int8 activations, or under --activation-dtype float32 in float32 with the dequantized "
                         "model's result to float32 rounding)")
     g.add_argument("--cuda-graph-reserve", help="bytes reserved for CUDA graphs, GPU only (default: estimated "

@@ -164,8 +164,8 @@ def test_compressed_tensors_header_parts(tmp_path):
 
 def test_config_groups_matched_by_compressed_tensors_precedence():
     """A module named by a `re:` target takes that group's scheme over a class-name target, whatever the groups'
-    order (compressed-tensors' rule, weights/compressed_tensors.py): the MLP's 8-bit matrices are held as floats
-    (no int8 matmul), the attention's 4-bit ones packed."""
+    order (compressed-tensors' rule, weights/compressed_tensors.py): the MLP's 8-bit matrices are held int8 (a byte a
+    weight, a float32 scale per group), the attention's 4-bit ones packed."""
     def scheme(bits, group):
         return {"num_bits": bits, "type": "int", "strategy": "group", "group_size": group, "symmetric": True}
 
@@ -178,10 +178,11 @@ def test_config_groups_matched_by_compressed_tensors_precedence():
     assert layers[0] == layers[1]
     h, inter, layers_n = TINY["hidden_size"], TINY["intermediate_size"], TINY["num_hidden_layers"]
     attention = (4 * 16 + 2 * 2 * 16) * h + h * 4 * 16  # q, k, v, o
-    # symmetric: a scale per group of 32 kept in the model's dtype (float32: TINY names none), no offset
-    assert layers[0].quantized_bytes == layers_n * (attention // 2 + attention // 32 * 4)
-    assert layers[0].float_params == layers[0].params - layers_n * attention
-    assert layers[0].float_params >= layers_n * 3 * h * inter
+    mlp = 3 * h * inter
+    # symmetric: a scale per group of 32 kept in the model's dtype (float32: TINY names none), no offset; the 8-bit
+    # MLP a byte a weight and a float32 scale per group
+    assert layers[0].quantized_bytes == layers_n * (attention // 2 + attention // 32 * 4 + mlp + mlp // 32 * 4)
+    assert layers[0].float_params == layers[0].params - layers_n * (attention + mlp)
 
 
 def test_bad_inputs(tmp_path):

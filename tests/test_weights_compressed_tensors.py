@@ -166,11 +166,15 @@ def test_greedy_tokens_identical(case):
 
 
 def test_packed_load_logits_match_the_library_decompression(case):
-    """The CPU default keeps the 4-bit matrices packed (kernels/int4.py, float32 arithmetic): the same bound."""
+    """The CPU default keeps the 4-bit matrices packed (kernels/int4.py, float32 arithmetic) and the 8-bit ones int8
+    (models/layers.Int8Linear, widened in float32): the same bound."""
     from deltaserve.engine.loader import load_model
+    from deltaserve.models.layers import Int8Linear
 
-    _, ref, _, ckpt, _ = case
+    name, ref, _, ckpt, _ = case
     packed = load_model(ckpt.path, dequantize=False).model
+    if "_w8" in name:
+        assert any(type(m) is Int8Linear and not m.tied for m in packed.modules()), name
     ids = prompt(33, seed=1)
     with torch.no_grad():
         expected = ref(torch.tensor([ids])).logits[0]

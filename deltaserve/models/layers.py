@@ -469,10 +469,12 @@ class Int8Linear(nn.Module):
         super().__init__()
         self.out_features, self.in_features = rows.shape
         self.group_size = rows.group_size
-        self.register_buffer("codes", rows.codes)  # tied: the embedding's tensors, counted once by the ledger
-        self.register_buffer("scales", rows.scales)
+        # tied: the embedding's tensors (already contiguous float32: the same storage), counted once by the ledger
+        self.register_buffer("codes", rows.codes.contiguous())
+        self.register_buffer("scales", rows.scales.to(torch.float32).contiguous())
         self.symmetric = not bool(rows.offsets.any())  # w = scale * q: no offsets read (nor held, untied)
-        self.register_buffer("offsets", rows.offsets if tied or not self.symmetric else None)
+        offsets = rows.offsets.to(torch.float32).contiguous()
+        self.register_buffer("offsets", offsets if tied or not self.symmetric else None)
         self.register_buffer("perm", perm, persistent=False)  # an index into the input, not weight bytes
         self.tied = tied
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
@@ -530,8 +532,8 @@ def _held_int8(module: nn.Module, pname: str, rows: Int8Rows, tensors: dict, dev
     owner = module.get_submodule(owner_name) if owner_name else module
     if leaf != "weight" or type(owner) not in (nn.Embedding, Linear):
         return False
-    if type(owner) is Linear and torch.device(device).type != "cpu":
-        return False
+    if type(owner) is Linear and (torch.device(device).type != "cpu" or int4_torch.serves(device, dtype)):
+        return False  # off the CPU (where torch's int4 kernel serves 4-bit ones) an 8-bit linear is dequantized
     if tuple(owner.weight.shape) != rows.shape:
         raise ValueError(f"tensor {pname} has shape {rows.shape}, expected {tuple(owner.weight.shape)}")
     parent_name, _, child = owner_name.rpartition(".")

@@ -9,8 +9,9 @@ group (any group size dividing the input) or per channel, symmetric or asymmetri
 activations) is refused by name: a silently wrong weight is the worst bug.
 
 What each becomes: a 4-bit matrix an Int4Codes (kernels/int4.py: the model holds it packed or dequantizes it);
-an 8-bit embedding an Int8Rows (kernels/int8.py: the table stays 8-bit, rows widened on gather); an 8-bit
-linear a float tensor (no int8 matmul here, and a float32 CPU path holds floats anyway).
+an 8-bit one an Int8Rows (kernels/int8.py): an embedding's table stays 8-bit (rows widened on gather), a linear is
+held 8-bit on CPU where 4-bit ones are held packed (weights/hf.held_int4; models/layers.Int8Linear), else
+dequantized.
 """
 
 from __future__ import annotations
@@ -101,7 +102,7 @@ def decode(config: dict, tensors: dict[str, torch.Tensor], path: Path, dtype: to
         parts = {p: out.pop(f"{module}.{p}") for p in PARTS if f"{module}.{p}" in out}
         scheme = _scheme_of(module, schemes, ignore, path)
         weight = _module_weight(module, parts, out.pop(f"{module}.weight", None), scheme, path, dtype)
-        out[f"{module}.weight"] = weight if held is None else held(weight)
+        out[f"{module}.weight"] = weight if held is None else held(weight, module)
     stray = [n for n in out if n.rpartition(".")[2] in STRAY_PARTS + PARTS]
     if stray:
         raise CheckpointError(path, f"tensor {stray[0]} is not consumed by any supported scheme "
@@ -142,7 +143,8 @@ def _scheme_of(module: str, schemes: list[Scheme], ignore: list[str], path: Path
 
 
 def _module_weight(module: str, parts: dict, weight, scheme: Scheme, path: Path, dtype: torch.dtype):
-    """One module's weight: Int4Codes (4-bit), Int8Rows (8-bit embedding) or a float tensor (8-bit linear)."""
+    """One module's weight: Int4Codes (4-bit), Int8Rows (8-bit; its activation order as `perm`) or a float tensor (an
+    8-bit embedding with activation-ordered groups, which a lookup cannot take)."""
     if "weight_scale" not in parts:
         raise CheckpointError(path, f"tensor {module}.weight_scale is missing")
     # [N, K] stored values + 2^(b-1) (uint8): a 4-bit code straight from the nibbles, no wider copy of the matrix
@@ -165,11 +167,10 @@ def _module_weight(module: str, parts: dict, weight, scheme: Scheme, path: Path,
     scale = scale.float()
     if scheme.bits == 4:  # w = scale * (code - 8 - zero)
         return Int4Codes(q.contiguous(), scale, -(8 + zero) * scale, group, perm=perm)
-    rows = Int8Rows((q.to(torch.int16) - 128).to(torch.int8), scale, -zero * scale, group)
-    if module.endswith("embed_tokens") and perm is None:
-        return rows
-    w = rows.dequantize()
-    return (w if perm is None else torch.empty_like(w).index_copy_(1, perm, w)).to(dtype)
+    rows = Int8Rows((q.to(torch.int16) - 128).to(torch.int8), scale, -zero * scale, group, perm)
+    if module.endswith("embed_tokens") and perm is not None:
+        return rows.dequantize(dtype)
+    return rows
 
 
 def _offset_values(module: str, parts: dict, weight, scheme: Scheme, path: Path) -> torch.Tensor:

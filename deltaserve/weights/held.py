@@ -7,8 +7,10 @@ On CPU with 4-bit matrices packed (the default), loading keeps
   usual 16-bit scale: the checkpoint's own size), or a float32 scale and offset (8 bytes: asymmetric schemes, where
   a 16-bit scale times a zero point needs float32, and the GPTQ / AWQ layouts);
 - an 8-bit embedding as int8 codes with a float32 scale and offset per group (models/layers.Int8Embedding);
-- every other quantized module (a 4-bit embedding, an 8-bit linear, a group the kernel does not take) dequantized to
-  the compute dtype;
+- an 8-bit linear as int8 codes with a float32 scale per group, and a float32 offset per group where the scheme is
+  asymmetric (models/layers.Int8Linear; on CUDA it is dequantized);
+- every other quantized module (a 4-bit embedding, a group the kernel does not take) dequantized to the compute
+  dtype;
 and a tied lm_head over a quantized embedding: over an 8-bit table held int8, it multiplies the same codes
 (models/layers.Int8Linear: nothing more to hold); over a 4-bit one, packed on its own; otherwise dequantized. The
 parts (scales, zero points, g_idx, weight_shape) cost nothing beyond their module.
@@ -54,7 +56,9 @@ def held_rows(config: dict, rows: list[Row], shapes: dict[str, tuple[int, ...]],
         module, _, part = name.rpartition(".")
         if module in forms and forms[module][0] == name:
             _, count, form, torch_form = forms[module]
-            out.append((name, count, nbytes, form is None) + (() if form is None else (form, torch_form)))
+            # an 8-bit linear is dequantized on CUDA (torch_form None): bfloat16 there
+            out.append((name, count, nbytes, form is None)
+                       + (() if form is None else (form, 2 * count if torch_form is None else torch_form)))
         elif module in forms and part in SIDE_PARTS:
             out.append((name, 0, nbytes, False, 0))
         else:
@@ -110,6 +114,8 @@ def module_held_bytes(n: int, k: int, group: int, bits: int, embedding: bool, ac
         return _packed_bytes(n, k, group, symmetric_scale_bytes, torch_int4)
     if bits == 8 and embedding and not act_order and group and k % group == 0:
         return n * k + n * (k // group) * 8
+    if bits == 8 and not embedding and group and k % group == 0 and not torch_int4:
+        return n * k + n * (k // group) * (4 if symmetric_scale_bytes is not None else 8)
     return None
 
 

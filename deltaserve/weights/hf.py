@@ -9,6 +9,7 @@ import torch
 from safetensors import safe_open
 
 from deltaserve.kernels.int4 import Int4Codes, pack, packable
+from deltaserve.kernels.int8 import Int8Rows
 from deltaserve.text.tokenizer import Tokenizer
 from deltaserve.weights import compressed_tensors, gptq
 from deltaserve.weights.errors import CheckpointError
@@ -173,8 +174,8 @@ def _skipped(name: str, skip_prefixes: tuple[str, ...]) -> str | None:
 def _decoder(config: dict, folder: Path, dtype: torch.dtype, keep_int4: bool):
     """(module_parts, decode) of the checkpoint's quantization format, None for a plain checkpoint; decode turns a
     dict of tensors into the same with each complete module's parts replaced by its held weight (held_int4)."""
-    def held(tensor):
-        return held_int4(tensor, dtype, keep_int4)
+    def held(tensor, name: str = ""):
+        return held_int4(tensor, dtype, keep_int4, name)
 
     if compressed_tensors.is_compressed_tensors(config):
         return compressed_tensors.module_parts, lambda t: compressed_tensors.decode(config, t, folder, dtype, held)
@@ -183,10 +184,13 @@ def _decoder(config: dict, folder: Path, dtype: torch.dtype, keep_int4: bool):
     return None
 
 
-def held_int4(tensor, dtype: torch.dtype, keep_int4: bool):
+def held_int4(tensor, dtype: torch.dtype, keep_int4: bool, name: str = ""):
     """An Int4Codes as the model should get it: packed (kernels/int4.PackedInt4, half a byte a weight, where
     Int4Codes takes one) when asked and the packed layer takes its shape and group size (activation-ordered columns
-    included: the layer permutes its input), else dequantized to `dtype` (exact)."""
+    included: the layer permutes its input), else dequantized to `dtype` (exact). An Int8Rows (module `name`) stays
+    8-bit when it is an embedding (always: the lookup widens its rows) or when asked, else is dequantized."""
+    if isinstance(tensor, Int8Rows):
+        return tensor if keep_int4 or name.endswith("embed_tokens") else tensor.dequantize(dtype)
     if not isinstance(tensor, Int4Codes):
         return tensor
     if keep_int4 and packable(tensor.shape, tensor.group_size):

@@ -31,7 +31,7 @@ IMAGE_CASE_RATE = 0.1
 # state, snapshots) meets every drawn shape; speculation is lossless, so the oracle and its bound are unchanged
 SPECULATIVE_RATE = 0.3
 # Activations rounded to int8 (issue 41, the CPU default for packed 4-bit and int8 weights): one case in INT8_RATE of
-# those that keep 4-bit weights packed or Q8_0 matrices int8 runs --activation-dtype int8 (its own draw, "activation"), compared within the
+# those that keep 4-bit weights packed or 8-bit ones int8 runs --activation-dtype int8 (its own draw, "activation"), compared within the
 # activations' rounding propagated (tests/int8_bound.py); every other case runs float32, the exact path. Not the MoE
 # families: a router's top-k choice is discontinuous, so a rounding that flips it moves a log-probability by O(1)
 # where no first-order bound reaches (and transformers holds their experts as one fused parameter, no module whose
@@ -282,12 +282,12 @@ def draw_engine(rng: random.Random, family: str, fmt: Format) -> dict:
 
 
 def held_quantized(fmt: Format, engine: dict) -> bool:
-    """Whether the engine keeps 4-bit weights packed or a GGUF's Q8_0 matrices int8 (the layers --activation-dtype
-    int8 applies to)."""
+    """Whether the engine keeps 4-bit weights packed or 8-bit ones (compressed-tensors INT8, a GGUF's Q8_0) int8
+    (the layers --activation-dtype int8 applies to)."""
     if engine.get("dequantize_weights", True):
         return False
     if fmt.kind == "compressed_tensors":
-        return fmt.bits == 4
+        return True  # 4-bit packed, 8-bit held int8
     if fmt.kind == "gguf":
         return any(t in ("Q4_0", "Q4_1", "Q8_0") for t in fmt.gguf_types)
     return fmt.kind in ("gptq", "awq")
