@@ -1,12 +1,12 @@
-"""`--activation-dtype int8`: the packed 4-bit (affine or IQ4's integer levels) and the int8 linears (Q8_0, compressed-tensors INT8) whose shapes
-kernels/int4_int8.py serves take their input rows quantized to int8 per block of 32 and multiplied by integer dot
-products; the rest keep their float32 paths.
+"""`--activation-dtype int8`: the packed 4-bit linears (affine codes or IQ4's integer levels) and the int8 ones
+(Q8_0, compressed-tensors INT8) whose shapes kernels/int4_int8.py serves take their input rows quantized to int8 per
+block of 32 and multiplied by integer dot products; the rest keep their float32 paths.
 
 The swap moves each weight's bytes into the kernel's 16-row panels (the same bytes: the ledger's weights line does
 not change) and makes each layer an Int8DotLinear (models/layers.py). A vocabulary projection tied to an int8
-embedding keeps multiplying the embedding's codes in float32 (a panel copy would hold them twice). The fused decode blocks (kernels/decode_cpu.py)
-take those layers too (projection_parts): a block quantizes its normed input once for all the projections reading
-it, so a decode step stays one native call.
+embedding keeps multiplying the embedding's codes in float32 (a panel copy would hold them twice). The fused decode
+blocks (kernels/decode_cpu.py) take those layers too (projection_parts): a block quantizes its normed input once for
+all the projections reading it, so a decode step stays one native call.
 """
 
 from __future__ import annotations

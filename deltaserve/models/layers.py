@@ -211,9 +211,9 @@ class TorchInt4Linear(nn.Module):
 
 
 class Int8DotLinear(nn.Module):
-    """A 4-bit (affine or IQ4's levels) or 8-bit linear in the int8 dot-product kernel's panel layout (--activation-dtype int8, swapped in by
-    models/int8_activations.py): its result is the dequantized weight times the input rounded to int8 per block of 32
-    (within sum |w| d / 2 of the float32 path, d the block's quantum)."""
+    """A 4-bit (affine or IQ4's levels) or 8-bit linear in the int8 dot-product kernel's panel layout
+    (--activation-dtype int8, swapped in by models/int8_activations.py): its result is the dequantized weight times
+    the input rounded to int8 per block of 32 (within sum |w| d / 2 of the float32 path, d the block's quantum)."""
 
     def __init__(self, w: int4_int8.PanelWeight, bias: torch.Tensor | None):
         super().__init__()

@@ -80,7 +80,7 @@ enum CodeMode : int { NIBBLES = 4, BYTES = 8, LEVELS = 16 };
 struct Weight {
   const uint8_t* codes;  // [N / 16][K / 32][panel_block(bits)]
   const void* scales;    // [N / 16][K / group][16]
-  const void* offsets;   // the same, or nullptr: symmetric (offset = -2^(bits - 1) * scale)
+  const void* offsets;   // the same, or nullptr: symmetric (offset -8 s for NIBBLES, -128 s for BYTES and LEVELS)
   ScaleKind kind;
   int64_t K, group, groups;
   int bits;              // 4 or 8
@@ -112,7 +112,8 @@ void tile(const Act& a, int64_t m0, const Weight& w, int64_t p0, float* __restri
   constexpr float ZERO = MODE == NIBBLES ? -8.0f : -128.0f;
   const __m512i nib = _mm512_set1_epi8(0x0F);
   [[maybe_unused]] __m512i table = _mm512_setzero_si512();
-  if constexpr (MODE == LEVELS) table = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.levels)));
+  if constexpr (MODE == LEVELS)
+    table = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.levels)));
   __m512 acc[MR][NP];
   for (int m = 0; m < MR; ++m)
     for (int n = 0; n < NP; ++n) acc[m][n] = _mm512_setzero_ps();
