@@ -21,8 +21,6 @@
 
 namespace {
 
-inline float silu(float a) { return a / (1.0f + std::exp(-a)); }
-
 // One projection: float32 weight [N, K] (group 0), packed 4-bit (int4_cpu's layout, group > 0) or 4- or 8-bit codes
 // in int4_int8's 16-row panels times int8 activations (group < 0: --activation-dtype int8), and an optional bias.
 struct Lin {
@@ -375,7 +373,7 @@ torch::Tensor mlp_block(torch::Tensor x, std::vector<torch::Tensor> t, std::vect
   const float off = static_cast<float>(offset), e = static_cast<float>(eps);
   for (int64_t b = 0; b < B; ++b) rms_row(xp + b * H, wn, off, e, H, xn + b * H);
   matmuls(xn, B, {{&lg, g}, {&lu, u}});
-  for (int64_t i = 0; i < B * I; ++i) g[i] = silu(g[i]) * u[i];
+  silu_times(g, u, B * I);
   matmul(ld, g, B, d);
   for (int64_t i = 0; i < B * H; ++i) xp[i] += d[i];
   return x;
@@ -673,8 +671,9 @@ torch::Tensor gdn_block(torch::Tensor x, std::vector<torch::Tensor> t, std::vect
       acc += wc[Hs] * row[c];
       for (int64_t w = 0; w + 1 < Hs; ++w) sc[w] = sc[w + 1];
       sc[Hs - 1] = row[c];
-      row[c] = silu(acc);
+      row[c] = acc;
     }
+    silu_times(row, nullptr, C);
     if (snap && snap[b] >= 0) std::copy(st, st + C * Hs, snap_conv.data_ptr<float>() + snap[b] * C * Hs);
   }
   float* sp = states.data_ptr<float>();
@@ -699,7 +698,7 @@ torch::Tensor gdn_block(torch::Tensor x, std::vector<torch::Tensor> t, std::vect
     if (snap && snap[b] >= 0) std::copy(S, S + Dk * Dv, snap_states.data_ptr<float>() + (snap[b] * Hv + h) * Dk * Dv);
     rms_row(orow, gw, 0.0f, ne, Dv, orow);  // the gated norm: plain weight, times silu(z)
     const float* zr = z + p * Dv;
-    for (int64_t d = 0; d < Dv; ++d) orow[d] *= silu(zr[d]);
+    times_silu(orow, zr, Dv);
   }
   matmul(lo, o, B, y);
   for (int64_t i = 0; i < B * H; ++i) xp[i] += y[i];

@@ -13,7 +13,6 @@ namespace {
 
 constexpr int64_t CONV_ROWS = 64;  // output rows per work item
 
-inline float silu(float a) { return a / (1.0f + std::exp(-a)); }
 
 // out = bias + sum_w weight_t[w] * src[w], then SiLU: one row of C channels, accumulated in place in L1.
 inline void conv_row(float* __restrict out, const float* const* src, const float* __restrict weight_t,
@@ -25,10 +24,7 @@ inline void conv_row(float* __restrict out, const float* const* src, const float
     #pragma omp simd
     for (int64_t c = 0; c < C; ++c) out[c] += k[c] * s[c];
   }
-  if (act) {
-    #pragma omp simd
-    for (int64_t c = 0; c < C; ++c) out[c] = silu(out[c]);
-  }
+  if (act) silu_times(out, nullptr, C);
 }
 
 }  // namespace
@@ -349,7 +345,8 @@ std::vector<torch::Tensor> rms_norm(torch::Tensor x, torch::Tensor weight, doubl
     if (gated) {
       const float* __restrict g = gp + r * gs;
       #pragma omp simd
-      for (int64_t d = 0; d < D; ++d) out[d] = in[d] * inv * (off + wp[d]) * silu(g[d]);
+      for (int64_t d = 0; d < D; ++d) out[d] = in[d] * inv * (off + wp[d]);
+      times_silu(out, g, D);
     } else {
       #pragma omp simd
       for (int64_t d = 0; d < D; ++d) out[d] = in[d] * inv * (off + wp[d]);
@@ -374,12 +371,7 @@ torch::Tensor silu_mul(torch::Tensor gate, torch::Tensor up) {
   for (int64_t r = 0; r < R; ++r) {
     float* g = gp + r * gs;
     const float* u = upp + r * us;
-    int64_t f = 0;
-    for (; f + 16 <= F; f += 16) {
-      const f16v a = load16(g + f);
-      store16(g + f, a / (1.0f + exp16(-a)) * load16(u + f));
-    }
-    for (; f < F; ++f) g[f] = silu(g[f]) * u[f];
+    silu_times(g, u, F);
   }
   return gate;
 }

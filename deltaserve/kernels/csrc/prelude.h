@@ -3,6 +3,7 @@
 #pragma once
 
 #include <torch/extension.h>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
@@ -112,6 +113,30 @@ inline f16v exp16(f16v x) {
   f16v r = x - nf * 0.693359375f;
   r = r - nf * -2.12194440e-4f;
   return exp_scaled(r, n);
+}
+
+// SiLU by exp16, 16 values at a time (a plain loop of silu(x) = x / (1 + expf(-x)) calls the scalar expf per value
+// in these builds: ~1.9 ns a value, 6.5 of the tiny hybrid's 100 ms prefill in its GDN convs alone).
+// silu_times: x[i] <- silu(x[i]) * u[i] (u nullptr: silu(x[i])); times_silu: x[i] <- x[i] * silu(g[i]).
+inline void silu_times(float* __restrict x, const float* __restrict u, int64_t n) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const f16v a = load16(x + i), s = a / (1.0f + exp16(-a));
+    store16(x + i, u ? s * load16(u + i) : s);
+  }
+  for (; i < n; ++i) {
+    const float s = x[i] / (1.0f + std::exp(-x[i]));
+    x[i] = u ? s * u[i] : s;
+  }
+}
+
+inline void times_silu(float* __restrict x, const float* __restrict g, int64_t n) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const f16v a = load16(g + i);
+    store16(x + i, load16(x + i) * (a / (1.0f + exp16(-a))));
+  }
+  for (; i < n; ++i) x[i] *= g[i] / (1.0f + std::exp(-g[i]));
 }
 
 // Lane i of the result is the sum of x[i]'s 16 lanes: a transpose-and-add tree, 15 adds for 16 dot products
