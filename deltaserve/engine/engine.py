@@ -24,7 +24,7 @@ import random
 import threading
 import time
 import uuid
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -235,7 +235,7 @@ class Engine:
         """--activation-dtype int8: every packed 4-bit and untied int8 layer the int8 dot-product kernel serves takes
         it (the others, and every layer where the kernel cannot be built, keep float32: said)."""
         from deltaserve.models.int8_activations import use_int8_activations
-        from deltaserve.models.layers import Int4Linear, Int8Linear
+        from deltaserve.models.layers import Int4Linear, Int8DotLinear, Int8Linear
 
         if not any(type(m) is Int4Linear or (type(m) is Int8Linear and not m.tied) for m in model.modules()):
             return  # no packed 4-bit or int8 layer: nothing to take int8 activations (and no kernel to build for it)
@@ -245,8 +245,10 @@ class Engine:
         swapped, refusals = use_int8_activations(model)
         for line in refusals:
             self._log(line)
-        self._log(f"activations: {swapped} packed 4-bit and int8 layers multiply int8 activations ({int4_int8.isa()} "
-                  f"integer dot products)")
+        kinds = Counter("8-bit" if m.bits == 8 else "IQ4" if m.levels is not None else "4-bit"
+                        for m in model.modules() if isinstance(m, Int8DotLinear))
+        self._log(f"activations: {swapped} layers ({', '.join(f'{k} {n}' for k, n in kinds.items())}) multiply int8 "
+                  f"activations ({int4_int8.isa()} integer dot products)")
 
     def measured_bytes(self) -> dict[str, int]:
         """What the engine really holds per ledger line (torch tensor bytes)."""
