@@ -141,3 +141,16 @@ def differences(logits: torch.Tensor, tokens: list[int], logprobs: list, bound: 
                                 f"{2 * logit_error + extra:.3g} (rtol {bound:.3g}, int8 rounding {extra:.3g})")
                 break
     return problems
+
+
+def engine_greedy_problems(engine, ref, prompt: list[int], steps: int, rtol: float) -> tuple[list[str], int]:
+    """greedy_problems of `engine`'s greedy answer to `prompt` (`steps` tokens, EOS ignored, its log-probabilities
+    reported) against the oracle `ref`, the swapped layers read from the engine's model."""
+    from test_engine_support import run_all, tokens_of
+
+    from deltaserve.engine.request import SamplingParams
+
+    params = SamplingParams(max_tokens=steps, temperature=0, ignore_eos=True, logprobs=0)
+    out = run_all(engine, [(prompt, params)])[0]
+    logprobs = [lp for o in out for lp in o.logprobs]
+    return greedy_problems(ref, swapped_layers(engine.runner.model), prompt, tokens_of(out), logprobs, rtol)

@@ -74,77 +74,65 @@ class Counting:
         return counted
 
 
-def quantized_to_int4(model) -> int:
-    """Every float32 Linear of the decoder layers whose shape the packed kernels take becomes an Int4Linear of its
-    weight rounded to 16 levels per group of 32 (scale and minimum); the number replaced."""
+def replace_linears(model, make) -> int:
+    """Every float32 Linear of the decoder layers whose width is a multiple of 32 becomes make(child, w), w its weight
+    [N, K / 32, 32] in groups of 32; the fused parts are rebuilt on the next step. The number replaced."""
     replaced = 0
     for parent in list(model.model.layers.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is not Linear or child.in_features % 32:
                 continue
             w = child.weight.detach().float().view(child.out_features, -1, 32)
-            low, high = w.amin(-1), w.amax(-1)
-            scales = ((high - low) / 15).clamp_min(1e-6)
-            codes = torch.round((w - low[..., None]) / scales[..., None]).clamp(0, 15).to(torch.uint8)
-            int4 = Int4Codes(codes.view(child.out_features, -1), scales, low, 32)
-            setattr(parent, name, Int4Linear(int4, None if child.bias is None else child.bias.detach().float()))
+            bias = None if child.bias is None else child.bias.detach().float()
+            setattr(parent, name, make(w, bias))
             replaced += 1
     for module in model.modules():
         if isinstance(getattr(module, "fused", None), FusedParts):
             module.fused.key = None
     return replaced
+
+
+def quantized_to_int4(model) -> int:
+    """replace_linears with Int4Linears of the weights rounded to 16 levels per group of 32 (scale and minimum)."""
+    def make(w, bias):
+        low, high = w.amin(-1), w.amax(-1)
+        scales = ((high - low) / 15).clamp_min(1e-6)
+        codes = torch.round((w - low[..., None]) / scales[..., None]).clamp(0, 15).to(torch.uint8)
+        return Int4Linear(Int4Codes(codes.view(w.shape[0], -1), scales, low, 32), bias)
+    return replace_linears(model, make)
 
 
 def quantized_to_int8(model, symmetric: bool = True) -> int:
-    """Every float32 Linear of the decoder layers whose width is a multiple of 32 becomes an Int8Linear of its weight
-    rounded to 8 bits per group of 32 (Q8_0's max / 127 scale; or 255 levels from the minimum); the number replaced."""
+    """replace_linears with Int8Linears of the weights rounded to 8 bits per group of 32 (Q8_0's max / 127 scale; or
+    255 levels from the minimum)."""
     from deltaserve.kernels.int8 import Int8Rows
     from deltaserve.models.layers import Int8Linear
 
-    replaced = 0
-    for parent in list(model.model.layers.modules()):
-        for name, child in list(parent.named_children()):
-            if type(child) is not Linear or child.in_features % 32:
-                continue
-            w = child.weight.detach().float().view(child.out_features, -1, 32)
-            if symmetric:
-                scales, low = (w.abs().amax(-1) / 127).clamp_min(1e-6), torch.zeros(w.shape[:2])
-                q = torch.round(w / scales[..., None]).clamp(-127, 127)
-            else:
-                low = w.amin(-1)
-                scales = ((w.amax(-1) - low) / 255).clamp_min(1e-6)
-                q = torch.round((w - low[..., None]) / scales[..., None]).clamp(0, 255) - 128
-                low = low + 128 * scales  # w = s (q + 128) + low
-            rows = Int8Rows(q.to(torch.int8).view(child.out_features, -1), scales, low, 32)
-            setattr(parent, name, Int8Linear(rows, None if child.bias is None else child.bias.detach().float()))
-            replaced += 1
-    for module in model.modules():
-        if isinstance(getattr(module, "fused", None), FusedParts):
-            module.fused.key = None
-    return replaced
+    def make(w, bias):
+        if symmetric:
+            scales, low = (w.abs().amax(-1) / 127).clamp_min(1e-6), torch.zeros(w.shape[:2])
+            q = torch.round(w / scales[..., None]).clamp(-127, 127)
+        else:
+            low = w.amin(-1)
+            scales = ((w.amax(-1) - low) / 255).clamp_min(1e-6)
+            q = torch.round((w - low[..., None]) / scales[..., None]).clamp(0, 255) - 128
+            low = low + 128 * scales  # w = s (q + 128) + low
+        return Int8Linear(Int8Rows(q.to(torch.int8).view(w.shape[0], -1), scales, low, 32), bias)
+    return replace_linears(model, make)
 
 
 def quantized_to_iq4(model) -> int:
-    """Every float32 Linear of the decoder layers whose width is a multiple of 32 becomes an Int4Linear of its weight
-    rounded to the nearest of IQ4_NL's 16 integer levels times max|w| / 127 per group of 32; the number replaced."""
+    """replace_linears with Int4Linears of the weights rounded to the nearest of IQ4_NL's 16 integer levels times
+    max|w| / 127 per group of 32."""
     from deltaserve.weights.gguf_int4 import IQ4_LEVELS
 
     levels = torch.tensor(IQ4_LEVELS, dtype=torch.float32)
-    replaced = 0
-    for parent in list(model.model.layers.modules()):
-        for name, child in list(parent.named_children()):
-            if type(child) is not Linear or child.in_features % 32:
-                continue
-            w = child.weight.detach().float().view(child.out_features, -1, 32)
-            scales = (w.abs().amax(-1) / 127).clamp_min(1e-6)
-            codes = ((w / scales[..., None])[..., None] - levels).abs().argmin(-1).to(torch.uint8)
-            int4 = Int4Codes(codes.view(child.out_features, -1), scales, None, 32, levels)
-            setattr(parent, name, Int4Linear(int4, None if child.bias is None else child.bias.detach().float()))
-            replaced += 1
-    for module in model.modules():
-        if isinstance(getattr(module, "fused", None), FusedParts):
-            module.fused.key = None
-    return replaced
+
+    def make(w, bias):
+        scales = (w.abs().amax(-1) / 127).clamp_min(1e-6)
+        codes = ((w / scales[..., None])[..., None] - levels).abs().argmin(-1).to(torch.uint8)
+        return Int4Linear(Int4Codes(codes.view(w.shape[0], -1), scales, None, 32, levels), bias)
+    return replace_linears(model, make)
 
 
 def int8_model(model):
@@ -199,37 +187,23 @@ def test_fused_int8_decode_equals_the_per_op_int8_path(kind, cache, int8_isa):
 
 
 SEED8 = 13  # prompts that meet no int8 rounding tie on any build (assert_fused_int8_equals_per_op's docstring)
+BYTE_FORMS = {"int8": lambda m: quantized_to_int8(m, True), "int8-asym": lambda m: quantized_to_int8(m, False),
+              "iq4": quantized_to_iq4}
 
 
-@pytest.mark.parametrize("kind,symmetric", [("llama", True), ("qwen3", False), ("llama", False), ("qwen3", True)])
+@pytest.mark.parametrize("kind,form", [("llama", "int8"), ("qwen3", "int8-asym"), ("llama", "int8-asym"),
+                                       ("qwen3", "int8"), ("llama", "iq4"), ("qwen3", "iq4")])
 @torch.inference_mode()
-def test_fused_decode_of_int8_weights_equals_the_per_op_int8_path(kind, symmetric, int8_isa):
-    """8-bit weights (Q8_0's symmetric form, an asymmetric INT8's offsets) in 8-bit panels: the blocks take them as
-    the 4-bit ones (int4_int8_tile.h's BITS 8), one decode_stack call a step."""
+def test_fused_decode_of_byte_valued_weights_equals_the_per_op_int8_path(kind, form, int8_isa):
+    """8-bit weights (Q8_0's symmetric form, an asymmetric INT8's offsets) in 8-bit panels, and IQ4's 4-bit codes
+    naming integer levels (looked up in the panel's 16-byte table): the blocks take them as the per-op kernel does
+    (int4_int8_tile.h's BYTES and LEVELS), one decode_stack call a step."""
     from deltaserve.models.layers import Int8Linear
 
     float_model = tiny_dense(kind, "fp32")
-    assert quantized_to_int8(float_model, symmetric) == 3 * 7
+    assert BYTE_FORMS[form](float_model) == 3 * 7
     model = int8_model(float_model)
-    assert not any(type(m) is Int8Linear for m in model.modules())
-    gen = torch.Generator().manual_seed(SEED8)
-    prompts = [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in (5, 17, 1, 40, 9)]
-    fused = assert_fused_int8_equals_per_op(model, prompts, torch.float32, 3, 192)
-    attn, mlp = model.model.layers[0].fused.parts
-    assert all(group < 0 for group in attn[1][4:]) and all(group < 0 for group in mlp[1])
-    float_fused, _, _, _ = steps_both_ways(float_model, prompts, torch.float32, steps=1)
-    assert (fused[0] - float_fused[0]).abs().max() > logits_rtol(3, 192) * float_fused.abs().max()
-
-
-@pytest.mark.parametrize("kind", ["llama", "qwen3"])
-@torch.inference_mode()
-def test_fused_decode_of_iq4_levels_equals_the_per_op_int8_path(kind, int8_isa):
-    """IQ4's 4-bit codes naming integer levels: the blocks look each code up in the 16-byte table as the per-op
-    kernel does (int4_int8_tile.h's LEVELS), one decode_stack call a step."""
-    float_model = tiny_dense(kind, "fp32")
-    assert quantized_to_iq4(float_model) == 3 * 7
-    model = int8_model(float_model)
-    assert not any(type(m) is Int4Linear for m in model.modules())
+    assert not any(type(m) in (Int4Linear, Int8Linear) for m in model.modules())
     gen = torch.Generator().manual_seed(SEED8)
     prompts = [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in (5, 17, 1, 40, 9)]
     fused = assert_fused_int8_equals_per_op(model, prompts, torch.float32, 3, 192)

@@ -13,15 +13,13 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
-from int8_bound import greedy_problems, swapped_layers
+from int8_bound import engine_greedy_problems, swapped_layers
 from test_engine_dense import TEXT
-from test_engine_support import run_all, tokens_of
 from tolerance import config_rtol
 
 from deltaserve.budget.load import default_model_path
 from deltaserve.config import EngineConfig
 from deltaserve.engine.engine import Engine
-from deltaserve.engine.request import SamplingParams
 from deltaserve.models.layers import Int4Linear
 
 STEPS = 8
@@ -49,9 +47,7 @@ def test_greedy_tokens_agree_with_transformers_where_the_margin_exceeds_the_int8
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
                                                            dtype=torch.float32).eval()
     prompt = eng.tokenizer.encode(TEXT)[:40]
-    out = run_all(eng, [(prompt, SamplingParams(max_tokens=STEPS, temperature=0, ignore_eos=True, logprobs=0))])[0]
-    logprobs = [lp for o in out for lp in o.logprobs]
-    problems, decided = greedy_problems(hf, swapped_layers(eng.runner.model), prompt, tokens_of(out), logprobs,
-                                        config_rtol(hf.config, context=len(prompt) + STEPS - 1))
+    problems, decided = engine_greedy_problems(eng, hf, prompt, STEPS,
+                                               config_rtol(hf.config, context=len(prompt) + STEPS - 1))
     assert problems == []
     assert decided >= STEPS // 2, "the bound decides too few positions to test anything"

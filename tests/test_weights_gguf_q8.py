@@ -7,7 +7,6 @@ included, and the ledger's weights line is what the loaded model holds, within 1
 from pathlib import Path
 
 import pytest
-import torch
 
 from deltaserve.engine.loader import load_model
 from deltaserve.models.layers import Int8Linear
@@ -66,13 +65,11 @@ def test_int8_activations_agree_with_transformers_within_the_int8_bound():
     the oracle's margin exceeds that."""
     import json
 
-    from int8_bound import greedy_problems, swapped_layers
-    from test_engine_support import run_all, tokens_of
+    from int8_bound import engine_greedy_problems, swapped_layers
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
     from deltaserve.config import EngineConfig
     from deltaserve.engine.engine import Engine
-    from deltaserve.engine.request import SamplingParams
     from deltaserve.models.layers import Int8DotLinear
 
     path = DATA / "tiny-qwen35-q8_0.gguf"
@@ -88,10 +85,8 @@ def test_int8_activations_agree_with_transformers_within_the_int8_bound():
     assert layers["model.layers.0.linear_attn.out_proj"] is not None  # quantized in its stored column order
     steps = 16
     prompt = json.loads((DATA / "tiny-qwen35-q4_k.llamacpp.json").read_text())["tokens"]
-    out = run_all(eng, [(prompt, SamplingParams(max_tokens=steps, temperature=0, ignore_eos=True, logprobs=0))])[0]
-    logprobs = [lp for o in out for lp in o.logprobs]
-    problems, decided = greedy_problems(ref, layers, prompt, tokens_of(out), logprobs,
-                                        config_rtol(ref.config, context=len(prompt) + steps - 1))
+    problems, decided = engine_greedy_problems(eng, ref, prompt, steps,
+                                               config_rtol(ref.config, context=len(prompt) + steps - 1))
     assert problems == []
     # this random model's top two logits lie close: the bound decides 5 of its 16 positions (measured)
     assert decided >= steps // 4, "the bound decides too few positions to test anything"

@@ -179,23 +179,19 @@ def test_int8_activations_agree_with_transformers_within_the_int8_bound(fixture,
     multiplied by integer dot products) teacher-forced against transformers on the dequantized weights: each chosen
     log-probability within the float32 bound plus the activations' rounding propagated (tests/int8_bound.py), greedy
     tokens equal wherever the oracle's margin exceeds that."""
-    from int8_bound import greedy_problems, swapped_layers
-    from test_engine_support import run_all, tokens_of
+    from int8_bound import engine_greedy_problems, swapped_layers
 
     from deltaserve.config import EngineConfig
     from deltaserve.engine.engine import Engine
-    from deltaserve.engine.request import SamplingParams
     from deltaserve.models.layers import Int8DotLinear
 
     kind, path, _, peer = fixture
     eng = Engine(EngineConfig(model=str(path), device="cpu", max_total_tokens=512, prefix_cache=False), log=None)
-    layers = swapped_layers(eng.runner.model)
     held = [m for m in eng.runner.model.modules() if type(m) is Int8DotLinear]
-    assert layers and all((m.levels is not None) == (kind == "iq4_xs") for m in held)
-    steps, prompt = 8, peer["tokens"]
-    out = run_all(eng, [(prompt, SamplingParams(max_tokens=steps, temperature=0, ignore_eos=True, logprobs=0))])[0]
-    logprobs = [lp for o in out for lp in o.logprobs]
-    problems, decided = greedy_problems(reference, layers, prompt, tokens_of(out), logprobs,
-                                        config_rtol(reference.config, context=len(prompt) + steps - 1))
+    assert swapped_layers(eng.runner.model) and all((m.levels is not None) == (kind == "iq4_xs") for m in held)
+    steps, prompt = 16, peer["tokens"]
+    problems, decided = engine_greedy_problems(eng, reference, prompt, steps,
+                                               config_rtol(reference.config, context=len(prompt) + steps - 1))
     assert problems == []
-    assert decided >= steps // 2, "the bound decides too few positions to test anything"
+    # these random models' top two logits lie close: the bound decides 7-8 of their 16 positions (measured)
+    assert decided >= steps // 4, "the bound decides too few positions to test anything"

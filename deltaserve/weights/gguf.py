@@ -268,28 +268,21 @@ def _read(tensor, name: str, config: dict, dtype: torch.dtype, keep_int4: bool):
     if config["model_type"] == "llama" and kind in ("attn_q", "attn_k"):
         heads = config["num_attention_heads" if kind == "attn_q" else "num_key_value_heads"]
     hybrid = config["model_type"] in HYBRID_MODEL_TYPES
+    kept = None
     if keep_int4 and kept_int4(tensor.tensor_type, tensor.name, shape):
-        codes = int4_codes(tensor.data, tensor.tensor_type, (math.prod(shape[:-1]), shape[-1]))
+        kept = int4_codes(tensor.data, tensor.tensor_type, (math.prod(shape[:-1]), shape[-1]))
+    elif keep_int4 and kept_int8(tensor.tensor_type, tensor.name, shape):
+        kept = q8_0_rows(tensor.data, shape)
+    if kept is not None:  # Int4Codes or Int8Rows: rows reordered, the stored column order kept as `perm`
         if heads is not None:
-            codes = codes.rows(torch.from_numpy(unpermute_rotary(np.arange(shape[0]), heads)))
+            kept = kept.rows(torch.from_numpy(unpermute_rotary(np.arange(shape[0]), heads)))
         rows = gguf_hybrid.row_order(config, name) if hybrid else None
         if rows is not None:
-            codes = codes.rows(torch.from_numpy(np.argsort(rows)))
-        columns = gguf_hybrid.column_order(config, name) if hybrid else None
-        if columns is not None:  # stored column j is the checkpoint's column columns[j]: Int4Codes.perm
-            codes.perm = torch.from_numpy(columns.astype(np.int64))
-        return codes
-    if keep_int4 and kept_int8(tensor.tensor_type, tensor.name, shape):
-        rows = q8_0_rows(tensor.data, shape)
-        if heads is not None:
-            rows = rows.rows(torch.from_numpy(unpermute_rotary(np.arange(shape[0]), heads)))
-        order = gguf_hybrid.row_order(config, name) if hybrid else None
-        if order is not None:
-            rows = rows.rows(torch.from_numpy(np.argsort(order)))
+            kept = kept.rows(torch.from_numpy(np.argsort(rows)))
         columns = gguf_hybrid.column_order(config, name) if hybrid else None
         if columns is not None:  # stored column j is the checkpoint's column columns[j]
-            rows.perm = torch.from_numpy(columns.astype(np.int64))
-        return rows
+            kept.perm = torch.from_numpy(columns.astype(np.int64))
+        return kept
     values = dequantize(tensor.data, tensor.tensor_type).reshape(shape)
     if heads is not None:
         values = unpermute_rotary(values, heads)
