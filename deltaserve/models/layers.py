@@ -525,15 +525,15 @@ def _tied_int8_head(module: nn.Module, pname: str, source: str) -> bool:
 
 
 def _held_int8(module: nn.Module, pname: str, rows: Int8Rows, tensors: dict, device, dtype: torch.dtype) -> bool:
-    """Swap the nn.Embedding owning `pname` for an Int8Embedding, or the Linear for an Int8Linear (on CPU, where its
-    kernels are: weights/held.py prices it so; elsewhere it is dequantized, as the ledger says too); False
-    (dequantize) for anything else."""
+    """Swap the nn.Embedding owning `pname` for an Int8Embedding, or the Linear for an Int8Linear (but where torch's
+    int4 kernel serves the 4-bit ones, CUDA in bfloat16, an 8-bit linear is dequantized: weights/held.py and the
+    ledger price both so); False (dequantize) for anything else."""
     owner_name, _, leaf = pname.rpartition(".")
     owner = module.get_submodule(owner_name) if owner_name else module
     if leaf != "weight" or type(owner) not in (nn.Embedding, Linear):
         return False
-    if type(owner) is Linear and (torch.device(device).type != "cpu" or int4_torch.serves(device, dtype)):
-        return False  # off the CPU (where torch's int4 kernel serves 4-bit ones) an 8-bit linear is dequantized
+    if type(owner) is Linear and int4_torch.serves(device, dtype):
+        return False
     if tuple(owner.weight.shape) != rows.shape:
         raise ValueError(f"tensor {pname} has shape {rows.shape}, expected {tuple(owner.weight.shape)}")
     parent_name, _, child = owner_name.rpartition(".")

@@ -332,8 +332,8 @@ def kept_int4(kind: Q, gguf_name: str, shape: tuple[int, ...]) -> bool:
 
 def kept_int8(kind: Q, gguf_name: str, shape: tuple[int, ...]) -> bool:
     """Whether loading with `keep_int4` holds this tensor 8-bit (kernels/int8.py's Int8Rows): a Q8_0 matrix, the
-    embedding (models/layers.Int8Embedding) or a linear (Int8Linear, on CPU; int8 activations multiply its codes by
-    integer dot products); stacked experts and 1-D tensors are dequantized."""
+    embedding (models/layers.Int8Embedding) or a linear (Int8Linear, but dequantized on CUDA in bfloat16; on CPU int8
+    activations multiply its codes by integer dot products); stacked experts and 1-D tensors are dequantized."""
     return kind == Q.Q8_0 and len(shape) == 2 and shape[1] % Q8_BLOCK == 0
 
 

@@ -8,7 +8,8 @@ On CPU with 4-bit matrices packed (the default), loading keeps
   a 16-bit scale times a zero point needs float32, and the GPTQ / AWQ layouts);
 - an 8-bit embedding as int8 codes with a float32 scale and offset per group (models/layers.Int8Embedding);
 - an 8-bit linear as int8 codes with a float32 scale per group, and a float32 offset per group where the scheme is
-  asymmetric (models/layers.Int8Linear; on CUDA it is dequantized);
+  asymmetric (models/layers.Int8Linear; on CUDA in bfloat16, where torch's int4 layout holds the 4-bit ones, it is
+  dequantized);
 - every other quantized module (a 4-bit embedding, a group the kernel does not take) dequantized to the compute
   dtype;
 and a tied lm_head over a quantized embedding: over an 8-bit table held int8, it multiplies the same codes
@@ -56,7 +57,7 @@ def held_rows(config: dict, rows: list[Row], shapes: dict[str, tuple[int, ...]],
         module, _, part = name.rpartition(".")
         if module in forms and forms[module][0] == name:
             _, count, form, torch_form = forms[module]
-            # an 8-bit linear is dequantized on CUDA (torch_form None): bfloat16 there
+            # an 8-bit linear is dequantized on CUDA in bfloat16 (torch_form None): 2 bytes a weight there
             out.append((name, count, nbytes, form is None)
                        + (() if form is None else (form, 2 * count if torch_form is None else torch_form)))
         elif module in forms and part in SIDE_PARTS:
