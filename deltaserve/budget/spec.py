@@ -280,8 +280,7 @@ def _estimate_group(name: str, items, dtype_bytes: int, excluded: bool = False) 
             float_params += out_f * in_f
         else:
             quantized += held
-            torch_held = scheme.held_bytes(out_f, in_f, embedding=name == "embedding", torch_int4=True)
-            quantized_torch += 2 * out_f * in_f if torch_held is None else torch_held  # None: bfloat16 there
+            quantized_torch += scheme.held_bytes(out_f, in_f, embedding=name == "embedding", torch_int4=True)
             if name == "embedding":  # an 8-bit table stays int8 with --dequantize-weights too
                 held_dequantized = held
     return WeightGroup(name, params, stored, float_params, quantized, excluded, held_dequantized, quantized_torch)

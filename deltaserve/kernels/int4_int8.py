@@ -94,14 +94,9 @@ def repack(w: PackedInt4) -> PanelWeight:
     if reason:
         raise ValueError(f"int4_int8: cannot take a {n} x {k} weight in groups of {w.group_size}: {reason}")
     codes = w.packed.view(n // PANEL_ROWS, PANEL_ROWS, k // BLOCK, 4, 4).permute(0, 2, 3, 1, 4)
-    groups = k // w.group_size
-
-    def panels(t):
-        return None if t is None else t.view(n // PANEL_ROWS, PANEL_ROWS, groups).transpose(1, 2).contiguous()
-
     levels = None if w.lut is None else (w.lut.round().to(torch.int16) + 128).to(torch.uint8).contiguous()
-    return PanelWeight(codes.reshape(n // PANEL_ROWS, k * 8).contiguous(), panels(w.scales), panels(w.offsets),
-                       w.group_size, w.perm, levels=levels)
+    return PanelWeight(codes.reshape(n // PANEL_ROWS, k * 8).contiguous(), _panel_params(w.scales),
+                       _panel_params(w.offsets), w.group_size, w.perm, levels=levels)
 
 
 def repack_int8(w: Int8Rows, perm: torch.Tensor | None = None) -> PanelWeight:
@@ -115,15 +110,18 @@ def repack_int8(w: Int8Rows, perm: torch.Tensor | None = None) -> PanelWeight:
         raise ValueError(f"int4_int8: cannot take a {n} x {k} 8-bit weight in groups of {w.group_size}: {reason}")
     biased = (w.codes.view(torch.uint8) ^ 0x80)  # q + 128 as two's complement bytes read unsigned
     codes = biased.view(n // PANEL_ROWS, PANEL_ROWS, k // BLOCK, 8, 4).permute(0, 2, 3, 1, 4)
-    groups = k // w.group_size
     scales = w.scales.to(torch.float32)
+    offsets = None if not bool(w.offsets.any()) else _panel_params(w.offsets.to(torch.float32) - 128.0 * scales)
+    return PanelWeight(codes.reshape(n // PANEL_ROWS, k * 16).contiguous(), _panel_params(scales), offsets,
+                       w.group_size, perm, bits=8)
 
-    def panels(t):
-        return t.view(n // PANEL_ROWS, PANEL_ROWS, groups).transpose(1, 2).contiguous()
 
-    offsets = None if not bool(w.offsets.any()) else panels(w.offsets.to(torch.float32) - 128.0 * scales)
-    return PanelWeight(codes.reshape(n // PANEL_ROWS, k * 16).contiguous(), panels(scales), offsets, w.group_size,
-                       perm, bits=8)
+def _panel_params(t: torch.Tensor | None) -> torch.Tensor | None:
+    """Per-group scales or offsets [N, K / group] as the panels hold them: [N / 16, K / group, 16]."""
+    if t is None:
+        return None
+    n, groups = t.shape
+    return t.view(n // PANEL_ROWS, PANEL_ROWS, groups).transpose(1, 2).contiguous()
 
 
 def linear(x: torch.Tensor, w: PanelWeight, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -57,9 +57,7 @@ def held_rows(config: dict, rows: list[Row], shapes: dict[str, tuple[int, ...]],
         module, _, part = name.rpartition(".")
         if module in forms and forms[module][0] == name:
             _, count, form, torch_form = forms[module]
-            # an 8-bit linear is dequantized on CUDA in bfloat16 (torch_form None): 2 bytes a weight there
-            out.append((name, count, nbytes, form is None)
-                       + (() if form is None else (form, 2 * count if torch_form is None else torch_form)))
+            out.append((name, count, nbytes, form is None) + (() if form is None else (form, torch_form)))
         elif module in forms and part in SIDE_PARTS:
             out.append((name, 0, nbytes, False, 0))
         else:
@@ -115,7 +113,9 @@ def module_held_bytes(n: int, k: int, group: int, bits: int, embedding: bool, ac
         return _packed_bytes(n, k, group, symmetric_scale_bytes, torch_int4)
     if bits == 8 and embedding and not act_order and group and k % group == 0:
         return n * k + n * (k // group) * 8
-    if bits == 8 and not embedding and group and k % group == 0 and not torch_int4:
+    if bits == 8 and not embedding and group and k % group == 0:
+        if torch_int4:  # CUDA in bfloat16: dequantized (models/layers._held_int8), 2 bytes a weight
+            return 2 * n * k
         return n * k + n * (k // group) * (4 if symmetric_scale_bytes is not None else 8)
     return None
 
