@@ -133,25 +133,40 @@ def test_repacking_keeps_codes_and_scales_bytes():
         int4_int8.repack_int8(int8_weight((50, 256, 32, True, False), 0))
 
 
-def test_the_model_swap_takes_untied_int8_layers():
+def test_the_model_swap_takes_int8_layers_and_a_tied_table_once():
     from torch import nn
 
     from deltaserve.models.int8_activations import use_int8_activations
-    from deltaserve.models.layers import Int8DotLinear, Int8Embedding, Int8Linear
+    from deltaserve.models.layers import Int8DotLinear, Int8Embedding, Int8Linear, PanelEmbedding
 
     served, declined = int8_weight(CASES[0], 3), int8_weight((50, 576, 32, True, False), 4)
-    table = int8_weight((64, 576, 32, True, False), 5)
-    model = nn.Sequential(Int8Linear(served, torch.randn(96)), Int8Linear(declined),
-                          Int8Linear.of_embedding(Int8Embedding(table)))
-    held = sum(b.numel() * b.element_size() for b in model.buffers())
-    x = activations(3, 576, 9)
-    expect = int4_int8.linear(x, int4_int8.repack_int8(served), model[0].bias)
-    swapped, lines = use_int8_activations(model)
-    assert swapped == 1 and type(model[0]) is Int8DotLinear and type(model[1]) is Int8Linear
-    assert type(model[2]) is Int8Linear  # tied to an embedding's codes: a panel copy would hold them twice
-    assert len(lines) == 1 and "16-row panel" in lines[0] and "int8 kernel serves 1 layers" in lines[0]
-    assert sum(b.numel() * b.element_size() for b in model.buffers()) == held  # the same bytes, moved
-    assert torch.equal(model[0](x), expect)
+    table, skewed = int8_weight((64, 576, 32, True, False), 5), int8_weight((64, 576, 32, False, False), 6)
+    model = nn.Module()
+    model.layers = nn.Sequential(Int8Linear(served, torch.randn(96)), Int8Linear(declined))
+    model.embed, model.skewed_embed = Int8Embedding(table), Int8Embedding(skewed)
+    model.head = Int8Linear.of_embedding(model.embed)
+    model.skewed_head = Int8Linear.of_embedding(model.skewed_embed)
+    model.orphan_head = Int8Linear.of_embedding(Int8Embedding(int8_weight((64, 576, 32, True, False), 7)))  # no table here
+    held = sum(b.numel() * b.element_size() for b in {id(b): b for b in model.buffers()}.values())
+    x, ids = activations(3, 576, 9), torch.tensor([[0, 15, 16], [63, 31, 7]])
+    expect = int4_int8.linear(x, int4_int8.repack_int8(served), model.layers[0].bias)
+    rows, skewed_rows = model.embed(ids), model.skewed_embed(ids)
+    swapped, lines = use_int8_activations(model, tied_heads=True)
+    assert swapped == 2 and type(model.layers[0]) is Int8DotLinear and type(model.layers[1]) is Int8Linear
+    # the tied head takes the panels and its embedding reads them: the table held once, its rows bit for bit
+    assert type(model.head) is Int8DotLinear and type(model.embed) is PanelEmbedding
+    assert model.embed.codes is model.head.codes and torch.equal(model.embed(ids), rows)
+    assert torch.equal(model.head(x), int4_int8.linear(x, int4_int8.repack_int8(table)))
+    # an asymmetric table would round its rows otherwise from the panels, and a table not in the model is not found
+    assert type(model.skewed_head) is Int8Linear and torch.equal(model.skewed_embed(ids), skewed_rows)
+    assert type(model.orphan_head) is Int8Linear
+    assert sorted(line.split(": ")[1] for line in lines) == [
+        "50 output rows, not a multiple of the 16-row panel",
+        "a tied vocabulary projection over an asymmetric table (its lookups stay exact)",
+        "a tied vocabulary projection whose embedding is not an int8 table here"]
+    now = sum(b.numel() * b.element_size() for b in {id(b): b for b in model.buffers()}.values())
+    assert now == held  # the same bytes, moved
+    assert torch.equal(model.layers[0](x), expect)
 
 
 IQ4_CASES = [  # (N, K, group, scale dtype): IQ4_NL (float16 scale per 32), IQ4_XS (float32 products per 32)

@@ -20,9 +20,9 @@ def test_config_groups_price_the_embedding_int8_and_lm_head_int4():
     groups = {g.name: g for g in spec.weight_groups}
     vocab, hidden = text["vocab_size"], text["hidden_size"]
     # On disk: int8 per channel, one byte a weight, one fp16 scale a row, the int64[2] weight_shape; held int8 with
-    # a float32 scale and offset a row (models/layers.Int8Embedding), with --dequantize-weights too.
+    # a float32 scale a row and no offset (symmetric: models/layers.Int8Embedding), with --dequantize-weights too.
     assert groups["embedding"].stored_bytes == vocab * hidden + vocab * 2 + 16
-    assert groups["embedding"].quantized_bytes == groups["embedding"].held_dequantized_bytes == vocab * hidden + vocab * 8
+    assert groups["embedding"].quantized_bytes == groups["embedding"].held_dequantized_bytes == vocab * hidden + vocab * 4
     # On disk: int4 group 128, half a byte a weight, one fp16 scale per 128; held packed with a float32 scale and
     # offset per 128 (kernels/int4.held_bytes): 6 bytes a group more than on disk.
     assert groups["lm_head"].stored_bytes == vocab * hidden // 2 + vocab * hidden // 128 * 2 + 16

@@ -61,7 +61,7 @@ def _held_safetensors(config: dict, files: list[Path], bits: int, tied: bool) ->
 
 def _int8_embedding_held(spec: ModelMemorySpec, files: list[Path]) -> None:
     """With dequantize_weights, an 8-bit compressed-tensors embedding stays int8 (models/layers.Int8Embedding): one
-    byte a weight plus a float32 scale and offset per group, not params x dtype; a tied lm_head over a 4-bit embedding
+    byte a weight plus a float32 scale per group (and an offset, asymmetric), not params x dtype; a tied lm_head over a 4-bit embedding
     shares its dequantized table, and one over an int8-held embedding multiplies its codes (weights/held.py: 0
     bytes)."""
     from deltaserve.weights.hf import read_safetensors_header
@@ -80,8 +80,9 @@ def _int8_embedding_held(spec: ModelMemorySpec, files: list[Path]) -> None:
         eight_bit = packed[2] == embedding.params  # 8 bits a weight: as many bytes as weights
     else:
         eight_bit = plain is not None and plain[0] == "I8"
-    if eight_bit:
-        embedding.held_dequantized_bytes = embedding.params + math.prod(index[scale][1]) * 2 * 4
+    if eight_bit:  # a float32 offset per group too where the scheme stores zero points (asymmetric)
+        per_group = 8 if stem + "weight_zero_point" in index else 4
+        embedding.held_dequantized_bytes = embedding.params + math.prod(index[scale][1]) * per_group
 
 
 def _read_json(path: Path) -> dict:
@@ -208,7 +209,7 @@ def _gguf_held(t) -> tuple:
     if kept_int8(t.tensor_type, t.name, shape):
         if t.name.startswith("token_embd"):
             return t.name, params, int(t.n_bytes), False, int8_held_bytes(params)
-        return t.name, params, int(t.n_bytes), False, int8_held_bytes(params, embedding=False), 2 * params
+        return t.name, params, int(t.n_bytes), False, int8_held_bytes(params), 2 * params
     return t.name, params, int(t.n_bytes), True
 
 

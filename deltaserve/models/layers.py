@@ -446,15 +446,38 @@ class Int8Embedding(nn.Module):
         self.group_size = rows.group_size
         self.register_buffer("codes", rows.codes)
         self.register_buffer("scales", rows.scales.float())
-        self.register_buffer("offsets", rows.offsets.float())
-        self.symmetric = not bool(self.offsets.any())  # w = scale * q: a few ids take fused_cpu's gather
+        self.symmetric = not bool(rows.offsets.any())  # w = scale * q: no offsets held; a few ids: fused_cpu's gather
+        self.register_buffer("offsets", None if self.symmetric else rows.offsets.float())
+
+    def rows(self) -> Int8Rows:
+        """The table as an Int8Rows (zero offsets where symmetric)."""
+        offsets = self.offsets if self.offsets is not None else torch.zeros_like(self.scales)
+        return Int8Rows(self.codes, self.scales, offsets, self.group_size)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.symmetric and ids.numel() <= NATIVE_GATHER_ROWS:
             rows = fused_cpu.int8_rows(self.codes, self.scales, ids)
             if rows is not None:
                 return rows.to(self.dtype)
-        return Int8Rows(self.codes, self.scales, self.offsets, self.group_size).gather(ids, self.dtype)
+        return self.rows().gather(ids, self.dtype)
+
+
+class PanelEmbedding(nn.Module):
+    """An int8 embedding whose codes are held once, in the panels of its tied vocabulary projection (an Int8DotLinear
+    under --activation-dtype int8, models/int8_activations.py): a lookup widens only the rows it reads, from there."""
+
+    def __init__(self, head: "Int8DotLinear", dtype: torch.dtype):
+        super().__init__()
+        self.dtype = dtype
+        self.num_embeddings, self.embedding_dim = head.out_features, head.in_features
+        self.group_size = head.group_size
+        self.register_buffer("codes", head.codes)  # the head's own tensors: the ledger counts them once
+        self.register_buffer("scales", head.scales)
+        self.register_buffer("offsets", head.offsets)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        w = int4_int8.PanelWeight(self.codes, self.scales, self.offsets, self.group_size, bits=8)
+        return int4_int8.gather_rows(w, ids, self.dtype)
 
 
 class Int8Linear(nn.Module):
@@ -472,16 +495,15 @@ class Int8Linear(nn.Module):
         # tied: the embedding's tensors (already contiguous float32: the same storage), counted once by the ledger
         self.register_buffer("codes", rows.codes.contiguous())
         self.register_buffer("scales", rows.scales.to(torch.float32).contiguous())
-        self.symmetric = not bool(rows.offsets.any())  # w = scale * q: no offsets read (nor held, untied)
-        offsets = rows.offsets.to(torch.float32).contiguous()
-        self.register_buffer("offsets", offsets if tied or not self.symmetric else None)
+        self.symmetric = not bool(rows.offsets.any())  # w = scale * q: no offsets read nor held
+        self.register_buffer("offsets", None if self.symmetric else rows.offsets.to(torch.float32).contiguous())
         self.register_buffer("perm", perm, persistent=False)  # an index into the input, not weight bytes
         self.tied = tied
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
 
     @classmethod
     def of_embedding(cls, embedding: "Int8Embedding") -> "Int8Linear":
-        return cls(Int8Rows(embedding.codes, embedding.scales, embedding.offsets, embedding.group_size), tied=True)
+        return cls(embedding.rows(), tied=True)
 
     def rows(self) -> Int8Rows:
         """The weight as an Int8Rows (zero offsets where symmetric)."""

@@ -337,10 +337,10 @@ def kept_int8(kind: Q, gguf_name: str, shape: tuple[int, ...]) -> bool:
     return kind == Q.Q8_0 and len(shape) == 2 and shape[1] % Q8_BLOCK == 0
 
 
-def int8_held_bytes(params: int, embedding: bool = True) -> int:
-    """Bytes a kept Q8_0 tensor of `params` weights holds: a byte each and a float32 scale per 32, and for the
-    embedding a float32 offset per 32 too (Int8Embedding's lookups read one; a linear holds none: Q8_0 is symmetric)."""
-    return params + params // Q8_BLOCK * (8 if embedding else 4)
+def int8_held_bytes(params: int) -> int:
+    """Bytes a kept Q8_0 tensor of `params` weights holds, embedding or linear: a byte each and a float32 scale per 32
+    (no offsets: Q8_0 is symmetric)."""
+    return params + params // Q8_BLOCK * 4
 
 
 def q8_0_rows(data, shape: tuple[int, int]) -> Int8Rows:

@@ -6,7 +6,8 @@ On CPU with 4-bit matrices packed (the default), loading keeps
   half a byte a weight and, per group, a symmetric compressed-tensors module's scale as stored (2 bytes for the
   usual 16-bit scale: the checkpoint's own size), or a float32 scale and offset (8 bytes: asymmetric schemes, where
   a 16-bit scale times a zero point needs float32, and the GPTQ / AWQ layouts);
-- an 8-bit embedding as int8 codes with a float32 scale and offset per group (models/layers.Int8Embedding);
+- an 8-bit embedding as int8 codes with a float32 scale per group, and an offset where asymmetric
+  (models/layers.Int8Embedding);
 - an 8-bit linear as int8 codes with a float32 scale per group, and a float32 offset per group where the scheme is
   asymmetric (models/layers.Int8Linear; on CUDA in bfloat16, where torch's int4 layout holds the 4-bit ones, it is
   dequantized);
@@ -112,7 +113,7 @@ def module_held_bytes(n: int, k: int, group: int, bits: int, embedding: bool, ac
     if bits == 4 and not embedding and packable((n, k), group):
         return _packed_bytes(n, k, group, symmetric_scale_bytes, torch_int4)
     if bits == 8 and embedding and not act_order and group and k % group == 0:
-        return n * k + n * (k // group) * 8
+        return n * k + n * (k // group) * (4 if symmetric_scale_bytes is not None else 8)
     if bits == 8 and not embedding and group and k % group == 0:
         if torch_int4:  # CUDA in bfloat16: dequantized (models/layers._held_int8), 2 bytes a weight
             return 2 * n * k
