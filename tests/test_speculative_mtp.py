@@ -300,3 +300,50 @@ def test_compressed_tensors_head_loads_as_stored(tmp_path):
     held = sum(t.numel() * t.element_size() for t in packed.mtp.state_dict().values())
     floats = sum(t.numel() * 4 for t in ours.mtp.state_dict().values())
     assert held < 0.4 * floats
+
+
+GGUF_MTP = Path(__file__).parent / "data" / "gguf" / "tiny-mtp-fitted-q8_0.gguf"
+
+
+def _held_weight(module: torch.nn.Module) -> torch.Tensor:
+    """A loaded linear's or norm's weight in float32: dequantized where it is held int8."""
+    from deltaserve.models.layers import Int8Linear
+
+    return module.rows().dequantize() if isinstance(module, Int8Linear) else module.weight.detach().float()
+
+
+def test_gguf_head_converted_by_llama_cpp_loads_as_stored():
+    """The fitted hybrid converted by llama.cpp's own converter with its MTP head (tests/data/make_gguf_fixtures.py
+    mtp_fixture: blk.4.* and blk.4.nextn.*, {arch}.nextn_predict_layers = 1, at its Q8_0): the decoder keeps its 4
+    layers, and each head tensor is the checkpoint's own (the converter's Q8_0 matrices within a quantum of each
+    block's largest weight, its norms less the one it added, which it added in float16: within half a float16 ulp in
+    [1, 2)), the matrices held 8-bit as stored. Speculation on that file is lossless and its drafts are verified."""
+    from deltaserve.models.layers import Int8Linear
+    from deltaserve.weights.gguf import read_gguf_config
+
+    config = read_gguf_config(GGUF_MTP)
+    assert config["num_hidden_layers"] == 4 and config["mtp_num_hidden_layers"] == 1
+    assert len(config["layer_types"]) == 4
+    ours = load_model(GGUF_MTP, mtp=True, dequantize=False).model.mtp
+    reference = {k: v.float() for k, v in load_file(FITTED / "model.safetensors").items() if k.startswith("mtp.")}
+    modules = dict(ours.named_modules(prefix="mtp"))
+    for name, want in reference.items():
+        module = modules[name[: -len(".weight")]]
+        got = _held_weight(module)
+        assert got.shape == want.shape, name
+        if want.dim() == 1:  # a norm
+            assert (got - want).abs().max() <= 2.0 ** -11 + 1e-6, name
+        else:
+            assert isinstance(module, Int8Linear), name  # held 8-bit as stored
+            quantum = want.view(want.shape[0], -1, 32).abs().amax(-1, keepdim=True) / 127
+            assert ((got - want).view(want.shape[0], -1, 32).abs() <= quantum + 1e-6).all(), name
+    prompts = [random_prompt(16, seed, HYBRID_VOCAB) for seed in range(4)]
+    params = SamplingParams(max_tokens=24, **GREEDY)
+    as_stored = dict(max_running_requests=4, dequantize_weights=False, activation_dtype="float32")
+    plain = run_all(engine(str(GGUF_MTP), **as_stored), [(p, params) for p in prompts])
+    on = engine(str(GGUF_MTP), **as_stored, speculative="mtp", speculative_tokens=K)
+    on.speculation.adaptive = False
+    assert [tokens_of(o) for o in run_all(on, [(p, params) for p in prompts])] == [tokens_of(o) for o in plain]
+    assert on.speculation.accepted_total > 0
+    measured = on.measured_bytes()
+    assert abs(measured["weights"] - on.budget.line("weights").bytes) <= 0.01 * measured["weights"]

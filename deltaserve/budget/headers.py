@@ -170,7 +170,7 @@ def _groups_from_tensors(tensors) -> list[WeightGroup]:
 def _spec_from_gguf(path: Path) -> ModelMemorySpec:
     """Config synthesized from the GGUF metadata ({arch}.* keys); weight bytes from the tensor infos."""
     from deltaserve.weights import CheckpointError
-    from deltaserve.weights.gguf import open_gguf  # the loader's reader (parsed once for the spec and the load)
+    from deltaserve.weights.gguf import mtp_from, open_gguf, tensor_name  # the loader's reader and names
 
     try:
         reader = open_gguf(path)
@@ -184,7 +184,9 @@ def _spec_from_gguf(path: Path) -> ModelMemorySpec:
         raise SpecError(f"{path}: GGUF architecture {arch!r} is not supported: supported are {', '.join(GGUF_ARCHS)}")
     names = {t.name for t in reader.tensors}
     spec, _ = spec_shape(gguf_config(meta, names))
-    spec.weight_groups = _groups_from_tensors(_gguf_held(t) for t in reader.tensors)
+    first_mtp = mtp_from(reader)  # blocks from there on are the MTP head's: its group, not the layers'
+    spec.weight_groups = _groups_from_tensors((tensor_name(t.name, first_mtp), *_gguf_held(t)[1:])
+                                              for t in reader.tensors)
     spec.weight_source = "checkpoint headers"
     spec.quantization = "gguf " + ", ".join(sorted({t.tensor_type.name for t in reader.tensors}))
     return spec
@@ -195,7 +197,7 @@ def _gguf_held(t) -> tuple:
 
     What weights/gguf.py keeps packed (kernels/int4.py: half a byte per weight, per 32 the block's float16 scale (and
     Q4_1's float16 offset) or float32 products of two scales (Q4_K, IQ4_XS), the level table of IQ4_NL / IQ4_XS; a
-    Q8_0 embedding a byte per weight plus a float32 scale and offset per 32, shared by a tied lm_head; a Q8_0 linear a
+    Q8_0 embedding a byte per weight plus a float32 scale per 32, shared by a tied lm_head; a Q8_0 linear a
     byte per weight and a float32 scale per 32) is counted at that size; the rest in the compute dtype. On CUDA in
     bfloat16 the affine 4-bit matrices torch's int4 kernel takes are held in its layout (gguf.int4_torch_held_bytes),
     and Q8_0 linears, dequantized there, in bfloat16."""
@@ -224,7 +226,8 @@ def gguf_config(meta: dict, tensor_names: set[str]) -> dict:
     hidden, heads = key("embedding_length"), key("attention.head_count")
     vocab = key("vocab_size") or meta.get("tokenizer.ggml.token_count") or len(meta.get("tokenizer.ggml.tokens", []))
     config = {
-        "model_type": GGUF_ARCHS[arch], "hidden_size": hidden, "num_hidden_layers": key("block_count"),
+        "model_type": GGUF_ARCHS[arch], "hidden_size": hidden,
+        "num_hidden_layers": key("block_count") - (key("nextn_predict_layers", 0) or 0),  # MTP blocks: the head's
         "intermediate_size": key("feed_forward_length") or key("expert_shared_feed_forward_length") or 0, "num_attention_heads": heads,
         "num_key_value_heads": key("attention.head_count_kv", heads),
         "head_dim": key("attention.key_length") or hidden // heads, "vocab_size": vocab,
@@ -243,5 +246,6 @@ def gguf_config(meta: dict, tensor_names: set[str]) -> dict:
                       full_attention_interval=key("full_attention_interval", 4))
         recurrent = meta.get(f"{arch}.attention.recurrent_layers")
         if recurrent:  # the converter's per-layer truth; its full_attention_interval may be a default
-            config["layer_types"] = ["linear_attention" if r else "full_attention" for r in recurrent]
+            config["layer_types"] = ["linear_attention" if r else "full_attention"
+                                     for r in recurrent[:config["num_hidden_layers"]]]
     return config

@@ -134,6 +134,7 @@ def gguf_config(reader: GGUFReader, path: Path) -> dict:
         return value
 
     names = {t.name: t for t in reader.tensors}
+    layers = required("block_count") - mtp_layers(reader)
     hidden_size = required("embedding_length")
     heads = required("attention.head_count")
     kv_heads = meta("attention.head_count_kv", heads)
@@ -153,7 +154,7 @@ def gguf_config(reader: GGUFReader, path: Path) -> dict:
         "intermediate_size": meta("feed_forward_length") or (meta("expert_feed_forward_length")
                                                              and meta("expert_shared_feed_forward_length"))
         or required("feed_forward_length"),
-        "num_hidden_layers": required("block_count"),
+        "num_hidden_layers": layers,
         "num_attention_heads": heads,
         "num_key_value_heads": kv_heads,
         "head_dim": meta("attention.key_length", hidden_size // heads),
@@ -177,13 +178,34 @@ def gguf_config(reader: GGUFReader, path: Path) -> dict:
             config["rope_scaling"]["original_max_position_embeddings"] = original
     if arch in gguf_hybrid.ARCHITECTURES:
         config = gguf_hybrid.hybrid_config(arch, meta, required, config)
+        if mtp_layers(reader):
+            config["mtp_num_hidden_layers"] = mtp_layers(reader)
     return config
 
 
-def hf_name(gguf_name: str) -> str | None:
-    """The transformers parameter name of a GGUF tensor name, None when there is none."""
-    stem, dot, suffix = gguf_name.rpartition(".")
+def mtp_layers(reader: GGUFReader) -> int:
+    """The multi-token-prediction blocks a hybrid's GGUF holds after its decoder layers (`{arch}.nextn_predict_layers`:
+    llama.cpp's converter writes a Qwen3.5 / Qwen3-Next checkpoint's mtp.* as blk.{L}.* unless told --no-mtp)."""
+    arch = field(reader, "general.architecture")
+    if arch not in gguf_hybrid.ARCHITECTURES:
+        return 0
+    return int(field(reader, f"{arch}.nextn_predict_layers", 0) or 0)
+
+
+def mtp_from(reader: GGUFReader) -> int | None:
+    """The first MTP block's index (the decoder's layer count), or None when the file has none."""
+    n = mtp_layers(reader)
+    return field(reader, f"{field(reader, 'general.architecture')}.block_count") - n if n else None
+
+
+def hf_name(gguf_name: str, first_mtp: int | None = None) -> str | None:
+    """The transformers parameter name of a GGUF tensor name, None when there is none. Blocks from `first_mtp` on are
+    the MTP head's (gguf_hybrid.mtp_name)."""
     parts = gguf_name.split(".")
+    if first_mtp is not None and len(parts) > 2 and parts[0] == "blk" and parts[1].isdigit() \
+            and int(parts[1]) >= first_mtp:
+        return gguf_hybrid.mtp_name(gguf_name, int(parts[1]) - first_mtp, hf_name)
+    stem, dot, suffix = gguf_name.rpartition(".")
     if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in gguf_hybrid.BARE_NAMES:
         return f"model.layers.{parts[1]}.{gguf_hybrid.BARE_NAMES[parts[2]]}"
     if stem.endswith(".ssm_dt") and suffix == "bias":  # the converter's name for dt_bias
@@ -198,16 +220,17 @@ def hf_name(gguf_name: str) -> str | None:
     return None
 
 
-def tensor_name(gguf_name: str) -> str:
+def tensor_name(gguf_name: str, first_mtp: int | None = None) -> str:
     """The name a tensor gets in a Checkpoint: its HF name, or its GGUF name if it has none (rope_freqs)."""
-    return hf_name(gguf_name) or gguf_name
+    return hf_name(gguf_name, first_mtp) or gguf_name
 
 
 def read_gguf_index(path: Path) -> dict[str, tuple[str, tuple[int, ...], int]]:
     """name -> (GGUF type name, HF-order shape, bytes as stored), from the headers only."""
     reader = open_gguf(path)
-    return {tensor_name(t.name): (t.tensor_type.name, tuple(int(d) for d in reversed(t.shape)), int(t.n_bytes))
-            for t in reader.tensors}
+    first_mtp = mtp_from(reader)
+    return {tensor_name(t.name, first_mtp): (t.tensor_type.name, tuple(int(d) for d in reversed(t.shape)),
+                                             int(t.n_bytes)) for t in reader.tensors}
 
 
 def read_gguf_config(path: Path) -> dict:
@@ -230,9 +253,10 @@ def load_gguf(path: Path, dtype: torch.dtype, skip_prefixes: tuple[str, ...], ke
     config = gguf_config(reader, path)
     tokenizer = gguf_tokenizer(reader, path)
     tensors, skipped, halves = {}, {}, {}
+    first_mtp = mtp_from(reader)
     progress = LoadProgress(path.name, sum(int(t.n_bytes) for t in reader.tensors))
     for tensor in reader.tensors:
-        name = tensor_name(tensor.name)
+        name = tensor_name(tensor.name, first_mtp)
         prefix = next((p for p in skip_prefixes if name.startswith(p)), None)
         if prefix is not None:
             skipped[prefix] = skipped.get(prefix, 0) + 1

@@ -44,7 +44,11 @@ LAYER_NAMES = {
 STACKED_EXPERTS = tuple(f"mlp.experts.{p}.weight" for p in ("gate_proj", "up_proj", "down_proj"))
 QKVZ_PARTS = ("linear_attn.in_proj_qkv.weight", "linear_attn.in_proj_z.weight")
 BARE_NAMES = {"ssm_a": "linear_attn.A_log"}  # tensors with no .weight / .bias suffix
-PLUS_ONE_NORMS = ("input_layernorm", "post_attention_layernorm", "q_norm", "k_norm", "model.norm")
+PLUS_ONE_NORMS = ("input_layernorm", "post_attention_layernorm", "q_norm", "k_norm", "model.norm",
+                  "pre_fc_norm_embedding", "pre_fc_norm_hidden", "mtp.norm")
+# The MTP head's own tensors as the converter names them in its block (its layer's are a decoder layer's names)
+NEXTN_NAMES = {"eh_proj": "fc", "enorm": "pre_fc_norm_embedding", "hnorm": "pre_fc_norm_hidden",
+               "shared_head_norm": "norm"}
 
 
 SSM_KEYS = ("ssm.conv_kernel", "ssm.state_size", "ssm.group_count", "ssm.time_step_rank", "ssm.inner_size")
@@ -56,8 +60,10 @@ def hybrid_config(arch: str, meta, required, config: dict) -> dict:
     for key in SSM_KEYS:
         required(key)
     v_heads = meta("ssm.time_step_rank")
-    recurrent = meta("attention.recurrent_layers")
-    if recurrent is None:
+    recurrent = meta("attention.recurrent_layers")  # with MTP blocks: one entry each past the decoder's
+    if recurrent is not None:
+        recurrent = recurrent[:config["num_hidden_layers"]]
+    else:
         interval = meta("full_attention_interval", 4)
         recurrent = [(i + 1) % interval != 0 for i in range(config["num_hidden_layers"])]
     head_dim = config["head_dim"]
@@ -78,6 +84,20 @@ def hybrid_config(arch: str, meta, required, config: dict) -> dict:
                       moe_intermediate_size=meta("expert_feed_forward_length"),
                       shared_expert_intermediate_size=meta("expert_shared_feed_forward_length"))
     return config
+
+
+def mtp_name(gguf_name: str, index: int, layer_name) -> str | None:
+    """The checkpoint name of a tensor of MTP block `index` (blk.{L + index}.*, L the decoder's layers): llama.cpp's
+    converter (conversion/qwen.py, _QwenMtpMixin) writes mtp.fc / pre_fc_norm_embedding / pre_fc_norm_hidden / norm
+    as blk.{L}.nextn.{eh_proj, enorm, hnorm, shared_head_norm} and mtp.layers.{i}.* as blk.{L + i}.*, every norm
+    plus one like the model's (undone by to_checkpoint). `layer_name`: the decoder layers' mapping (gguf.hf_name)."""
+    parts = gguf_name.split(".")
+    if len(parts) == 5 and parts[2] == "nextn" and parts[3] in NEXTN_NAMES:
+        return f"mtp.{NEXTN_NAMES[parts[3]]}.{parts[4]}"
+    inner = layer_name(".".join(["blk", "0", *parts[2:]]))
+    if inner is None or not inner.startswith("model.layers.0."):
+        return None
+    return f"mtp.layers.{index}.{inner[len('model.layers.0.'):]}"
 
 
 def value_head_order(config: dict, head_dim: int) -> np.ndarray | None:

@@ -11,7 +11,8 @@ prompt's token ids and llama.cpp's own logits at its last position go to <fixtur
 second peer of tests/test_weights_gguf_quantized.py). Every matrix row is a multiple of 256 so the K-quants and
 IQ4_XS apply to every matrix (llama-quantize would otherwise fall back to another type). Tiny Qwen3.5-MoE and
 Qwen3-Next models (norms randomized) are converted to Q8_0 too, with llama-debug's logits beside them, and
-quantized by llama-quantize to Q4_0.
+quantized by llama-quantize to Q4_0. The fitted MTP hybrid (tests/data/mtp_fitted) is converted with its
+multi-token-prediction head, at the converter's Q8_0 (`mtp_fixture`).
 
 The converter identifies a BPE pre-tokenizer by hashing its output on a fixed text and refuses unknown ones; our
 tiny tokenizer uses Qwen2's split regex, so the script runs the converter in-process with that lookup answering
@@ -20,6 +21,7 @@ tiny tokenizer uses Qwen2's split regex, so the script runs the converter in-pro
 
 import json
 import runpy
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -100,15 +102,17 @@ def tokenizer() -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>")
 
 
-def convert(llama_cpp: Path, model_dir: Path, out: Path, outtype: str = "f32") -> None:
-    """Run llama.cpp's converter in-process, its BPE pre-tokenizer lookup answering "qwen2"."""
+def convert(llama_cpp: Path, model_dir: Path, out: Path, outtype: str = "f32", mtp: bool = False) -> None:
+    """Run llama.cpp's converter in-process, its BPE pre-tokenizer lookup answering "qwen2"; `mtp`: the checkpoint's
+    multi-token-prediction head written too (the converter's default; --no-mtp otherwise)."""
     sys.path.insert(0, str(llama_cpp))
     sys.path.insert(0, str(llama_cpp / "gguf-py"))
     from conversion.base import TextModel  # llama.cpp's converter package
 
     TextModel.get_vocab_base_pre = lambda self, tokenizer: "qwen2"
     argv = sys.argv
-    sys.argv = ["convert_hf_to_gguf.py", str(model_dir), "--outtype", outtype, "--no-mtp", "--outfile", str(out)]
+    sys.argv = ["convert_hf_to_gguf.py", str(model_dir), "--outtype", outtype, *([] if mtp else ["--no-mtp"]),
+                "--outfile", str(out)]
     try:
         runpy.run_path(str(llama_cpp / "convert_hf_to_gguf.py"), run_name="__main__")
     finally:
@@ -149,6 +153,19 @@ def main() -> None:
         f32 = work / f"tiny-{arch}-f32.gguf"
         convert(llama_cpp, folder, f32)
         subprocess.run([str(quantize), "--pure", str(f32), str(OUT / f"tiny-{arch}-q4_0.gguf"), "Q4_0"], check=True)
+    mtp_fixture(llama_cpp, work)
+
+
+def mtp_fixture(llama_cpp: Path, work: Path) -> Path:
+    """The fitted MTP hybrid (tests/data/mtp_fitted) converted with its head (the converter's default) at its own
+    Q8_0: tiny-mtp-fitted-q8_0.gguf. Its word-level tokenizer is read as a plain fast tokenizer (transformers would
+    otherwise take Qwen3.5's class for it, which adds a token past the model's 160)."""
+    folder = work / "mtp_fitted"
+    shutil.copytree(Path(__file__).resolve().parent / "mtp_fitted", folder, dirs_exist_ok=True)
+    (folder / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))
+    out = OUT / "tiny-mtp-fitted-q8_0.gguf"
+    convert(llama_cpp, folder, out, "q8_0", mtp=True)
+    return out
 
 
 def save_llamacpp_logits(llama_cpp: Path, gguf_file: Path) -> None:
