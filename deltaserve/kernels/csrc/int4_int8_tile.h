@@ -260,6 +260,11 @@ void tile(const Act& a, int64_t m0, const Weight& w, int64_t h0, float* __restri
                                                                                  _mm256_maddubs_epi16(hh, vh)));
             }
 #endif
+            // keep each running sum in its register: integer adds reassociate freely, and GCC otherwise computed
+            // every product of the block first, spilling them (24 stores and reloads a block at 2 x 2 rows on
+            // Zen 3, 2 threads, 12288 x 576: 1 row 160 -> 95 us, 4 rows 410 -> 251 us)
+            __asm__("" : "+x"(isum[m][n]));
+            if constexpr (WIDE) __asm__("" : "+x"(isum_hi[m][n]));
           }
         }
       }
