@@ -61,9 +61,9 @@ def _held_safetensors(config: dict, files: list[Path], bits: int, tied: bool) ->
 
 def _int8_embedding_held(spec: ModelMemorySpec, files: list[Path]) -> None:
     """With dequantize_weights, an 8-bit compressed-tensors embedding stays int8 (models/layers.Int8Embedding): one
-    byte a weight plus a float32 scale per group (and an offset, asymmetric), not params x dtype; a tied lm_head over a 4-bit embedding
-    shares its dequantized table, and one over an int8-held embedding multiplies its codes (weights/held.py: 0
-    bytes)."""
+    byte a weight plus a float32 scale per group (and an offset, asymmetric), not params x dtype; a tied lm_head over a
+    4-bit embedding shares its dequantized table, and one over an int8-held embedding multiplies its codes
+    (weights/held.py: 0 bytes)."""
     from deltaserve.weights.hf import read_safetensors_header
 
     head = next((g for g in spec.weight_groups if g.name == "lm_head"), None)

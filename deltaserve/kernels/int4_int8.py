@@ -117,19 +117,19 @@ def repack_int8(w: Int8Rows, perm: torch.Tensor | None = None) -> PanelWeight:
 
 
 def gather_rows(w: PanelWeight, ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The float rows `ids` [...] -> [..., K] of an 8-bit panel weight in input order (an embedding table whose codes
-    are held once, as the tied vocabulary projection's panels): row t's codes lie in panel t // 16 at lane t % 16 of
-    each chunk, columns 4L .. 4L + 3 of each 32-column block in chunk L; w = s (c - 128), or s c + o' with offsets."""
-    if w.bits != 8 or w.perm is not None:
-        raise ValueError("gather_rows: an 8-bit panel weight with its columns in order")
+    """The float rows `ids` [...] -> [..., K] of a symmetric 8-bit panel weight in input order (an embedding table whose
+    codes are held once, as the tied vocabulary projection's panels): row t's codes lie in panel t // 16 at lane
+    t % 16 of each chunk, columns 4L .. 4L + 3 of each 32-column block in chunk L; w = s (c - 128) = s q, the table's
+    own rows exactly (an asymmetric one's s c + (o - 128 s) would round otherwise: not served)."""
+    if w.bits != 8 or w.perm is not None or w.offsets is not None:
+        raise ValueError("gather_rows: a symmetric 8-bit panel weight with its columns in order")
     n, k = w.shape
     flat = ids.reshape(-1)
     panel, lane = flat // PANEL_ROWS, flat % PANEL_ROWS
     codes = w.codes.view(n // PANEL_ROWS, k // BLOCK, 8, PANEL_ROWS, 4)[panel, :, :, lane, :]  # [r, K / 32, 8, 4]
     codes = codes.reshape(flat.shape[0], k // w.group_size, w.group_size).to(torch.float32)
     scales = w.scales[panel, :, lane].to(torch.float32)[..., None]  # [r, K / group, 1]
-    rows = (codes - 128.0) * scales if w.offsets is None else codes * scales + w.offsets[panel, :, lane][..., None]
-    return rows.view(*ids.shape, k).to(dtype)
+    return ((codes - 128.0) * scales).view(*ids.shape, k).to(dtype)
 
 
 def _panel_params(t: torch.Tensor | None) -> torch.Tensor | None:
