@@ -436,6 +436,13 @@ def _held_int4(module: nn.Module, pname: str, codes: Int4Codes | PackedInt4, ten
 NATIVE_GATHER_ROWS = 64  # ids an int8 embedding widens in fused_cpu's one-thread loop (a decode step's); more: torch
 
 
+def held_int8_rows(module: nn.Module) -> Int8Rows:
+    """An Int8Embedding's or Int8Linear's codes as an Int8Rows; a symmetric one holds no offsets, so its zeros are one
+    value expanded (no table-sized tensor made on a lookup or a product)."""
+    offsets = module.offsets if module.offsets is not None else module.scales.new_zeros(()).expand_as(module.scales)
+    return Int8Rows(module.codes, module.scales, offsets, module.group_size)
+
+
 class Int8Embedding(nn.Module):
     """An embedding whose table stays int8 (kernels/int8.py): a lookup widens only the rows it reads."""
 
@@ -451,8 +458,7 @@ class Int8Embedding(nn.Module):
 
     def rows(self) -> Int8Rows:
         """The table as an Int8Rows (zero offsets where symmetric)."""
-        offsets = self.offsets if self.offsets is not None else torch.zeros_like(self.scales)
-        return Int8Rows(self.codes, self.scales, offsets, self.group_size)
+        return held_int8_rows(self)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.symmetric and ids.numel() <= NATIVE_GATHER_ROWS:
@@ -472,11 +478,10 @@ class PanelEmbedding(nn.Module):
         self.num_embeddings, self.embedding_dim = head.out_features, head.in_features
         self.group_size = head.group_size
         self.register_buffer("codes", head.codes)  # the head's own tensors: the ledger counts them once
-        self.register_buffer("scales", head.scales)
-        self.register_buffer("offsets", head.offsets)
+        self.register_buffer("scales", head.scales)  # symmetric: no offsets (models/int8_activations.py)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        w = int4_int8.PanelWeight(self.codes, self.scales, self.offsets, self.group_size, bits=8)
+        w = int4_int8.PanelWeight(self.codes, self.scales, None, self.group_size, bits=8)
         return int4_int8.gather_rows(w, ids, self.dtype)
 
 
@@ -507,8 +512,7 @@ class Int8Linear(nn.Module):
 
     def rows(self) -> Int8Rows:
         """The weight as an Int8Rows (zero offsets where symmetric)."""
-        offsets = self.offsets if self.offsets is not None else torch.zeros_like(self.scales)
-        return Int8Rows(self.codes, self.scales, offsets, self.group_size)
+        return held_int8_rows(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from deltaserve.kernels import decode_cpu

@@ -134,7 +134,8 @@ def gguf_config(reader: GGUFReader, path: Path) -> dict:
         return value
 
     names = {t.name: t for t in reader.tensors}
-    layers = required("block_count") - mtp_layers(reader)
+    mtp = mtp_layers(reader)
+    layers = required("block_count") - mtp
     hidden_size = required("embedding_length")
     heads = required("attention.head_count")
     kv_heads = meta("attention.head_count_kv", heads)
@@ -178,8 +179,8 @@ def gguf_config(reader: GGUFReader, path: Path) -> dict:
             config["rope_scaling"]["original_max_position_embeddings"] = original
     if arch in gguf_hybrid.ARCHITECTURES:
         config = gguf_hybrid.hybrid_config(arch, meta, required, config)
-        if mtp_layers(reader):
-            config["mtp_num_hidden_layers"] = mtp_layers(reader)
+        if mtp:
+            config["mtp_num_hidden_layers"] = mtp
     return config
 
 
