@@ -368,6 +368,26 @@ def test_measured_step_cost_decides_the_draft_length():
     assert draft_len(0.6, fresh.draft_costs(alone, 3)) == 2 and draft_len(0.6, fresh.draft_costs(crowded, 3)) == 0
 
 
+def test_step_costs_skip_first_steps_and_forget_stale_ones():
+    """A row count's first step (one-time costs) is not kept, and a count not seen for STALE_STEPS steps no longer
+    prices drafts: a slow early 3-row step (the MTP head's first verification) cannot keep drafting off for good."""
+    from deltaserve.engine.speculative import STALE_STEPS, StepCosts
+
+    costs = StepCosts()
+    costs.observe(3, 0.0018)
+    assert 3 not in costs.decode_s  # the first 3-row step: not kept
+    for _ in range(2):
+        costs.observe(1, 0.0007)
+        costs.observe(2, 0.0009)
+    costs.observe(3, 0.0030)  # a slow 3-row step, kept
+    assert costs.decode_line(0.5, 4)[1] > 0.001  # it makes a row look dear
+    for _ in range(STALE_STEPS // 2 + 1):
+        costs.observe(1, 0.0007)
+        costs.observe(2, 0.0009)
+    fixed, per_row = costs.decode_line(0.5, 4)  # 1 and 2 rows only, the 3-row step gone stale
+    assert per_row == pytest.approx(0.0002) and fixed == pytest.approx(0.0005)
+
+
 def test_deploy_file_sets_speculation_per_role(tmp_path):
     from deltaserve.deploy.schema import DeployError, load_deployment
 

@@ -19,6 +19,8 @@ from safetensors.torch import load_file, save_file
 from deltaserve.budget import SpecError
 from deltaserve.engine.loader import load_model
 from deltaserve.engine.request import SamplingParams
+from deltaserve.kernels import decode_cpu, fused_cpu
+from deltaserve.models.batch import ModelCaches
 from test_engine_support import (HYBRID_VOCAB, engine, make_dense_checkpoint, make_hybrid_checkpoint, random_prompt,
                                  run_all, tokens_of)
 
@@ -135,6 +137,27 @@ def test_head_matches_transformers_layers_on_the_same_weights(mtp_folder):
             torch.testing.assert_close(h_ours, h_ref, atol=2e-5, rtol=1e-4)
         assert torch.equal(k_cache, before)
 
+        # the native blocks (decode_rows, what the drafter runs on CPU) on the same rows, into caches of their own;
+        # the chained rows' K/V go to their positions' slots (what the drafter's propose does)
+        assert decode_cpu.load() is not None and fused_cpu.load() is not None  # this machine builds them
+        none = [None] * head.kv_layer
+        caches = ModelCaches(k=none + [torch.zeros(64, kv_heads, d)], v=none + [torch.zeros(64, kv_heads, d)],
+                             conv=[], recurrent=[])
+
+        def native(tokens: list[int], hiddens: torch.Tensor, start: int) -> torch.Tensor:
+            ids_ = torch.tensor(tokens)
+            rows = len(tokens)
+            out = head.decode_rows(ids_, ours.model.embed_tokens(ids_), hiddens, start, slots[start:start + rows],
+                                   slots[:start + rows].expand(rows, -1).contiguous(), caches)
+            assert out is not None  # the blocks serve here: float32 on CPU, built (conftest)
+            return out
+
+        got = torch.cat([native(ids[1:m + 1], hidden[:m], 0), native(ids[m + 1:], hidden[m:n], m)])
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+        for j in range(chain_len):
+            got = torch.cat([got, native([drafts[n + j]], got[-1:], n + j)])
+        torch.testing.assert_close(got, h_ref, atol=2e-5, rtol=1e-4)
+
 
 def test_greedy_equals_speculation_off_and_pools_return(mtp_folder):
     """Greedy output with MTP drafts (batch 1, then mixed batches beside prompt chunks) equals output without
@@ -160,11 +183,20 @@ def test_greedy_equals_speculation_off_and_pools_return(mtp_folder):
     assert not on.mtp_drafter.next
 
 
-def test_drafter_state_equals_the_head_over_the_whole_sequence(mtp_folder):
+@pytest.mark.parametrize("blocks", ["native", "op-by-op"])
+def test_drafter_state_equals_the_head_over_the_whole_sequence(mtp_folder, blocks):
     """Whatever the steps were (prompt chunks, verifications with rejections, plain decodes), after each step the
     drafter's first draft and its hidden state equal the head run once over the request's whole kept sequence,
     fed transformers' hidden states of it: the rows the head saw, and the tokens paired with them, are the right
-    ones."""
+    ones. Its chained drafts (propose) are those of the head run op by op. Both with the native decode blocks (the
+    drafter's CPU path) and without (decode_cpu disabled: the head's rows op by op)."""
+    import contextlib
+
+    with decode_cpu.disabled() if blocks == "op-by-op" else contextlib.nullcontext():
+        drafter_state_equals_the_head(mtp_folder)
+
+
+def drafter_state_equals_the_head(mtp_folder):
     from transformers import AutoModelForCausalLM
 
     target = AutoModelForCausalLM.from_pretrained(mtp_folder, dtype=torch.float32).eval()
@@ -190,6 +222,17 @@ def test_drafter_state_equals_the_head_over_the_whole_sequence(mtp_folder):
                         slots[:0], write_slots=slots)[-1]
         torch.testing.assert_close(state.hidden, want, atol=1e-4, rtol=1e-4)
         assert state.cached == request.num_cached and state.token == int(target.lm_head(want).argmax())
+        # the chain: the head op by op from the same state, its K/V in a list (not the cache)
+        on.kv_pool.ensure(request, request.num_cached + K - 1)  # what the scheduler grows before drafting
+        drafts, hidden_j, chain = [state.token], state.hidden, []
+        slots = on.kv_pool.slots(request)[:request.num_cached]
+        with torch.no_grad():
+            for j in range(1, K):
+                hidden_j = head(on.loaded.model.model.embed_tokens(torch.tensor([drafts[-1]])), hidden_j[None],
+                                request.num_cached + j - 1, on.kv_pool.k[head.kv_layer], on.kv_pool.v[head.kv_layer],
+                                slots, chain=chain)[0]
+                drafts.append(int(on.loaded.model.lm_head(hidden_j).argmax()))
+        assert on.mtp_drafter.propose(request, K) == drafts
         checked += 1
     assert checked >= 5 and on.speculation.drafted_total > on.speculation.accepted_total
 

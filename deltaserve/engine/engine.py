@@ -135,7 +135,7 @@ class Engine:
         self.speculation = None
         self.mtp_drafter = None
         if c.speculative == "mtp":  # the ledger refused a checkpoint without a head (budget/lines.py)
-            self.mtp_drafter = MtpDrafter(loaded.model, self.kv_pool)
+            self.mtp_drafter = MtpDrafter(loaded.model, self.kv_pool, paged_kernel=c.attention_backend == "paged")
         if c.speculative != "off":
             self.speculation = Speculation(self.mtp_drafter or NgramDrafter(), c.speculative_tokens, snapshot_pool=(
                 snapshots.view(ckpt_slots, draft_slots) if snapshots is not None else None))
@@ -384,6 +384,7 @@ class Engine:
             raise RuntimeError("Engine.step() called while the background loop runs; use one or the other")
         self._hook("before_schedule")
         encoded = self._encode_one_image()
+        started = time.perf_counter()  # the step's time includes its planning: an MTP head drafts there
         with self._cond:
             try:
                 plan = self.scheduler.schedule()
@@ -395,7 +396,7 @@ class Engine:
             self._in_step = True
         try:
             with fused_cpu.denormals_flushed(self.device.type == "cpu"):  # for the step only: csrc/fused.cpp
-                self._run(plan)
+                self._run(plan, started)
         finally:
             with self._cond:
                 self._in_step = False
@@ -426,9 +427,9 @@ class Engine:
                 self._apply_pending_aborts()
         return True
 
-    def _run(self, plan) -> None:
-        """Forward, sample and complete one planned step; failures fail only the requests they belong to."""
-        started = time.perf_counter()
+    def _run(self, plan, started: float) -> None:
+        """Forward, sample and complete one planned step (planned from `started` on, perf_counter seconds); failures
+        fail only the requests they belong to."""
         fed = [(request, request.num_cached, n) for request, n in plan.sequences]  # what the MTP head reads after
         try:
             self._hook("after_schedule")

@@ -175,6 +175,7 @@ class Scheduler:
         prefill = []
         budget = self.prefill_chunk_tokens
         drafts = self._drafts(decode, budget)
+        decode = [r for r in decode if not r.finished]  # a drafter's pages could not be had (_drafts)
         budget -= sum(map(len, drafts.values()))
         # The ledger prices a step of a chunk beside one decode row per state slot. A prompt whose rest fits in the
         # chunk plus the decode rows this step leaves unused ends in it: a step of its own for the last few tokens
@@ -219,8 +220,8 @@ class Scheduler:
         step = StepRows(len(decode), len(decode), any(not r.prefilled for r in self.running))
         for request in decode:
             limit = min(self.speculation.max_tokens, request.max_new_tokens - len(request.output_ids) - 1, budget)
-            proposed = self.speculation.propose(request, limit, step)
-            if proposed:
+            proposed = self.speculation.propose(request, limit, step, grow=self._grow)
+            if proposed and not request.finished:
                 drafts[request] = proposed
                 budget -= len(proposed)
                 step.rows += len(proposed)

@@ -60,6 +60,7 @@ ACCEPTANCE_PRIOR = 0.6  # the estimate before a request's first verification
 # 16-row step.
 STEP_FIXED_ROWS = 4.5
 STEP_TIME_SMOOTHING = 0.1  # weight of the newest step in the running step times
+STALE_STEPS = 256  # decode steps after which a row count's running time no longer prices drafts
 PROBE_EVERY = 16  # decode steps at k = 0 before a one-draft probe
 PROBE_RATE = 0.8  # ... taken only where one draft accepted at this rate would pay
 
@@ -102,20 +103,35 @@ def draft_len(rate: float, costs: list[float]) -> int:
 
 
 class StepCosts:
-    """Running wall times of decode-only steps (verifying ones included), by their rows."""
+    """Running wall times of decode-only steps (verifying ones included), by their rows; a step's time runs from its
+    planning on, so that a drafter's own work (the MTP head's chained passes) is priced with the rows it drafts."""
 
     def __init__(self):
         self.decode_s: dict[int, float] = {}  # rows -> running seconds
+        self.seen: dict[int, int] = {}  # rows -> steps of that many rows observed
+        self.last: dict[int, int] = {}  # rows -> the step count when one was last observed
+        self.steps = 0
 
     def observe(self, rows: int, seconds: float) -> None:
+        """One decode step's wall time. The first step of each row count is not kept: it carries one-time costs
+        (arguments built lazily for that shape, first touches), and a count measured slow once and then never drafted
+        again would keep a draft looking dear (seen with the MTP head: a 3-row step's first 1.8 ms against ~1.0)."""
+        self.steps += 1
+        self.seen[rows] = self.seen.get(rows, 0) + 1
+        self.last[rows] = self.steps
+        if self.seen[rows] == 1:
+            return
         old = self.decode_s.get(rows)
         self.decode_s[rows] = seconds if old is None else old + STEP_TIME_SMOOTHING * (seconds - old)
 
     def decode_line(self, low: float, high: float) -> tuple[float, float]:
         """(fixed, per row): a decode step of R rows between `low` and `high` costs fixed + per_row x R, fitted to the
         measured row counts there (least squares: one noisy count cannot make a row look free); with one measured
-        count, or none there, the nearest scaled by the prior shape STEP_FIXED_ROWS + R; before any, the prior."""
-        points = [(r, t) for r, t in self.decode_s.items() if low <= r <= high]
+        count, or none there, the nearest scaled by the prior shape STEP_FIXED_ROWS + R; before any, the prior. A
+        count not measured in the last STALE_STEPS steps is left out: what was measured then may no longer hold
+        (the policy stopped choosing it), and the prior's shape lets drafts be tried again."""
+        points = [(r, t) for r, t in self.decode_s.items()
+                  if low <= r <= high and self.steps - self.last[r] <= STALE_STEPS]
         if len({r for r, _ in points}) >= 2:
             mean_r = sum(r for r, _ in points) / len(points)
             mean_t = sum(t for _, t in points) / len(points)
@@ -148,6 +164,8 @@ def ngram_drafts(tokens: np.ndarray, k: int) -> list[int]:
 
 class NgramDrafter:
     """Drafts from the request's own prompt and output."""
+
+    writes_ahead = False  # it writes no K/V (mtp_drafter.py's does)
 
     def propose(self, request, k: int) -> list[int]:
         state = request.speculative
@@ -186,9 +204,10 @@ class Speculation:
         if not plan.prefill:
             self.costs.observe(len(plan.decode) + sum(1 + len(plan.drafts[r]) for r in plan.verify), seconds)
 
-    def propose(self, request, limit: int, step: StepRows | None = None) -> list[int]:
+    def propose(self, request, limit: int, step: StepRows | None = None, grow=None) -> list[int]:
         """Drafts for a decode request this step (at most `limit`); [] when it decodes plainly. `step`: the step being
-        planned (None: a decode step of this request alone)."""
+        planned (None: a decode step of this request alone). `grow(request, tokens)`: makes the request's pages hold
+        `tokens` tokens, called before a drafter that writes its draft rows' K/V ahead (the MTP head) drafts."""
         if request.images is not None or limit <= 0:
             return []
         state = request.speculative
@@ -202,6 +221,10 @@ class Speculation:
                 return []
             k = 1
         state.idle_steps = 0
+        if grow is not None and k > 1 and getattr(self.drafter, "writes_ahead", False):
+            grow(request, request.num_cached + k - 1)
+            if request.finished:  # its pages could not be had (the scheduler failed it)
+                return []
         return self.drafter.propose(request, k)[:k]
 
     def snapshot_slot(self, state_slot: int, read: int) -> int:

@@ -22,10 +22,11 @@ from dataclasses import replace
 import torch
 import torch.nn as nn
 
-from deltaserve.models.batch import ATTENTION
+from deltaserve.kernels import decode_cpu, fused_cpu
+from deltaserve.models.batch import ATTENTION, ForwardBatch, ModelCaches
 from deltaserve.models.hybrid import (FULL_ATTENTION, HybridDecoderLayer, SparseMoeBlock, SwiGLU,
                                       ZeroCentredRMSNorm)
-from deltaserve.models.layers import apply_rotary, linear
+from deltaserve.models.layers import apply_rotary, current_parts, linear
 
 MTP_CONFIG_KEYS = ("mtp_num_hidden_layers", "num_nextn_predict_layers")
 
@@ -52,6 +53,8 @@ class MtpHead(nn.Module):
                                                         fused_projections=False)])
         self.norm = ZeroCentredRMSNorm(h, eps)
         self.rotary = rotary
+        self.stack = decode_cpu.Stack()  # decode_rows' arguments, kept between passes
+        self._rotary_rows: tuple[torch.Tensor, torch.Tensor] | None = None  # _cos_sin's table
         self.target_hidden: torch.Tensor | None = None  # the last forward's hidden states, every row (post-norm)
 
     def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, start: int, k_cache: torch.Tensor,
@@ -91,6 +94,45 @@ class MtpHead(nn.Module):
         normed, x = layer.post_attention_layernorm.after_add(attn.o_proj(o.to(x.dtype)), x)
         return self.norm(x + layer.mlp(normed))
 
+    def decode_rows(self, tokens: torch.Tensor, embeds: torch.Tensor, hidden: torch.Tensor, start: int,
+                    write_slots: torch.Tensor, context_slots: torch.Tensor, caches: ModelCaches,
+                    paged_kernel: bool = True) -> torch.Tensor | None:
+        """The head over n rows at positions start .. start + n - 1 of one sequence, as decode rows of the native
+        blocks (kernels/decode_cpu.py: its layer's attention and MLP in one decode_stack call, as the target's
+        decode steps run theirs): h' [n, H], or None where those blocks do not serve (then `forward`, op by op).
+        Row i (tokens[i], its embedding embeds[i], hidden[i]) writes its K/V at write_slots[i], then attends to
+        context_slots[i, :start + i + 1], its own and earlier rows' included (every row's K/V is written before any
+        row attends: the rows attend causally). `caches`: the pool's tensors, the head's K/V at index kv_layer;
+        `paged_kernel` False: the portable attention backend, which these blocks do not serve. A pass of the fitted
+        tiny head (H 64) took ~155 us as one call per block and op, of which the norms' and the layer's Python was
+        half."""
+        n = tokens.shape[0]
+        batch = ForwardBatch(input_ids=tokens, positions=torch.arange(start, start + n),
+                             q_lens=[1] * n, cached_lens=list(range(start, start + n)), num_decode=n,
+                             cu_q=torch.arange(n + 1), slot_mapping=write_slots, context_slots=context_slots,
+                             state_slots=torch.zeros(n, dtype=torch.long), logits_indices=torch.arange(n),
+                             paged_kernel=paged_kernel)
+        k_cache = caches.k[self.kv_layer]
+        if not (decode_cpu.serves(embeds, batch, k_cache) and fused_cpu.serves(hidden)):
+            return None
+        layer = self.layers[0]
+        args = self.stack.args_for((caches, *current_parts(self.layers)), lambda: [layer.stack_args(caches)])
+        if args is None:  # a block the layer's weights do not take (a mixture of experts)
+            return None
+        x = self.fc(torch.cat([_norm(embeds, self.pre_fc_norm_embedding), _norm(hidden, self.pre_fc_norm_hidden)],
+                              dim=-1)).contiguous()  # the residual stream, updated in place
+        self.stack.run_with(args, x, *self._cos_sin(start, n), batch)
+        return _norm(x, self.norm)
+
+    def _cos_sin(self, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rotary's rows (Rotary.rows) of positions start .. start + n - 1: slices of a table of every position
+        up to the longest seen (grown by doubling), the same values Rotary.rows computes for them."""
+        if self._rotary_rows is None or self._rotary_rows[0].shape[0] < start + n:
+            size = max(2 * (start + n), 256)
+            self._rotary_rows = self.rotary.rows(torch.arange(size))
+        cos, sin = self._rotary_rows
+        return cos[start:start + n], sin[start:start + n]
+
     @staticmethod
     def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int, attn) -> torch.Tensor:
         """Causal softmax attention of rows at start .. start + n - 1 over keys of positions 0 .. start + n - 1."""
@@ -103,6 +145,11 @@ class MtpHead(nn.Module):
         allowed = torch.arange(total, device=q.device)[None, :] <= (start + rows)[:, None]  # [n, total]
         scores = scores.masked_fill(~allowed, float("-inf"))
         return torch.einsum("hnt,thd->nhd", torch.softmax(scores, dim=-1), values)
+
+
+def _norm(x: torch.Tensor, norm: ZeroCentredRMSNorm) -> torch.Tensor:
+    """norm(x) for float32 rows [n, H] on CPU, through the kernel without the module's checks (decode_rows')."""
+    return fused_cpu.KERNELS.module.rms_norm(x, norm.weight, norm.eps, 1.0, None, None)[0]
 
 
 def attach(model, config: dict, moe_norm_topk_prob: bool = True) -> None:
