@@ -390,3 +390,146 @@ def test_gguf_head_converted_by_llama_cpp_loads_as_stored():
     assert on.speculation.accepted_total > 0
     measured = on.measured_bytes()
     assert abs(measured["weights"] - on.budget.line("weights").bytes) <= 0.01 * measured["weights"]
+
+
+def make_qwen3_next_mtp_checkpoint(folder: Path):
+    """A tiny random Qwen3-Next (GDN 3 : 1 attention, every layer a mixture of experts with a shared expert) saved
+    by transformers, with an `mtp.*` head whose decoder layer is another such model's full-attention layer 3 as
+    transformers saved it (the experts as the format writes them) plus random norms and fc, as Qwen3-Next-80B's
+    checkpoint lays its head out. Returns (the target, the donor's layer 3 holding the head's layer weights)."""
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    from test_engine_support import _save_word_tokenizer
+
+    def model(seed: str):
+        torch.manual_seed(zlib.crc32(seed.encode()))
+        config = Qwen3NextConfig(
+            vocab_size=HYBRID_VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+            linear_key_head_dim=16, linear_value_head_dim=16, num_experts=4, num_experts_per_tok=2,
+            moe_intermediate_size=32, shared_expert_intermediate_size=48, initializer_range=0.1,
+            max_position_embeddings=32768)
+        config._attn_implementation = "sdpa"
+        m = Qwen3NextForCausalLM(config).eval()
+        with torch.no_grad():
+            for name, p in m.named_parameters():
+                if "norm" in name or "dt_bias" in name:
+                    p.add_(torch.randn_like(p) * 0.2)
+        return m
+
+    target, donor = model("qwen3-next-target"), model("qwen3-next-mtp-donor")
+    target.save_pretrained(folder)
+    _save_word_tokenizer(folder)
+    donor_folder = folder / "donor"
+    donor.save_pretrained(donor_folder)
+    layer_prefix = f"model.layers.{MTP_LAYER_OF_TINY}."
+    assert donor.config.layer_types[MTP_LAYER_OF_TINY] == "full_attention"
+    donor_tensors = load_file(donor_folder / "model.safetensors")
+    head = {"mtp.layers.0." + k[len(layer_prefix):]: v for k, v in donor_tensors.items() if k.startswith(layer_prefix)}
+    assert any(".experts." in k for k in head) and any("shared_expert" in k for k in head)
+    h = target.config.hidden_size
+    for name in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        head[f"mtp.{name}.weight"] = torch.randn(h) * 0.2
+    head["mtp.fc.weight"] = torch.randn(h, 2 * h) * 0.1
+    config_path = folder / "config.json"
+    config_dict = json.loads(config_path.read_text())
+    config_dict["mtp_num_hidden_layers"] = 1
+    config_path.write_text(json.dumps(config_dict))
+    tensors = load_file(folder / "model.safetensors")
+    save_file({**tensors, **head}, folder / "model.safetensors", metadata={"format": "pt"})
+    return target, donor.model.layers[MTP_LAYER_OF_TINY], head
+
+
+def test_qwen3_next_head_matches_transformers_and_decodes_losslessly(tmp_path):
+    """Qwen3-Next's layout of the head (its decoder layer a mixture of experts with a gated shared expert, the
+    checkpoint's experts as transformers writes them): our head over a prompt against transformers' own
+    Qwen3NextDecoderLayer and RMSNorm on the same weights, composed as in vLLM's qwen3_next_mtp.py; then greedy
+    output with --speculative mtp equals output without, beside prompt chunks, and the pools come back. Its layer
+    is not one the native decode blocks take (experts): the drafter runs it op by op."""
+    from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextRMSNorm, Qwen3NextRotaryEmbedding
+
+    folder = tmp_path / "qwen3-next-mtp"
+    target, layer, head_tensors = make_qwen3_next_mtp_checkpoint(folder)
+    ours = load_model(folder, mtp=True).model
+    head = ours.mtp
+    assert head is not None and ours.geometry.layer_kinds[-1] == "attention"
+    h = target.config.hidden_size
+    norms = {}
+    for name in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        norms[name] = Qwen3NextRMSNorm(h, eps=target.config.rms_norm_eps).eval()
+        norms[name].weight.data.copy_(head_tensors[f"mtp.{name}.weight"])
+    fc = torch.nn.Linear(2 * h, h, bias=False)
+    fc.weight.data.copy_(head_tensors["mtp.fc.weight"])
+    rotary = Qwen3NextRotaryEmbedding(target.config)
+    ids = random_prompt(20, 11, HYBRID_VOCAB)
+    n = len(ids) - 1
+    with torch.no_grad():
+        hidden = target.model(torch.tensor([ids])).last_hidden_state[0]
+        x = fc(torch.cat([norms["pre_fc_norm_embedding"](target.model.embed_tokens(torch.tensor(ids[1:]))),
+                          norms["pre_fc_norm_hidden"](hidden[:n])], dim=-1))[None]
+        positions = torch.arange(n)[None]
+        out = layer(x, rotary(x, positions), attention_mask=None, position_ids=positions)
+        want = norms["norm"](out[0] if isinstance(out, tuple) else out)[0]
+        attn = head.layers[0].self_attn
+        k_cache, v_cache = (torch.zeros(32, attn.num_kv_heads, attn.head_dim) for _ in range(2))
+        slots = torch.randperm(32)[:n]
+        got = head(ours.model.embed_tokens(torch.tensor(ids[1:])), hidden[:n], 0, k_cache, v_cache, slots[:0],
+                   write_slots=slots)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+
+    prompts = [random_prompt(n, 70 + n, HYBRID_VOCAB) for n in (9, 100)]
+    params = SamplingParams(max_tokens=16, **GREEDY)
+    off = engine(str(folder), max_running_requests=2)
+    plain = run_all(off, [(p, params) for p in prompts])
+    on = engine(str(folder), max_running_requests=2, speculative="mtp", speculative_tokens=K)
+    on.speculation.adaptive = False
+    on.scheduler.prefill_chunk_tokens = 48
+    spec = run_all(on, [(p, params) for p in prompts])
+    assert [tokens_of(o) for o in spec] == [tokens_of(o) for o in plain]
+    assert on.speculation.drafted_total > 0
+    assert on.kv_pool.used_pages == 0 and on.state_pool.used_slots == 0
+
+
+GGUF_NEXT_MTP = Path(__file__).parent / "data" / "gguf" / "tiny-qwen3next-mtp-q8_0.gguf"
+
+
+def test_gguf_qwen3_next_head_converted_by_llama_cpp_loads_as_stored(tmp_path):
+    """Qwen3-Next with its MTP head converted by llama.cpp's converter (make_gguf_fixtures.py next_mtp_fixture, at its
+    Q8_0: the head's experts stacked in blk.4.ffn_*_exps, a shared expert's 48-wide rows left F16): each head tensor
+    is the checkpoint's own (made again here by the same seeded function): Q8_0 matrices within a quantum of each
+    block's largest weight, F16 / F32 ones within float16 rounding, norms less the converter's one; the dense
+    matrices held 8-bit as stored.
+    Speculation on that file is lossless and drafts; the ledger prices what is held."""
+    from deltaserve.models.layers import Int8Linear
+    from deltaserve.weights.gguf import read_gguf_config
+
+    config = read_gguf_config(GGUF_NEXT_MTP)
+    assert config["num_hidden_layers"] == 4 and config["mtp_num_hidden_layers"] == 1
+    _, _, head = make_qwen3_next_mtp_checkpoint(tmp_path / "hf")
+    ours = load_model(GGUF_NEXT_MTP, mtp=True, dequantize=False).model.mtp
+    modules = dict(ours.named_modules(prefix="mtp"))
+    held_8bit = 0
+    for name, want in head.items():
+        module = modules[name[: -len(".weight")]]
+        got = _held_weight(module)
+        assert got.shape == want.shape, name
+        # F32 (exact), F16 (the converter's float16), a norm with its one added in float16 ...
+        bound = (want.abs() + (1 if want.dim() == 1 else 0)) * 2.0 ** -11 + 1e-6
+        if want.dim() == 2 and want.shape[1] % 32 == 0:  # ... or Q8_0: a quantum of the block's largest weight
+            quantum = want.view(want.shape[0], -1, 32).abs().amax(-1, keepdim=True) / 127
+            bound = torch.maximum(bound, quantum.expand(-1, -1, 32).reshape(want.shape) + 1e-6)
+        assert ((got - want).abs() <= bound).all(), name
+        held_8bit += isinstance(module, Int8Linear)
+    assert held_8bit >= 7  # fc, q / k / v / o, the shared expert's gate / up: as stored (the routed experts are
+    # held as the model's other experts are)
+    prompts = [random_prompt(16, seed, HYBRID_VOCAB) for seed in range(3)]
+    params = SamplingParams(max_tokens=16, **GREEDY)
+    as_stored = dict(max_running_requests=4, dequantize_weights=False, activation_dtype="float32")
+    plain = run_all(engine(str(GGUF_NEXT_MTP), **as_stored), [(p, params) for p in prompts])
+    on = engine(str(GGUF_NEXT_MTP), **as_stored, speculative="mtp", speculative_tokens=K)
+    on.speculation.adaptive = False
+    assert [tokens_of(o) for o in run_all(on, [(p, params) for p in prompts])] == [tokens_of(o) for o in plain]
+    assert on.speculation.drafted_total > 0
+    measured = on.measured_bytes()
+    assert abs(measured["weights"] - on.budget.line("weights").bytes) <= 0.01 * measured["weights"]
+    assert on.kv_pool.used_pages == 0 and on.state_pool.used_slots == 0

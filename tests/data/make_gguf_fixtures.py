@@ -12,7 +12,8 @@ second peer of tests/test_weights_gguf_quantized.py). Every matrix row is a mult
 IQ4_XS apply to every matrix (llama-quantize would otherwise fall back to another type). Tiny Qwen3.5-MoE and
 Qwen3-Next models (norms randomized) are converted to Q8_0 too, with llama-debug's logits beside them, and
 quantized by llama-quantize to Q4_0. The fitted MTP hybrid (tests/data/mtp_fitted) is converted with its
-multi-token-prediction head, at the converter's Q8_0 (`mtp_fixture`).
+multi-token-prediction head, at the converter's Q8_0 (`mtp_fixture`), and so is a tiny Qwen3-Next whose head's layer
+is a mixture of experts (`next_mtp_fixture`).
 
 The converter identifies a BPE pre-tokenizer by hashing its output on a fixed text and refuses unknown ones; our
 tiny tokenizer uses Qwen2's split regex, so the script runs the converter in-process with that lookup answering
@@ -107,6 +108,8 @@ def convert(llama_cpp: Path, model_dir: Path, out: Path, outtype: str = "f32", m
     multi-token-prediction head written too (the converter's default; --no-mtp otherwise)."""
     sys.path.insert(0, str(llama_cpp))
     sys.path.insert(0, str(llama_cpp / "gguf-py"))
+    for name in [m for m in sys.modules if m == "gguf" or m.startswith("gguf.")]:
+        del sys.modules[name]  # an installed gguf imported earlier (deltaserve's reader): the tree's own instead
     from conversion.base import TextModel  # llama.cpp's converter package
 
     TextModel.get_vocab_base_pre = lambda self, tokenizer: "qwen2"
@@ -154,6 +157,7 @@ def main() -> None:
         convert(llama_cpp, folder, f32)
         subprocess.run([str(quantize), "--pure", str(f32), str(OUT / f"tiny-{arch}-q4_0.gguf"), "Q4_0"], check=True)
     mtp_fixture(llama_cpp, work)
+    next_mtp_fixture(llama_cpp, work)
 
 
 def mtp_fixture(llama_cpp: Path, work: Path) -> Path:
@@ -164,6 +168,24 @@ def mtp_fixture(llama_cpp: Path, work: Path) -> Path:
     shutil.copytree(Path(__file__).resolve().parent / "mtp_fitted", folder, dirs_exist_ok=True)
     (folder / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))
     out = OUT / "tiny-mtp-fitted-q8_0.gguf"
+    convert(llama_cpp, folder, out, "q8_0", mtp=True)
+    return out
+
+
+def next_mtp_fixture(llama_cpp: Path, work: Path) -> Path:
+    """A tiny Qwen3-Next with an MTP head whose decoder layer is a mixture of experts (tests/test_speculative_mtp.py
+    make_qwen3_next_mtp_checkpoint, seeded: the test makes the same checkpoint again as its reference), converted
+    with its head at the converter's Q8_0: tiny-qwen3next-mtp-q8_0.gguf."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from test_speculative_mtp import make_qwen3_next_mtp_checkpoint
+
+    folder = work / "qwen3next_mtp"
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
+    make_qwen3_next_mtp_checkpoint(folder)
+    shutil.rmtree(folder / "donor")
+    (folder / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))
+    out = OUT / "tiny-qwen3next-mtp-q8_0.gguf"
     convert(llama_cpp, folder, out, "q8_0", mtp=True)
     return out
 
