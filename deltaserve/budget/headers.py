@@ -20,8 +20,6 @@ from deltaserve.budget.spec import ModelMemorySpec, WeightGroup, spec_from_confi
 FLOAT_DTYPES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2}
 VISION_RE = re.compile(r"(^|\.)(visual|vision_tower|vision_model)\.")
 MTP_RE = re.compile(r"^(model\.)?mtp\.")
-GGUF_ARCHS = {"llama": "llama", "qwen3": "qwen3", "qwen35": "qwen3_5_text", "qwen35moe": "qwen3_5_moe_text",
-              "qwen3next": "qwen3_next"}
 
 
 def spec_from_checkpoint(path: str | Path) -> ModelMemorySpec:
@@ -168,22 +166,20 @@ def _groups_from_tensors(tensors) -> list[WeightGroup]:
 
 
 def _spec_from_gguf(path: Path) -> ModelMemorySpec:
-    """Config synthesized from the GGUF metadata ({arch}.* keys); weight bytes from the tensor infos."""
+    """The config the loader synthesizes from the GGUF metadata (weights/gguf.py gguf_config, one synthesis for
+    both: the ledger prices the model the loader builds); weight bytes from the tensor infos."""
     from deltaserve.weights import CheckpointError
-    from deltaserve.weights.gguf import mtp_from, open_gguf, tensor_name  # the loader's reader and names
+    from deltaserve.weights.gguf import gguf_config, mtp_from, open_gguf, tensor_name  # the loader's reader and names
 
     try:
         reader = open_gguf(path)
     except CheckpointError as e:
         raise SpecError(f"{path}: not a readable GGUF file ({e.problem})") from None
-    meta = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("tokenizer.")}
-    if "tokenizer.ggml.tokens" in reader.fields:
-        meta["tokenizer.ggml.token_count"] = len(reader.fields["tokenizer.ggml.tokens"].data)
-    arch = meta.get("general.architecture")
-    if arch not in GGUF_ARCHS:
-        raise SpecError(f"{path}: GGUF architecture {arch!r} is not supported: supported are {', '.join(GGUF_ARCHS)}")
-    names = {t.name for t in reader.tensors}
-    spec, _ = spec_shape(gguf_config(meta, names))
+    try:
+        config = gguf_config(reader, path)
+    except CheckpointError as e:
+        raise SpecError(f"{path}: {e.problem}") from None
+    spec, _ = spec_shape(config)
     first_mtp = mtp_from(reader)  # blocks from there on are the MTP head's: its group, not the layers'
     spec.weight_groups = _groups_from_tensors((tensor_name(t.name, first_mtp), *_gguf_held(t)[1:])
                                               for t in reader.tensors)
@@ -213,39 +209,3 @@ def _gguf_held(t) -> tuple:
             return t.name, params, int(t.n_bytes), False, int8_held_bytes(params)
         return t.name, params, int(t.n_bytes), False, int8_held_bytes(params), 2 * params
     return t.name, params, int(t.n_bytes), True
-
-
-def gguf_config(meta: dict, tensor_names: set[str]) -> dict:
-    """A HF-style config dict from GGUF metadata values (key -> contents())."""
-    arch = meta["general.architecture"]
-
-    def key(name, default=None):
-        value = meta.get(f"{arch}.{name}", default)
-        return max(value) if isinstance(value, list) else value  # per-layer arrays (hybrids): the attention value
-
-    hidden, heads = key("embedding_length"), key("attention.head_count")
-    vocab = key("vocab_size") or meta.get("tokenizer.ggml.token_count") or len(meta.get("tokenizer.ggml.tokens", []))
-    config = {
-        "model_type": GGUF_ARCHS[arch], "hidden_size": hidden,
-        "num_hidden_layers": key("block_count") - (key("nextn_predict_layers", 0) or 0),  # MTP blocks: the head's
-        "intermediate_size": key("feed_forward_length") or key("expert_shared_feed_forward_length") or 0, "num_attention_heads": heads,
-        "num_key_value_heads": key("attention.head_count_kv", heads),
-        "head_dim": key("attention.key_length") or hidden // heads, "vocab_size": vocab,
-        "max_position_embeddings": key("context_length", 4096),
-        "tie_word_embeddings": "output.weight" not in tensor_names,
-    }
-    if arch in ("qwen35", "qwen35moe", "qwen3next"):
-        # llama.cpp's converter: d_state = key head dim, n_group = key heads, dt_rank = value heads.
-        for name in ("ssm.conv_kernel", "ssm.state_size", "ssm.group_count", "ssm.time_step_rank", "ssm.inner_size"):
-            if key(name) is None:
-                raise SpecError(f"GGUF metadata lacks {arch}.{name}, which a {arch} model needs")
-        v_heads = key("ssm.time_step_rank")
-        config.update(linear_conv_kernel_dim=key("ssm.conv_kernel"), linear_key_head_dim=key("ssm.state_size"),
-                      linear_num_key_heads=key("ssm.group_count"), linear_num_value_heads=v_heads,
-                      linear_value_head_dim=key("ssm.inner_size") // v_heads,
-                      full_attention_interval=key("full_attention_interval", 4))
-        recurrent = meta.get(f"{arch}.attention.recurrent_layers")
-        if recurrent:  # the converter's per-layer truth; its full_attention_interval may be a default
-            config["layer_types"] = ["linear_attention" if r else "full_attention"
-                                     for r in recurrent[:config["num_hidden_layers"]]]
-    return config
