@@ -4,7 +4,7 @@ Tiny random Llama / Qwen3 models (float32 weights, and packed 4-bit ones with an
 hybrid test configs (gated attention with partial RoPE, GDN layers, SwiGLU and mixture-of-experts MLPs), a batch
 of decode rows over contexts of different lengths, float32 and 16-bit caches: every step's logits and the K/V rows
 written agree with the per-op path to float32 rounding (tests/tolerance.py's bound), on the native and the AVX2
-build. The transformers-oracle tests (test_models_dense.py, test_models_hybrid.py) run their decode steps through
+build; the one-call path's logits come from the final norm and LM head inside that call (decode_cpu head_args). The transformers-oracle tests (test_models_dense.py, test_models_hybrid.py) run their decode steps through
 the fused blocks too.
 """
 
@@ -112,6 +112,7 @@ def test_fused_decode_equals_the_per_op_path(kind, weights, cache, isa):
     fused, plain, caches, other = steps_both_ways(model, prompts, getattr(torch, cache), steps=6)
     assert model.model.layers[0].fused.parts is not None  # the blocks served (they take these weights)
     assert model.model.stack._args is not None  # all layers in one call (decode_stack)
+    assert model.fused_head.args is not None  # ... the final norm and the LM head at its end
     hidden = model.config["hidden_size"]
     tol = logits_rtol(3, max(hidden, model.config["intermediate_size"], 48)) * plain.abs().max().item()
     assert (fused - plain).abs().max().item() <= tol
@@ -138,6 +139,36 @@ def test_one_to_sixty_four_rows_and_a_prefill_step_keep_their_paths():
     assert not decode_cpu.serves(x, prefill_step, None)
     assert not decode_cpu.serves(torch.zeros(65, 128), decode_batch([1] * 65, [1] * 65), None)
     assert decode_cpu.serves(torch.zeros(64, 128), decode_batch([1] * 64, [1] * 64), None)
+
+
+@torch.inference_mode()
+def test_a_short_chunk_beside_decode_rows_gives_the_logits_of_its_last_row():
+    """A step with a 3-token prompt chunk beside two decode rows runs as decode rows (as_decode_rows: every row its
+    own query) in one call whose head projects the step's logits rows only: the chunk's last row and the two decode
+    rows, equal to the per-op path's."""
+    from deltaserve.models.batch import as_decode_rows
+
+    assert decode_cpu.load() is not None
+    model = tiny_dense("llama", "int4")
+    caches, tokens = prefilled(model, [[5, 9, 2, 7], [3, 3, 8], [1]], torch.float32)  # the third's slots reused
+    tokens, lens = tokens[:2], [4, 3]
+    chunk = [11, 12, 13]  # a third sequence's first 3 prompt tokens, at slots 2 * SLOTS_PER_SEQ onwards
+    slots = [torch.arange(i * SLOTS_PER_SEQ, i * SLOTS_PER_SEQ + n + 1) for i, n in enumerate(lens)]
+    third = torch.arange(2 * SLOTS_PER_SEQ, 2 * SLOTS_PER_SEQ + 3)
+    batch = ForwardBatch(
+        input_ids=torch.tensor(tokens + chunk), positions=torch.tensor(lens + [0, 1, 2]), q_lens=[1, 1, 3],
+        cached_lens=lens + [0], num_decode=2, cu_q=torch.tensor([0, 1, 2, 5]),
+        slot_mapping=torch.cat([torch.stack([s[-1] for s in slots]), third]),
+        context_slots=torch.nn.utils.rnn.pad_sequence([*slots, third], batch_first=True),
+        state_slots=torch.arange(3), logits_indices=torch.tensor([0, 1, 4]))
+    assert as_decode_rows(batch, decode_cpu.MAX_ROWS) is not None  # the fused path takes this step
+    other = copy.deepcopy(caches)
+    fused = model(batch, caches)
+    assert model.fused_head.args is not None
+    with decode_cpu.disabled():
+        plain = model(batch, other)
+    assert fused.shape == plain.shape == (3, VOCAB)
+    assert (fused - plain).abs().max().item() <= logits_rtol(3, 192) * plain.abs().max().item()
 
 
 def test_weights_it_does_not_take_leave_the_per_op_path():
@@ -177,6 +208,7 @@ def test_hybrid_fused_decode_equals_the_per_op_path(name, cache, tmp_path):
         assert (layer.fused.parts[0] is not None) == fused_mixer
     # every layer in one call (decode_stack) where all blocks are fused; Qwen3-Next's steps go layer by layer
     assert (model.model.stack._args is not None) == name.startswith("qwen3_5")
+    assert model.fused_head.args is not None  # the head joins that call where there is one
     tol = logits_rtol(ref.config.num_hidden_layers, 64 * 16) * plain.abs().max().item()
     assert (fused - plain).abs().max().item() <= tol
     assert torch.equal(fused.argmax(-1), plain.argmax(-1))

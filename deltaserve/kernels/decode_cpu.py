@@ -15,7 +15,11 @@ call, with every intermediate in one scratch buffer:
 
 decode_stack runs every layer's blocks in one call (`Stack` keeps its flat arguments between steps): two calls per
 layer from Python cost SmolLM2 ~0.6 ms of a ~9 ms step. A model with a layer the blocks do not take (Qwen3-Next's
-packed in-projections, experts) calls the blocks layer by layer.
+packed in-projections, experts) calls the blocks layer by layer. The same call ends with the final norm and the LM
+head over the sampled rows (`head_args`, head_block) where the head is a projection the blocks take: between the
+last layer and the logits the step no longer returns to Python, whose few ops there ran on caches the weights had
+just streamed through (~100 us of a 1.4 ms step of bench/hybrid_decode.py's 4-bit tiny hybrid on Sapphire Rapids:
+decode 664-673 -> 734-752 tok/s; SmolLM2 Q4_1 +3%, alternated in one run).
 
 Projections are either float32 weights (linear_cpu.py's few-row kernel), packed 4-bit ones (int4_cpu.py's kernel) or,
 under --activation-dtype int8, packed 4-bit ones in int4_int8.py's panels: a block quantizes its normed input to int8
@@ -145,6 +149,14 @@ def mlp_args(parts, eps: float, offset: float) -> tuple[list, list, list]:
     return list(tensors), [1, *groups], [eps, offset]
 
 
+def head_args(norm_weight: torch.Tensor, parts, eps: float, offset: float,
+              vocab: int) -> tuple[tuple[list, list, list], int]:
+    """The final norm and the LM head as decode_stack's last entry (head_block): (its flat arguments, the vocabulary),
+    `parts` the head's projection_parts (models/layers.py)."""
+    tensors, group = parts
+    return ([norm_weight, *tensors], [3, group], [eps, offset]), vocab
+
+
 class Stack:
     """Every layer of a decode-only step in one native call (decode_stack) instead of two per layer: the flat
     argument lists are built once and rebuilt only when a layer's block parts or the caches are other objects."""
@@ -170,16 +182,28 @@ class Stack:
         return self._args
 
     @staticmethod
-    def run_with(args: tuple[list, list, list], x, cos, sin, batch) -> torch.Tensor:
-        """x [B, hidden] updated in place by every layer (cos / sin [B, rd] float32)."""
+    def run_with(args: tuple[list, list, list], x, cos, sin, batch, head=None, rows=None) -> torch.Tensor:
+        """x [B, hidden] updated in place by every layer (cos / sin [B, rd] float32), returned; with `head` (head_args)
+        the same call ends with the final norm and the LM head over the rows `rows` of x (int64 [R]: the step's
+        logits rows, which a batch made by as_decode_rows does not carry), and returns their logits [R, vocab]
+        float32 (no return to Python between the last layer and the logits)."""
         tensors, ints, floats = args
         snaps = EMPTY if batch.row_snapshots is None else batch.row_snapshots
-        return KERNELS.module.decode_stack(x, tensors, ints, floats, cos, sin, batch.slot_mapping, batch.context_slots,
-                                           batch.decode_context_lens, batch.state_slots, snaps)
+        if head is None:
+            return KERNELS.module.decode_stack(x, tensors, ints, floats, cos, sin, batch.slot_mapping,
+                                               batch.context_slots, batch.decode_context_lens, batch.state_slots, snaps,
+                                               EMPTY, EMPTY)
+        (head_tensors, head_ints, head_floats), vocab = head
+        rows = batch.logits_indices if rows is None else rows
+        logits = torch.empty(rows.shape[0], vocab)
+        KERNELS.module.decode_stack(x, tensors + head_tensors, ints + head_ints, floats + head_floats, cos, sin,
+                                    batch.slot_mapping, batch.context_slots, batch.decode_context_lens,
+                                    batch.state_slots, snaps, rows, logits)
+        return logits
 
-    def run(self, x, key: tuple, build, cos, sin, batch) -> torch.Tensor:
+    def run(self, x, key: tuple, build, cos, sin, batch, head=None, rows=None) -> torch.Tensor:
         """args_for then run_with, for a model whose layers the blocks always take."""
-        return self.run_with(self.args_for(key, build), x, cos, sin, batch)
+        return self.run_with(self.args_for(key, build), x, cos, sin, batch, head, rows)
 
 
 def serves_gdn(conv_states: torch.Tensor, states: torch.Tensor, *snapshots: torch.Tensor) -> bool:

@@ -24,9 +24,10 @@ from deltaserve.kernels import (conv_decode, conv_prefill, decode_cpu, fused_cpu
 from deltaserve.kernels.attention import paged_attention, write_kv
 from deltaserve.models.batch import (ATTENTION, GDN, CacheGeometry, ForwardBatch, ModelCaches, as_decode_rows,
                                      rows_as_decode)
-from deltaserve.models.layers import (FusedParts, Rotary, add_then_norm, announce_refusals, apply_rotary,
-                                     attention_parts, attention_refusals, by_row_blocks, current_parts, embedding,
-                                     linear, mlp_parts, mlp_refusals, projection_parts, refusal, rope_parameters)
+from deltaserve.models.layers import (FusedHead, FusedParts, Rotary, add_then_norm, announce_refusals,
+                                     apply_rotary, attention_parts, attention_refusals, by_row_blocks, current_parts,
+                                     embedding, linear, mlp_parts, mlp_refusals, projection_parts, refusal,
+                                     rope_parameters)
 
 log = logging.getLogger(__name__)
 
@@ -468,6 +469,12 @@ class HybridModel(nn.Module):
     def forward(self, batch: ForwardBatch, caches: ModelCaches, all_rows: bool = False) -> torch.Tensor:
         """Hidden states [R, hidden] of the batch's logits rows (before the final norm); of every row if `all_rows`
         (what an MTP head reads)."""
+        return self.run(batch, caches, all_rows)[0]
+
+    def run(self, batch: ForwardBatch, caches: ModelCaches, all_rows: bool = False,
+            head=None) -> tuple[torch.Tensor, bool]:
+        """(forward's hidden states, False); with `head` (layers.FusedHead's arguments: the final norm and the LM
+        head), where the step goes in one native call, (the logits rows' logits float32, True) from that call."""
         x = self.embed_tokens(batch.input_ids)
         if batch.image_rows is not None:  # image tokens read the vision tower's embeddings instead
             x = x.index_copy(0, batch.image_rows, batch.image_embeds.to(x.dtype))
@@ -484,18 +491,20 @@ class HybridModel(nn.Module):
         if args is not None or (flat is batch and decode_cpu.serves(x, batch, k_cache)):
             x = x.contiguous()  # the residual stream updated in place
             cos_sin = self.rotary.rows(positions)
-            if args is not None:  # every layer in one native call
+            if args is not None:  # every layer in one native call (and the head, where given)
+                if head is not None and not all_rows:
+                    return self.stack.run_with(args, x, *cos_sin, flat, head, rows), True
                 self.stack.run_with(args, x, *cos_sin, flat)
             else:  # a block some layer's weights do not take: layer by layer
                 for layer in self.layers:
                     layer.decode(x, cos_sin, batch, caches)
-            return x if all_rows else x.index_select(0, rows)
+            return (x if all_rows else x.index_select(0, rows)), False
         cos_sin = self.rotary.cos_sin(positions)
         for layer in self.layers[:-1]:
             x = layer(x, cos_sin, batch, caches)
         keep = None if all_rows else batch.last_layer_rows
         x = self.layers[-1](x, cos_sin, batch, caches, keep)
-        return x if keep is not None or all_rows else x.index_select(0, rows)
+        return (x if keep is not None or all_rows else x.index_select(0, rows)), False
 
 
 class HybridForCausalLM(nn.Module):
@@ -512,6 +521,7 @@ class HybridForCausalLM(nn.Module):
         self.tie_word_embeddings = tie_word_embeddings
         self.geometry = hybrid_geometry(self.model)
         self.mtp = None  # the checkpoint's MTP head where built (models/mtp.py attach)
+        self.fused_head = FusedHead(1.0)  # the zero-centred final norm and lm_head in the decode step's native call
 
     @property
     def tied_weights(self) -> dict[str, str]:
@@ -519,8 +529,10 @@ class HybridForCausalLM(nn.Module):
 
     def forward(self, batch: ForwardBatch, caches: ModelCaches) -> torch.Tensor:
         if self.mtp is None:
-            hidden = self.model.norm(self.model(batch, caches))
-            return self.lm_head(hidden).float()
+            out, logits = self.model.run(batch, caches, head=self.fused_head.get(self.model.norm, self.lm_head))
+            if logits:
+                return out
+            return self.lm_head(self.model.norm(out)).float()
         hidden = self.model.norm(self.model(batch, caches, all_rows=True))
         self.mtp.target_hidden = hidden  # every row's, for the MTP drafter (engine/mtp_drafter.py)
         return self.lm_head(hidden.index_select(0, batch.logits_indices)).float()

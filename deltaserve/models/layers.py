@@ -331,6 +331,26 @@ def mlp_parts(norm: nn.Module, mlp: nn.Module) -> tuple[list, list[int]] | None:
     return tensors, [group for _, group in projections]
 
 
+class FusedHead:
+    """A causal LM's final norm and LM head as the last entry of its decode_stack call (decode_cpu.head_args), built
+    once per loaded weights: rebuilt when the norm's weight or the head module is no longer the one it was built
+    from; None where the head is not a projection the blocks take (then the step returns to Python for it)."""
+
+    def __init__(self, offset: float):
+        self.offset = offset  # the norm's scale offset: 1 for a zero-centred norm
+        self.key: tuple | None = None
+        self.args = None
+
+    def get(self, norm: nn.Module, head: nn.Module):
+        weight = norm._parameters["weight"]
+        if self.key is None or self.key[0] is not weight or self.key[1] is not head:
+            parts = projection_parts(head) if weight.dtype == torch.float32 else None
+            self.args = (None if parts is None
+                         else decode_cpu.head_args(weight, parts, norm.eps, self.offset, head.out_features))
+            self.key = (weight, head)
+        return self.args
+
+
 class FusedParts:
     """What a layer hands the fused decode blocks, built once per loaded weights: rebuilt only when the layer's
     input norm weight is no longer the one it was built from (load_weights replaced the parameters)."""

@@ -13,7 +13,7 @@ from deltaserve.kernels import decode_cpu, fused_cpu
 from deltaserve.kernels.attention import paged_attention, write_kv
 from deltaserve.models.batch import (ATTENTION, CacheGeometry, ForwardBatch, ModelCaches, as_decode_rows,
                                      rows_as_decode)
-from deltaserve.models.layers import (FusedParts, Int8DotLinear, Int4Linear, Int8Linear, RMSNorm, Rotary,
+from deltaserve.models.layers import (FusedHead, FusedParts, Int8DotLinear, Int4Linear, Int8Linear, RMSNorm, Rotary,
                                      TorchInt4Linear, announce_refusals, apply_rotary, attention_parts,
                                      attention_refusals, by_row_blocks, current_parts, embedding, linear, mlp_parts,
                                      mlp_refusals, rope_parameters)
@@ -127,6 +127,11 @@ class LlamaModel(nn.Module):
 
     def forward(self, batch: ForwardBatch, caches: ModelCaches) -> torch.Tensor:
         """Hidden states [R, hidden] of the batch's logits rows (before the final norm)."""
+        return self.run(batch, caches)[0]
+
+    def run(self, batch: ForwardBatch, caches: ModelCaches, head=None) -> tuple[torch.Tensor, bool]:
+        """(forward's hidden states, False); with `head` (layers.FusedHead's arguments: the final norm and the LM
+        head), where the step goes in one native call, (the logits rows' logits float32, True) from that call."""
         x = self.embed_tokens(batch.input_ids).to(self.norm.weight.dtype)  # a bf16-held vocab: back to compute
         rows = batch.logits_indices
         # a decode-only step, or one whose chunks are short (a verifying request's rows), as decode rows
@@ -135,15 +140,15 @@ class LlamaModel(nn.Module):
         if parts is not None and all(p is not None for p in parts):
             x = x.contiguous()  # every layer in one native call, the residual stream in place
             cos, sin = self.rotary.rows(batch.positions)
-            self.stack.run(x, (caches, *parts), lambda: [layer.stack_args(caches) for layer in self.layers], cos, sin,
-                           flat)
-            return x.index_select(0, rows)
+            out = self.stack.run(x, (caches, *parts), lambda: [layer.stack_args(caches) for layer in self.layers],
+                                 cos, sin, flat, head, rows)  # and the head, where given: its logits
+            return (out, True) if head is not None else (x.index_select(0, rows), False)
         cos_sin = self.rotary.cos_sin(batch.positions)
         for layer in self.layers[:-1]:
             x = layer(x, cos_sin, batch, caches)
         keep = batch.last_layer_rows  # a prefill's last layer for its sampled row only (1/30 of SmolLM2's work)
         x = self.layers[-1](x, cos_sin, batch, caches, keep)
-        return x if keep is not None else x.index_select(0, rows)
+        return (x if keep is not None else x.index_select(0, rows)), False
 
 
 class LlamaForCausalLM(nn.Module):
@@ -154,6 +159,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.model = LlamaModel(config)
         self.lm_head = linear(config["hidden_size"], config["vocab_size"])
+        self.fused_head = FusedHead(0.0)
         attn = self.model.layers[0].self_attn
         self.geometry = CacheGeometry(
             layer_kinds=(ATTENTION,) * config["num_hidden_layers"],
@@ -166,8 +172,12 @@ class LlamaForCausalLM(nn.Module):
         return {"lm_head.weight": "model.embed_tokens.weight"} if self.config.get("tie_word_embeddings") else {}
 
     def forward(self, batch: ForwardBatch, caches: ModelCaches) -> torch.Tensor:
-        # Only the rows the sampler needs pass the final norm and the vocab projection.
-        hidden = self.model.norm(self.model(batch, caches))
+        # Only the rows the sampler needs pass the final norm and the vocab projection: in the decode step's native
+        # call where it goes in one (FusedHead), else here.
+        out, logits = self.model.run(batch, caches, head=self.fused_head.get(self.model.norm, self.lm_head))
+        if logits:
+            return out
+        hidden = self.model.norm(out)
         head = self.lm_head
         held = isinstance(head, (Int4Linear, Int8DotLinear, Int8Linear, TorchInt4Linear))  # any input dtype
         return head(hidden if held else hidden.to(head.weight.dtype)).float()

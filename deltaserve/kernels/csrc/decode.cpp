@@ -705,6 +705,30 @@ torch::Tensor gdn_block(torch::Tensor x, std::vector<torch::Tensor> t, std::vect
   return x;
 }
 
+// The model's final norm and its LM head over the logits rows of x [B, H]: logits [R, V] = head(norm(x[rows])). t: the
+// norm's weight, then the head's 5 tensors (lin_of); offset + weight scales the norm (1: zero-centred).
+void head_block(const torch::Tensor& x, const std::vector<torch::Tensor>& t, int64_t group, double eps, double offset,
+                const torch::Tensor& rows, const torch::Tensor& logits) {
+  TORCH_CHECK(t.size() == 6, "head_block: the norm and the head's 5 tensors");
+  const int64_t B = x.size(0), H = x.size(1);
+  const Lin lh = lin_of(t, 1, group, H);
+  const float* wn = vec(t[0], H, "head_block: the norm must be float32 [hidden]");
+  TORCH_CHECK(rows.scalar_type() == torch::kInt64 && rows.is_contiguous() && rows.dim() == 1,
+              "head_block: the logits rows must be int64 [R]");
+  const int64_t R = rows.size(0);
+  TORCH_CHECK(logits.scalar_type() == torch::kFloat32 && logits.is_contiguous() && logits.dim() == 2 &&
+              logits.size(0) == R && logits.size(1) == lh.N, "head_block: logits must be float32 [rows, vocab]");
+  const int64_t* r = rows.data_ptr<int64_t>();
+  auto normed = torch::empty({R, H}, x.options());
+  float* np = normed.data_ptr<float>();
+  const float* xp = x.data_ptr<float>();
+  for (int64_t i = 0; i < R; ++i) {
+    TORCH_CHECK(r[i] >= 0 && r[i] < B, "head_block: a logits row out of range");
+    rms_row(xp + r[i] * H, wn, static_cast<float>(offset), static_cast<float>(eps), H, np + i * H);
+  }
+  matmul(lh, np, R, logits.data_ptr<float>());
+}
+
 // Every layer of a decode step in one call: x [B, hidden] updated in place, layer by layer, by the blocks above.
 // Per layer, from the three flat lists in order: a token mixer, then an MLP (each optional).
 //   ints: the mixer's kind (0 none, 1 attention, 2 GDN) and its sizes (8 or 9: the meta above), then the MLP's
@@ -712,12 +736,15 @@ torch::Tensor gdn_block(torch::Tensor x, std::vector<torch::Tensor> t, std::vect
 //   tensors: attention's 23 and k / v caches, or GDN's 30, conv / recurrent states and their snapshot tensors (empty
 //            where none); the MLP's 16;
 //   floats: attention's eps, offset, scale, or GDN's eps, offset, norm_eps; the MLP's eps, offset.
+// Optionally last, kind 3: the final norm and the LM head (head_block: 6 tensors, its group size, eps and offset),
+// writing logits [R, V] for the rows `logits_rows` of x (both empty when the step has no head entry).
 // A step of SmolLM2 made 60 calls from Python (~0.6 ms of a ~9 ms step in the interpreter and in argument
 // conversion, the other thread waiting meanwhile); now one.
 torch::Tensor decode_stack(torch::Tensor x, std::vector<torch::Tensor> tensors, std::vector<int64_t> ints,
                            std::vector<double> floats, torch::Tensor cos, torch::Tensor sin,
                            torch::Tensor slot_mapping, torch::Tensor context_slots, torch::Tensor context_lens,
-                           torch::Tensor state_slots, torch::Tensor row_snapshots) {
+                           torch::Tensor state_slots, torch::Tensor row_snapshots, torch::Tensor logits_rows,
+                           torch::Tensor logits) {
   size_t ti = 0, ii = 0, fi = 0;
   auto take = [&](size_t n) {
     TORCH_CHECK(ti + n <= tensors.size(), "decode_stack: fewer tensors than the layers' kinds need");
@@ -751,8 +778,15 @@ torch::Tensor decode_stack(torch::Tensor x, std::vector<torch::Tensor> tensors, 
       const auto meta = sizes(9);
       const double* f = reals(3);
       gdn_block(x, t, meta, pools[0], pools[1], state_slots, f[0], f[1], f[2], pools[2], pools[3], row_snapshots);
+    } else if (mixer == 3) {
+      const auto t = take(6);
+      const auto group = sizes(1);
+      const double* f = reals(2);
+      TORCH_CHECK(ii == ints.size(), "decode_stack: the head is the last entry");
+      head_block(x, t, group[0], f[0], f[1], logits_rows, logits);
+      break;
     } else {
-      TORCH_CHECK(mixer == 0, "decode_stack: a mixer kind must be 0, 1 or 2");
+      TORCH_CHECK(mixer == 0, "decode_stack: a kind must be 0, 1, 2 or 3");
     }
     TORCH_CHECK(ii < ints.size(), "decode_stack: a layer without its MLP kind");
     const int64_t mlp = ints[ii++];
