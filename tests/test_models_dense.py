@@ -190,3 +190,12 @@ def test_rotary_rows_equal_cos_sin(params, head_dim):
         assert got.shape == (5, 1, rotary.rotary_dim) and torch.equal(got[:, 0], ref)
     for got, ref in zip(rotary.rows(positions.expand(3, -1)), (ref_cos, ref_sin)):
         assert torch.equal(got, ref)
+    # decode steps gather them from a table of positions (Rotary.table), past its reach computed as above
+    from deltaserve.models.layers import ROTARY_TABLE_POSITIONS
+
+    for top in (18, 4096, 262144):
+        some = positions[positions < top]
+        for got, ref in zip(rotary.decode_rows(some, top), (ref_cos[:len(some)], ref_sin[:len(some)])):
+            assert got.is_contiguous() and torch.equal(got, ref), top
+    assert rotary.table(ROTARY_TABLE_POSITIONS + 1) is None
+    assert rotary.table(ROTARY_TABLE_POSITIONS)[0].shape == (ROTARY_TABLE_POSITIONS, rotary.rotary_dim)

@@ -490,7 +490,7 @@ class HybridModel(nn.Module):
             args = self.stack.args_for((caches, *parts), lambda: [layer.stack_args(caches) for layer in self.layers])
         if args is not None or (flat is batch and decode_cpu.serves(x, batch, k_cache)):
             x = x.contiguous()  # the residual stream updated in place
-            cos_sin = self.rotary.rows(positions)
+            cos_sin = self.rotary.decode_rows(positions, max(batch.context_lens))  # rows() for image positions
             if args is not None:  # every layer in one native call (and the head, where given)
                 if head is not None and not all_rows:
                     return self.stack.run_with(args, x, *cos_sin, flat, head, rows), True

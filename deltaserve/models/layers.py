@@ -105,6 +105,7 @@ class Rotary(nn.Module):
         for dim in (1, 2):
             axis[dim: 3 * section[dim]: 3] = dim
         self.register_buffer("mrope_axis", axis, persistent=False)
+        self._table: tuple[torch.Tensor, torch.Tensor] | None = None  # `table`'s rows, grown by doubling
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin [T, 1, rd] (one row per token, broadcast over heads), computed once per forward.
@@ -127,6 +128,29 @@ class Rotary(nn.Module):
         if self.attention_factor != 1.0:  # times 1.0 is the identity: skipped
             cos, sin = cos * self.attention_factor, sin * self.attention_factor
         return cos, sin
+
+
+    def table(self, positions: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """rows() of every text position below `positions` ([P, rd] each, P >= positions), kept and grown by
+        doubling: a decode step's cos / sin are then two row gathers of it (~29 us of ops a step on a cache the
+        weights had just streamed through, ~3 so), the same values bit for bit; None past ROTARY_TABLE_POSITIONS
+        (then rows() computes them; the table stays within 2 x ROTARY_TABLE_POSITIONS x rd floats)."""
+        if positions > ROTARY_TABLE_POSITIONS:
+            return None
+        if self._table is None or self._table[0].shape[0] < positions:
+            size = min(ROTARY_TABLE_POSITIONS, max(256, 2 * positions))
+            self._table = self.rows(torch.arange(size, device=self.inv_freq.device))
+        return self._table
+
+    def decode_rows(self, positions: torch.Tensor, top: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """rows(positions) for text positions [T] all below `top`: gathered from `table` where it reaches."""
+        table = self.table(top) if positions.dim() == 1 else None
+        if table is None:
+            return self.rows(positions)
+        return table[0].index_select(0, positions), table[1].index_select(0, positions)
+
+
+ROTARY_TABLE_POSITIONS = 4096  # Rotary.table's reach: 2 MB at most for a rotary width of 64
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

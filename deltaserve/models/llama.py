@@ -139,7 +139,7 @@ class LlamaModel(nn.Module):
         parts = current_parts(self.layers) if flat is not None and decode_cpu.serves(x, flat, caches.k[0]) else None
         if parts is not None and all(p is not None for p in parts):
             x = x.contiguous()  # every layer in one native call, the residual stream in place
-            cos, sin = self.rotary.rows(batch.positions)
+            cos, sin = self.rotary.decode_rows(batch.positions, max(batch.context_lens))
             out = self.stack.run(x, (caches, *parts), lambda: [layer.stack_args(caches) for layer in self.layers],
                                  cos, sin, flat, head, rows)  # and the head, where given: its logits
             return (out, True) if head is not None else (x.index_select(0, rows), False)

@@ -54,7 +54,6 @@ class MtpHead(nn.Module):
         self.norm = ZeroCentredRMSNorm(h, eps)
         self.rotary = rotary
         self.stack = decode_cpu.Stack()  # decode_rows' arguments, kept between passes
-        self._rotary_rows: tuple[torch.Tensor, torch.Tensor] | None = None  # _cos_sin's table
         self.target_hidden: torch.Tensor | None = None  # the last forward's hidden states, every row (post-norm)
 
     def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, start: int, k_cache: torch.Tensor,
@@ -125,13 +124,12 @@ class MtpHead(nn.Module):
         return _norm(x, self.norm)
 
     def _cos_sin(self, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The rotary's rows (Rotary.rows) of positions start .. start + n - 1: slices of a table of every position
-        up to the longest seen (grown by doubling), the same values Rotary.rows computes for them."""
-        if self._rotary_rows is None or self._rotary_rows[0].shape[0] < start + n:
-            size = max(2 * (start + n), 256)
-            self._rotary_rows = self.rotary.rows(torch.arange(size))
-        cos, sin = self._rotary_rows
-        return cos[start:start + n], sin[start:start + n]
+        """The rotary's rows (Rotary.rows) of positions start .. start + n - 1: slices of the rotary's table where it
+        reaches them, the same values."""
+        table = self.rotary.table(start + n)
+        if table is None:
+            return self.rotary.rows(torch.arange(start, start + n))
+        return table[0][start:start + n], table[1][start:start + n]
 
     @staticmethod
     def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int, attn) -> torch.Tensor:
