@@ -87,28 +87,28 @@ class ModelRunner:
 
     def decode_batch(self, plan: StepPlan) -> ForwardBatch:
         """build_batch of a step of decode rows only (text): the same batch from a third of the small ops (a decode
-        step of SmolLM2 is ~7.5 ms on 2 cores; the general path took ~0.2 ms of it at 3 sequences, this ~0.07)."""
+        step of SmolLM2 is ~7.5 ms on 2 cores; the general path took ~0.2 ms of it at 3 sequences, this ~0.07). Its
+        token ids, positions, state slots and logits rows are views of one tensor made from one list."""
         decode = plan.decode
-        to = self.device
+        n = len(decode)
         cached = [r.num_cached for r in decode]
         tables = [self.kv_pool.slots(r) for r in decode]
         contexts = [t[: c + 1] for t, c in zip(tables, cached)]
         sampling = set(map(id, plan.sampling))
         rows = [b for b, r in enumerate(decode) if id(r) in sampling]
-        return ForwardBatch(
-            input_ids=torch.tensor([r.output_ids[-1] for r in decode], dtype=torch.long).to(to),
-            positions=torch.tensor(cached, dtype=torch.long).to(to),
-            q_lens=[1] * len(decode),
-            cached_lens=cached,
-            num_decode=len(decode),
-            cu_q=torch.arange(len(decode) + 1).to(to),
-            slot_mapping=torch.cat([c[-1:] for c in contexts]).to(to),
-            context_slots=(contexts[0][None] if len(contexts) == 1
-                           else torch.nn.utils.rnn.pad_sequence(contexts, batch_first=True)).to(to),
-            state_slots=torch.tensor([self.state_pool.slot(r) for r in decode], dtype=torch.long).to(to),
-            logits_indices=torch.tensor(rows, dtype=torch.long).to(to),
-            paged_kernel=self.paged_kernel,
-        )
+        meta = torch.tensor([r.output_ids[-1] for r in decode] + cached + [self.state_pool.slot(r) for r in decode]
+                            + rows, dtype=torch.long)
+        slot_mapping = contexts[0][-1:] if n == 1 else torch.cat([c[-1:] for c in contexts])
+        context_slots = contexts[0][None] if n == 1 else torch.nn.utils.rnn.pad_sequence(contexts, batch_first=True)
+        batch = ForwardBatch(
+            input_ids=meta[:n], positions=meta[n:2 * n], q_lens=[1] * n, cached_lens=cached, num_decode=n,
+            cu_q=torch.arange(n + 1), slot_mapping=slot_mapping, context_slots=context_slots,
+            state_slots=meta[2 * n:3 * n], logits_indices=meta[3 * n:], paged_kernel=self.paged_kernel)
+        if self.device.type != "cpu":
+            for name in ("input_ids", "positions", "cu_q", "slot_mapping", "context_slots", "state_slots",
+                         "logits_indices"):
+                setattr(batch, name, getattr(batch, name).to(self.device))
+        return batch
 
     @staticmethod
     def image_inputs(plan: StepPlan, positions: torch.Tensor, cu_q: torch.Tensor) -> dict[str, torch.Tensor]:
