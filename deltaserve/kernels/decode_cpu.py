@@ -182,23 +182,25 @@ class Stack:
         return self._args
 
     @staticmethod
-    def run_with(args: tuple[list, list, list], x, cos, sin, batch, head=None, rows=None) -> torch.Tensor:
+    def run_with(args: tuple[list, list, list], x, cos, sin, batch, head=None, rows=None,
+                 normed=None) -> torch.Tensor:
         """x [B, hidden] updated in place by every layer (cos / sin [B, rd] float32), returned; with `head` (head_args)
         the same call ends with the final norm and the LM head over the rows `rows` of x (int64 [R]: the step's
         logits rows, which a batch made by as_decode_rows does not carry), and returns their logits [R, vocab]
-        float32 (no return to Python between the last layer and the logits)."""
+        float32 (no return to Python between the last layer and the logits); `normed` [B, hidden] float32 (with
+        `head`): every row's final-norm output written there too (what an MTP head reads)."""
         tensors, ints, floats = args
         snaps = EMPTY if batch.row_snapshots is None else batch.row_snapshots
         if head is None:
             return KERNELS.module.decode_stack(x, tensors, ints, floats, cos, sin, batch.slot_mapping,
                                                batch.context_slots, batch.decode_context_lens, batch.state_slots, snaps,
-                                               EMPTY, EMPTY)
+                                               EMPTY, EMPTY, EMPTY)
         (head_tensors, head_ints, head_floats), vocab = head
         rows = batch.logits_indices if rows is None else rows
         logits = torch.empty(rows.shape[0], vocab)
         KERNELS.module.decode_stack(x, tensors + head_tensors, ints + head_ints, floats + head_floats, cos, sin,
                                     batch.slot_mapping, batch.context_slots, batch.decode_context_lens,
-                                    batch.state_slots, snaps, rows, logits)
+                                    batch.state_slots, snaps, rows, logits, EMPTY if normed is None else normed)
         return logits
 
     def run(self, x, key: tuple, build, cos, sin, batch, head=None, rows=None) -> torch.Tensor:

@@ -472,9 +472,10 @@ class HybridModel(nn.Module):
         return self.run(batch, caches, all_rows)[0]
 
     def run(self, batch: ForwardBatch, caches: ModelCaches, all_rows: bool = False,
-            head=None) -> tuple[torch.Tensor, bool]:
-        """(forward's hidden states, False); with `head` (layers.FusedHead's arguments: the final norm and the LM
-        head), where the step goes in one native call, (the logits rows' logits float32, True) from that call."""
+            head=None) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+        """(forward's hidden states, None, None); with `head` (layers.FusedHead's arguments: the final norm and the
+        LM head), where the step goes in one native call: (None, the logits rows' logits float32, and with `all_rows`
+        every row's final-norm output, else None) from that call."""
         x = self.embed_tokens(batch.input_ids)
         if batch.image_rows is not None:  # image tokens read the vision tower's embeddings instead
             x = x.index_copy(0, batch.image_rows, batch.image_embeds.to(x.dtype))
@@ -492,19 +493,20 @@ class HybridModel(nn.Module):
             x = x.contiguous()  # the residual stream updated in place
             cos_sin = self.rotary.decode_rows(positions, max(batch.context_lens))  # rows() for image positions
             if args is not None:  # every layer in one native call (and the head, where given)
-                if head is not None and not all_rows:
-                    return self.stack.run_with(args, x, *cos_sin, flat, head, rows), True
+                if head is not None:
+                    normed = torch.empty_like(x) if all_rows else None
+                    return None, self.stack.run_with(args, x, *cos_sin, flat, head, rows, normed), normed
                 self.stack.run_with(args, x, *cos_sin, flat)
             else:  # a block some layer's weights do not take: layer by layer
                 for layer in self.layers:
                     layer.decode(x, cos_sin, batch, caches)
-            return (x if all_rows else x.index_select(0, rows)), False
+            return (x if all_rows else x.index_select(0, rows)), None, None
         cos_sin = self.rotary.cos_sin(positions)
         for layer in self.layers[:-1]:
             x = layer(x, cos_sin, batch, caches)
         keep = None if all_rows else batch.last_layer_rows
         x = self.layers[-1](x, cos_sin, batch, caches, keep)
-        return (x if keep is not None or all_rows else x.index_select(0, rows)), False
+        return (x if keep is not None or all_rows else x.index_select(0, rows)), None, None
 
 
 class HybridForCausalLM(nn.Module):
@@ -528,13 +530,16 @@ class HybridForCausalLM(nn.Module):
         return {"lm_head.weight": "model.embed_tokens.weight"} if self.tie_word_embeddings else {}
 
     def forward(self, batch: ForwardBatch, caches: ModelCaches) -> torch.Tensor:
+        head = self.fused_head.get(self.model.norm, self.lm_head)
         if self.mtp is None:
-            out, logits = self.model.run(batch, caches, head=self.fused_head.get(self.model.norm, self.lm_head))
-            if logits:
-                return out
-            return self.lm_head(self.model.norm(out)).float()
-        hidden = self.model.norm(self.model(batch, caches, all_rows=True))
-        self.mtp.target_hidden = hidden  # every row's, for the MTP drafter (engine/mtp_drafter.py)
+            hidden, logits, _ = self.model.run(batch, caches, head=head)
+            return logits if logits is not None else self.lm_head(self.model.norm(hidden)).float()
+        hidden, logits, normed = self.model.run(batch, caches, all_rows=True, head=head)
+        if logits is not None:
+            self.mtp.target_hidden = normed  # every row's, for the MTP drafter (engine/mtp_drafter.py)
+            return logits
+        hidden = self.model.norm(hidden)
+        self.mtp.target_hidden = hidden
         return self.lm_head(hidden.index_select(0, batch.logits_indices)).float()
 
 

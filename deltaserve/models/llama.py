@@ -129,9 +129,10 @@ class LlamaModel(nn.Module):
         """Hidden states [R, hidden] of the batch's logits rows (before the final norm)."""
         return self.run(batch, caches)[0]
 
-    def run(self, batch: ForwardBatch, caches: ModelCaches, head=None) -> tuple[torch.Tensor, bool]:
-        """(forward's hidden states, False); with `head` (layers.FusedHead's arguments: the final norm and the LM
-        head), where the step goes in one native call, (the logits rows' logits float32, True) from that call."""
+    def run(self, batch: ForwardBatch, caches: ModelCaches,
+            head=None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(forward's hidden states, None); with `head` (layers.FusedHead's arguments: the final norm and the LM
+        head), where the step goes in one native call, (None, the logits rows' logits float32) from that call."""
         x = self.embed_tokens(batch.input_ids).to(self.norm.weight.dtype)  # a bf16-held vocab: back to compute
         rows = batch.logits_indices
         # a decode-only step, or one whose chunks are short (a verifying request's rows), as decode rows
@@ -142,13 +143,13 @@ class LlamaModel(nn.Module):
             cos, sin = self.rotary.decode_rows(batch.positions, max(batch.context_lens))
             out = self.stack.run(x, (caches, *parts), lambda: [layer.stack_args(caches) for layer in self.layers],
                                  cos, sin, flat, head, rows)  # and the head, where given: its logits
-            return (out, True) if head is not None else (x.index_select(0, rows), False)
+            return (None, out) if head is not None else (x.index_select(0, rows), None)
         cos_sin = self.rotary.cos_sin(batch.positions)
         for layer in self.layers[:-1]:
             x = layer(x, cos_sin, batch, caches)
         keep = batch.last_layer_rows  # a prefill's last layer for its sampled row only (1/30 of SmolLM2's work)
         x = self.layers[-1](x, cos_sin, batch, caches, keep)
-        return (x if keep is not None else x.index_select(0, rows)), False
+        return (x if keep is not None else x.index_select(0, rows)), None
 
 
 class LlamaForCausalLM(nn.Module):
@@ -174,10 +175,10 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, batch: ForwardBatch, caches: ModelCaches) -> torch.Tensor:
         # Only the rows the sampler needs pass the final norm and the vocab projection: in the decode step's native
         # call where it goes in one (FusedHead), else here.
-        out, logits = self.model.run(batch, caches, head=self.fused_head.get(self.model.norm, self.lm_head))
-        if logits:
-            return out
-        hidden = self.model.norm(out)
+        hidden, logits = self.model.run(batch, caches, head=self.fused_head.get(self.model.norm, self.lm_head))
+        if logits is not None:
+            return logits
+        hidden = self.model.norm(hidden)
         head = self.lm_head
         held = isinstance(head, (Int4Linear, Int8DotLinear, Int8Linear, TorchInt4Linear))  # any input dtype
         return head(hidden if held else hidden.to(head.weight.dtype)).float()

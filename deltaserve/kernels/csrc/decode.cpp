@@ -706,9 +706,10 @@ torch::Tensor gdn_block(torch::Tensor x, std::vector<torch::Tensor> t, std::vect
 }
 
 // The model's final norm and its LM head over the logits rows of x [B, H]: logits [R, V] = head(norm(x[rows])). t: the
-// norm's weight, then the head's 5 tensors (lin_of); offset + weight scales the norm (1: zero-centred).
+// norm's weight, then the head's 5 tensors (lin_of); offset + weight scales the norm (1: zero-centred). `normed`
+// [B, H] (or empty): every row's norm(x) written there too (what an MTP head reads).
 void head_block(const torch::Tensor& x, const std::vector<torch::Tensor>& t, int64_t group, double eps, double offset,
-                const torch::Tensor& rows, const torch::Tensor& logits) {
+                const torch::Tensor& rows, const torch::Tensor& logits, const torch::Tensor& normed) {
   TORCH_CHECK(t.size() == 6, "head_block: the norm and the head's 5 tensors");
   const int64_t B = x.size(0), H = x.size(1);
   const Lin lh = lin_of(t, 1, group, H);
@@ -719,12 +720,23 @@ void head_block(const torch::Tensor& x, const std::vector<torch::Tensor>& t, int
   TORCH_CHECK(logits.scalar_type() == torch::kFloat32 && logits.is_contiguous() && logits.dim() == 2 &&
               logits.size(0) == R && logits.size(1) == lh.N, "head_block: logits must be float32 [rows, vocab]");
   const int64_t* r = rows.data_ptr<int64_t>();
-  auto normed = torch::empty({R, H}, x.options());
-  float* np = normed.data_ptr<float>();
+  auto picked = torch::empty({R, H}, x.options());
+  float* np = picked.data_ptr<float>();
   const float* xp = x.data_ptr<float>();
+  const float off = static_cast<float>(offset), e = static_cast<float>(eps);
+  float* all = nullptr;
+  if (normed.numel()) {
+    TORCH_CHECK(normed.scalar_type() == torch::kFloat32 && normed.is_contiguous() && normed.dim() == 2 &&
+                normed.size(0) == B && normed.size(1) == H, "head_block: normed rows must be float32 [rows, hidden]");
+    all = normed.data_ptr<float>();
+    for (int64_t b = 0; b < B; ++b) rms_row(xp + b * H, wn, off, e, H, all + b * H);
+  }
   for (int64_t i = 0; i < R; ++i) {
     TORCH_CHECK(r[i] >= 0 && r[i] < B, "head_block: a logits row out of range");
-    rms_row(xp + r[i] * H, wn, static_cast<float>(offset), static_cast<float>(eps), H, np + i * H);
+    if (all)
+      std::copy(all + r[i] * H, all + (r[i] + 1) * H, np + i * H);
+    else
+      rms_row(xp + r[i] * H, wn, off, e, H, np + i * H);
   }
   matmul(lh, np, R, logits.data_ptr<float>());
 }
@@ -737,14 +749,15 @@ void head_block(const torch::Tensor& x, const std::vector<torch::Tensor>& t, int
 //            where none); the MLP's 16;
 //   floats: attention's eps, offset, scale, or GDN's eps, offset, norm_eps; the MLP's eps, offset.
 // Optionally last, kind 3: the final norm and the LM head (head_block: 6 tensors, its group size, eps and offset),
-// writing logits [R, V] for the rows `logits_rows` of x (both empty when the step has no head entry).
+// writing logits [R, V] for the rows `logits_rows` of x (both empty when the step has no head entry), and every row's
+// normed hidden state into `normed` where it is not empty.
 // A step of SmolLM2 made 60 calls from Python (~0.6 ms of a ~9 ms step in the interpreter and in argument
 // conversion, the other thread waiting meanwhile); now one.
 torch::Tensor decode_stack(torch::Tensor x, std::vector<torch::Tensor> tensors, std::vector<int64_t> ints,
                            std::vector<double> floats, torch::Tensor cos, torch::Tensor sin,
                            torch::Tensor slot_mapping, torch::Tensor context_slots, torch::Tensor context_lens,
                            torch::Tensor state_slots, torch::Tensor row_snapshots, torch::Tensor logits_rows,
-                           torch::Tensor logits) {
+                           torch::Tensor logits, torch::Tensor normed) {
   size_t ti = 0, ii = 0, fi = 0;
   auto take = [&](size_t n) {
     TORCH_CHECK(ti + n <= tensors.size(), "decode_stack: fewer tensors than the layers' kinds need");
@@ -783,7 +796,7 @@ torch::Tensor decode_stack(torch::Tensor x, std::vector<torch::Tensor> tensors, 
       const auto group = sizes(1);
       const double* f = reals(2);
       TORCH_CHECK(ii == ints.size(), "decode_stack: the head is the last entry");
-      head_block(x, t, group[0], f[0], f[1], logits_rows, logits);
+      head_block(x, t, group[0], f[0], f[1], logits_rows, logits, normed);
       break;
     } else {
       TORCH_CHECK(mixer == 0, "decode_stack: a kind must be 0, 1, 2 or 3");
