@@ -380,16 +380,24 @@ def test_gguf_head_converted_by_llama_cpp_loads_as_stored():
             assert isinstance(module, Int8Linear), name  # held 8-bit as stored
             quantum = want.view(want.shape[0], -1, 32).abs().amax(-1, keepdim=True) / 127
             assert ((got - want).view(want.shape[0], -1, 32).abs() <= quantum + 1e-6).all(), name
-    prompts = [random_prompt(16, seed, HYBRID_VOCAB) for seed in range(4)]
-    params = SamplingParams(max_tokens=24, **GREEDY)
-    as_stored = dict(max_running_requests=4, dequantize_weights=False, activation_dtype="float32")
-    plain = run_all(engine(str(GGUF_MTP), **as_stored), [(p, params) for p in prompts])
-    on = engine(str(GGUF_MTP), **as_stored, speculative="mtp", speculative_tokens=K)
-    on.speculation.adaptive = False
-    assert [tokens_of(o) for o in run_all(on, [(p, params) for p in prompts])] == [tokens_of(o) for o in plain]
+    on = speculates_losslessly_as_stored(GGUF_MTP, prompts=4, tokens=24)
     assert on.speculation.accepted_total > 0
+
+
+def speculates_losslessly_as_stored(path: Path, prompts: int, tokens: int):
+    """Greedy output of `prompts` random prompts with --speculative mtp (K drafts always) on the file's weights as
+    stored equals the output without; the ledger's weights line is what the engine holds. Returns that engine."""
+    ids = [random_prompt(16, seed, HYBRID_VOCAB) for seed in range(prompts)]
+    params = SamplingParams(max_tokens=tokens, **GREEDY)
+    as_stored = dict(max_running_requests=4, dequantize_weights=False, activation_dtype="float32")
+    plain = run_all(engine(str(path), **as_stored), [(p, params) for p in ids])
+    on = engine(str(path), **as_stored, speculative="mtp", speculative_tokens=K)
+    on.speculation.adaptive = False
+    assert [tokens_of(o) for o in run_all(on, [(p, params) for p in ids])] == [tokens_of(o) for o in plain]
+    assert on.speculation.drafted_total > 0
     measured = on.measured_bytes()
     assert abs(measured["weights"] - on.budget.line("weights").bytes) <= 0.01 * measured["weights"]
+    return on
 
 
 def make_qwen3_next_mtp_checkpoint(folder: Path):
@@ -522,14 +530,5 @@ def test_gguf_qwen3_next_head_converted_by_llama_cpp_loads_as_stored(tmp_path):
         held_8bit += isinstance(module, Int8Linear)
     assert held_8bit >= 7  # fc, q / k / v / o, the shared expert's gate / up: as stored (the routed experts are
     # held as the model's other experts are)
-    prompts = [random_prompt(16, seed, HYBRID_VOCAB) for seed in range(3)]
-    params = SamplingParams(max_tokens=16, **GREEDY)
-    as_stored = dict(max_running_requests=4, dequantize_weights=False, activation_dtype="float32")
-    plain = run_all(engine(str(GGUF_NEXT_MTP), **as_stored), [(p, params) for p in prompts])
-    on = engine(str(GGUF_NEXT_MTP), **as_stored, speculative="mtp", speculative_tokens=K)
-    on.speculation.adaptive = False
-    assert [tokens_of(o) for o in run_all(on, [(p, params) for p in prompts])] == [tokens_of(o) for o in plain]
-    assert on.speculation.drafted_total > 0
-    measured = on.measured_bytes()
-    assert abs(measured["weights"] - on.budget.line("weights").bytes) <= 0.01 * measured["weights"]
+    on = speculates_losslessly_as_stored(GGUF_NEXT_MTP, prompts=3, tokens=16)
     assert on.kv_pool.used_pages == 0 and on.state_pool.used_slots == 0
