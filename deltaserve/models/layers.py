@@ -129,7 +129,6 @@ class Rotary(nn.Module):
             cos, sin = cos * self.attention_factor, sin * self.attention_factor
         return cos, sin
 
-
     def table(self, positions: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """rows() of every text position below `positions` ([P, rd] each, P >= positions), kept and grown by
         doubling: a decode step's cos / sin are then two row gathers of it (~29 us of ops a step on a cache the

@@ -120,16 +120,8 @@ class MtpHead(nn.Module):
             return None
         x = self.fc(torch.cat([_norm(embeds, self.pre_fc_norm_embedding), _norm(hidden, self.pre_fc_norm_hidden)],
                               dim=-1)).contiguous()  # the residual stream, updated in place
-        self.stack.run_with(args, x, *self._cos_sin(start, n), batch)
+        self.stack.run_with(args, x, *self.rotary.decode_rows(batch.positions, start + n), batch)
         return _norm(x, self.norm)
-
-    def _cos_sin(self, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The rotary's rows (Rotary.rows) of positions start .. start + n - 1: slices of the rotary's table where it
-        reaches them, the same values."""
-        table = self.rotary.table(start + n)
-        if table is None:
-            return self.rotary.rows(torch.arange(start, start + n))
-        return table[0][start:start + n], table[1][start:start + n]
 
     @staticmethod
     def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int, attn) -> torch.Tensor:
