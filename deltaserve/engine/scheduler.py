@@ -221,7 +221,7 @@ class Scheduler:
         for request in decode:
             limit = min(self.speculation.max_tokens, request.max_new_tokens - len(request.output_ids) - 1, budget)
             proposed = self.speculation.propose(request, limit, step, grow=self._grow)
-            if proposed and not request.finished:
+            if proposed:  # [] where its pages could not be had (propose)
                 drafts[request] = proposed
                 budget -= len(proposed)
                 step.rows += len(proposed)

@@ -108,7 +108,6 @@ class StepCosts:
 
     def __init__(self):
         self.decode_s: dict[int, float] = {}  # rows -> running seconds
-        self.seen: dict[int, int] = {}  # rows -> steps of that many rows observed
         self.last: dict[int, int] = {}  # rows -> the step count when one was last observed
         self.steps = 0
 
@@ -117,9 +116,9 @@ class StepCosts:
         (arguments built lazily for that shape, first touches), and a count measured slow once and then never drafted
         again would keep a draft looking dear (seen with the MTP head: a 3-row step's first 1.8 ms against ~1.0)."""
         self.steps += 1
-        self.seen[rows] = self.seen.get(rows, 0) + 1
+        first = rows not in self.last
         self.last[rows] = self.steps
-        if self.seen[rows] == 1:
+        if first:
             return
         old = self.decode_s.get(rows)
         self.decode_s[rows] = seconds if old is None else old + STEP_TIME_SMOOTHING * (seconds - old)

@@ -118,10 +118,12 @@ class MtpHead(nn.Module):
         args = self.stack.args_for((caches, *current_parts(self.layers)), lambda: [layer.stack_args(caches)])
         if args is None:  # a block the layer's weights do not take (a mixture of experts)
             return None
-        x = self.fc(torch.cat([_norm(embeds, self.pre_fc_norm_embedding), _norm(hidden, self.pre_fc_norm_hidden)],
-                              dim=-1)).contiguous()  # the residual stream, updated in place
+        norm_e, norm_h = self.pre_fc_norm_embedding, self.pre_fc_norm_hidden
+        x = self.fc(torch.cat([fused_cpu.rms_norm(embeds, norm_e.weight, norm_e.eps, 1.0),
+                               fused_cpu.rms_norm(hidden, norm_h.weight, norm_h.eps, 1.0)], dim=-1))
+        x = x.contiguous()  # the residual stream, updated in place
         self.stack.run_with(args, x, *self.rotary.decode_rows(batch.positions, start + n), batch)
-        return _norm(x, self.norm)
+        return fused_cpu.rms_norm(x, self.norm.weight, self.norm.eps, 1.0)
 
     @staticmethod
     def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int, attn) -> torch.Tensor:
@@ -135,11 +137,6 @@ class MtpHead(nn.Module):
         allowed = torch.arange(total, device=q.device)[None, :] <= (start + rows)[:, None]  # [n, total]
         scores = scores.masked_fill(~allowed, float("-inf"))
         return torch.einsum("hnt,thd->nhd", torch.softmax(scores, dim=-1), values)
-
-
-def _norm(x: torch.Tensor, norm: ZeroCentredRMSNorm) -> torch.Tensor:
-    """norm(x) for float32 rows [n, H] on CPU, through the kernel without the module's checks (decode_rows')."""
-    return fused_cpu.KERNELS.module.rms_norm(x, norm.weight, norm.eps, 1.0, None, None)[0]
 
 
 def attach(model, config: dict, moe_norm_topk_prob: bool = True) -> None:
