@@ -77,6 +77,31 @@ def test_paged_decode_reads_16_bit_caches(kernel, dtype, heads, kv_heads, d, len
     assert (portable.double() - want).abs().max().item() <= 1e-5
 
 
+# Contexts longer than the kernel's split (256 rows: paged_attention.h SPLIT) are attended in splits merged after;
+# the splits follow a row's own length alone, so a verifying request's rows (contexts L, L + 1, .., L + k over one
+# slot list, attended together as a run) give each row the bits it gets alone. Lengths sit on both sides of the
+# split boundaries; the first row of each run is short of a split the run's last row starts.
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("heads,kv_heads,d,first,rows", [
+    (9, 3, 64, 254, 5), (9, 3, 64, 511, 3), (9, 3, 64, 1000, 2), (4, 1, 64, 256, 4), (6, 2, 128, 767, 3),
+    (2, 1, 256, 300, 2),
+])
+def test_long_contexts_and_verifying_runs_match_float64_and_each_row_alone(kernel, dtype, heads, kv_heads, d,
+                                                                           first, rows):
+    last = first + rows - 1
+    q, k_cache, v_cache, slots = scattered_case(first + d, heads, kv_heads, d, [last], dtype, pool=2048)
+    q = torch.randn(rows, heads, d, generator=torch.Generator().manual_seed(first))
+    run_slots = slots.expand(rows, -1).contiguous()
+    lens = [first + j for j in range(rows)]
+    together = paged_cpu.paged_decode_attention(q, k_cache, v_cache, run_slots, torch.tensor(lens), d ** -0.5)
+    want = reference(q, k_cache, v_cache, run_slots, lens, d ** -0.5)
+    assert (together.double() - want).abs().max().item() <= 1e-5
+    for j in range(rows):
+        alone = paged_cpu.paged_decode_attention(q[j:j + 1], k_cache, v_cache, slots[:, :lens[j]].contiguous(),
+                                                 torch.tensor(lens[j:j + 1]), d ** -0.5)
+        assert torch.equal(alone[0], together[j]), f"row {j} (context {lens[j]}) differs alone and in its run"
+
+
 def test_rejects_what_it_cannot_read(kernel):
     q, cache = torch.randn(1, 2, 8), torch.randn(4, 2, 8)
     with pytest.raises(RuntimeError, match="float32, bfloat16 or float16 caches only"):

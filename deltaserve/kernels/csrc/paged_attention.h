@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <vector>
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
@@ -51,10 +52,10 @@ inline f16v load16(const at::Half* p) {
 // cannot guess, so ask for them two tiles ahead (into L2; L1 holds the tile in use): they arrive meanwhile.
 template <typename T>
 inline void prefetch_tile(const T* kp, const T* vp, const int64_t* row_slots, int64_t t, int64_t L, int64_t Hkv,
-                          int64_t h, int64_t D) {
+                          int64_t h, int64_t D, int64_t heads) {
   for (int64_t r = t; r < std::min<int64_t>(t + TILE, L); ++r) {
     const int64_t offset = (row_slots[r] * Hkv + h) * D;
-    for (int64_t c = 0; c < D * static_cast<int64_t>(sizeof(T)); c += 64) {
+    for (int64_t c = 0; c < heads * D * static_cast<int64_t>(sizeof(T)); c += 64) {
       __builtin_prefetch(reinterpret_cast<const char*>(kp + offset) + c, 0, 1);
       __builtin_prefetch(reinterpret_cast<const char*>(vp + offset) + c, 0, 1);
     }
@@ -65,8 +66,19 @@ inline void prefetch_tile(const T* kp, const T* vp, const int64_t* row_slots, in
 // sum l move on; returns the factor the output accumulated so far is to be scaled by.
 // sg holds TILE floats: lanes past n are read, their results dropped (and stored as 0).
 inline float softmax_step(float* sg, int n, float& m, float& l) {
-  float mx = m;
-  for (int t = 0; t < n; ++t) mx = std::max(mx, sg[t]);
+  // the tile's max 16 lanes at a time (a scalar loop is one dependent max a score: ~1/8 of a 5-row verifying step's
+  // attention went there), then a tree over the lanes
+  f16v mv = f16v{} + m;
+  for (int t = 0; t < n; t += 16) {
+    const f16v x = load16(sg + t);
+    const f16v in = (LANES16 + t) < n ? x : mv;
+    mv = in > mv ? in : mv;
+  }
+  float lanes[16];
+  std::memcpy(lanes, &mv, sizeof lanes);
+  for (int w = 8; w >= 1; w /= 2)
+    for (int i = 0; i < w; ++i) lanes[i] = std::max(lanes[i], lanes[i + w]);
+  const float mx = lanes[0];
   const float correction = std::exp(m - mx);
   f16v sums = f16v{};
   for (int t = 0; t < n; t += 16) {  // exp16: GCC calls the scalar expf per value in an `omp simd` loop here
@@ -86,9 +98,10 @@ inline int visible(int64_t len, int64_t t0, int n) {
   return static_cast<int>(std::max<int64_t>(0, std::min<int64_t>(n, len - t0)));
 }
 
-// One (sequence, kv head): its G query heads over L cached rows, softmax kept online over tiles of rows. `lens`
-// (or nullptr: all L): query head g sees the first lens[g] rows only (the rows of one verifying request, each over
-// its context up to itself, decode_all).
+// One (sequence, kv head): its G query heads over cached rows t_begin .. L, softmax kept online over tiles of rows.
+// `lens` (or nullptr: all L): query head g sees the first lens[g] rows only (the rows of one verifying request, each
+// over its context up to itself, decode_all). `ml` nullptr: oh gets each head's output; else (a split of the
+// context, decode_all) its unnormalised sum, and ml[2g], ml[2g + 1] the head's running max and sum of exponentials.
 // Each tile's rows are first copied (a 16-bit cache's widened) into contiguous float32 scratch: scattered rows
 // are read from memory once, and the G heads' passes over them run on L1 (measured: 5.5 -> 4.4 ms hot, float32).
 #if defined(__AVX2__) && !defined(__AVX512F__)
@@ -111,8 +124,9 @@ inline __m256 hsum8(const __m256* v) {
 
 template <int V, typename T>
 void attend(const float* __restrict qh, const T* __restrict kp, const T* __restrict vp,
-            const int64_t* __restrict row_slots, int64_t L, int64_t Hkv, int64_t h, int64_t G, float scale,
-            float* __restrict oh, const int64_t* __restrict lens = nullptr) {
+            const int64_t* __restrict row_slots, int64_t t_begin, int64_t L, int64_t Hkv, int64_t h, int64_t G,
+            float scale, float* __restrict oh, const int64_t* __restrict lens, float* __restrict ml,
+            int64_t pf_heads = 1) {
   constexpr int D = 16 * V, W = D / 8, CH = W < 8 ? W : 8;  // W vectors a row; CH of them held at a time
   alignas(64) float s[MAX_GROUP * TILE];
   alignas(64) float tile_k[TILE * D];
@@ -128,9 +142,9 @@ void attend(const float* __restrict qh, const T* __restrict kp, const T* __restr
       _mm256_store_ps(acc + g * D + 8 * i, _mm256_setzero_ps());
     }
   }
-  for (int64_t t0 = 0; t0 < L; t0 += TILE) {
+  for (int64_t t0 = t_begin; t0 < L; t0 += TILE) {
     const int n = static_cast<int>(std::min<int64_t>(TILE, L - t0));
-    prefetch_tile(kp, vp, row_slots, t0 + 2 * TILE, L, Hkv, h, D);
+    if (pf_heads) prefetch_tile(kp, vp, row_slots, t0 + 2 * TILE, L, Hkv, h, D, pf_heads);
     for (int t = 0; t < n; ++t) {
       const int64_t offset = (row_slots[t0 + t] * Hkv + h) * D;
       for (int i = 0; i < W; ++i) {
@@ -176,17 +190,19 @@ void attend(const float* __restrict qh, const T* __restrict kp, const T* __restr
     }
   }
   for (int64_t g = 0; g < G; ++g) {
-    const __m256 inv = _mm256_set1_ps(1.f / l[g]);
+    const __m256 inv = _mm256_set1_ps(ml ? 1.f : 1.f / l[g]);
     for (int i = 0; i < W; ++i)
       _mm256_storeu_ps(oh + g * D + 8 * i, _mm256_mul_ps(_mm256_load_ps(acc + g * D + 8 * i), inv));
+    if (ml) ml[2 * g] = m[g], ml[2 * g + 1] = l[g];
   }
 }
 #else
 // D = 16 * V channels per head; a query head's accumulator sits in registers while the tile's V rows stream past.
 template <int V, typename T>
 void attend(const float* __restrict qh, const T* __restrict kp, const T* __restrict vp,
-            const int64_t* __restrict row_slots, int64_t L, int64_t Hkv, int64_t h, int64_t G, float scale,
-            float* __restrict oh, const int64_t* __restrict lens = nullptr) {
+            const int64_t* __restrict row_slots, int64_t t_begin, int64_t L, int64_t Hkv, int64_t h, int64_t G,
+            float scale, float* __restrict oh, const int64_t* __restrict lens, float* __restrict ml,
+            int64_t pf_heads = 1) {
   constexpr int D = 16 * V;
   alignas(64) float s[MAX_GROUP * TILE];
   alignas(64) float tile_k[TILE * D];  // the tile's rows, contiguous and float32, in L1 for all G heads
@@ -198,9 +214,9 @@ void attend(const float* __restrict qh, const T* __restrict kp, const T* __restr
     l[g] = 0.f;
     for (int i = 0; i < V; ++i) acc[g][i] = f16v{};
   }
-  for (int64_t t0 = 0; t0 < L; t0 += TILE) {
+  for (int64_t t0 = t_begin; t0 < L; t0 += TILE) {
     const int n = static_cast<int>(std::min<int64_t>(TILE, L - t0));
-    prefetch_tile(kp, vp, row_slots, t0 + 2 * TILE, L, Hkv, h, D);
+    if (pf_heads) prefetch_tile(kp, vp, row_slots, t0 + 2 * TILE, L, Hkv, h, D, pf_heads);
     for (int t = 0; t < n; ++t) {
       const int64_t offset = (row_slots[t0 + t] * Hkv + h) * D;
       for (int i = 0; i < V; ++i) {
@@ -233,16 +249,37 @@ void attend(const float* __restrict qh, const T* __restrict kp, const T* __restr
       for (int t = seen; t < n; ++t) sg[t] = 0.f;  // rows past this query's own: no weight
       f16v a[V];
       for (int i = 0; i < V; ++i) a[i] = acc[g][i] * correction;
-      for (int t = 0; t < n; ++t) {
-        const float w = sg[t];
-        for (int i = 0; i < V; ++i) a[i] += w * load16(tile_v + t * D + 16 * i);
+      if constexpr (V <= 4) {
+        // D = 64: even rows into a, odd ones into a second set of sums, joined at the tile's end: 8 FMA chains (4
+        // waited on their latency: a quarter of a 5-row verifying step's attention, 1 thread). A row lands in the
+        // same set whatever n is (a tile's rows past a query's own weigh 0), so a row alone and in a verifying run
+        // get the same bits.
+        f16v a2[V];
+        for (int i = 0; i < V; ++i) a2[i] = f16v{};
+        int t = 0;
+        for (; t + 1 < n; t += 2) {
+          const float w0 = sg[t], w1 = sg[t + 1];
+          for (int i = 0; i < V; ++i) {
+            a[i] += w0 * load16(tile_v + t * D + 16 * i);
+            a2[i] += w1 * load16(tile_v + (t + 1) * D + 16 * i);
+          }
+        }
+        if (t < n)
+          for (int i = 0; i < V; ++i) a[i] += sg[t] * load16(tile_v + t * D + 16 * i);
+        for (int i = 0; i < V; ++i) a[i] += a2[i];
+      } else {
+        for (int t = 0; t < n; ++t) {
+          const float w = sg[t];
+          for (int i = 0; i < V; ++i) a[i] += w * load16(tile_v + t * D + 16 * i);
+        }
       }
       for (int i = 0; i < V; ++i) acc[g][i] = a[i];
     }
   }
   for (int64_t g = 0; g < G; ++g) {
-    const float inv = 1.f / l[g];
+    const float inv = ml ? 1.f : 1.f / l[g];
     for (int i = 0; i < V; ++i) store16(oh + g * D + 16 * i, acc[g][i] * inv);
+    if (ml) ml[2 * g] = m[g], ml[2 * g + 1] = l[g];
   }
 }
 
@@ -275,6 +312,16 @@ void attend_any(const float* qh, const T* kp, const T* vp, const int64_t* row_sl
   }
 }
 
+// Contexts longer than SPLIT rows are attended in splits of SPLIT rows (flash-decoding), each split a task, their
+// partial softmaxes merged after: a step with fewer (sequence, kv head) tasks than threads x a few left threads idle
+// (SmolLM2, 3 kv heads on 2 threads: one thread took two heads, the other one). The splits depend on a row's own
+// context length alone, never on the batch, so a row's attention is the same bits alone or beside others (greedy
+// output with and without speculation is compared token for token): a split past a row's length, or the part of
+// one, adds exact zeros. Measured (SmolLM2's 9 / 3 heads of 64, 30 layers of a float16 cache, 2 threads, Sapphire
+// Rapids): 5,000 cached rows, 1 row 15.1 -> 9.8 ms, a verifying run of 5 rows 31.5 -> 23.3 ms; a plain decode step
+// of the engine at 850 rows 6.6 -> 6.25 ms.
+constexpr int64_t SPLIT = 8 * TILE;
+
 template <typename T>
 void decode_all(const float* qp, const T* kp, const T* vp, const int64_t* sp, const int64_t* lp, float* op,
                 int64_t B, int64_t Hq, int64_t Hkv, int64_t D, int64_t Lmax, float sc) {
@@ -291,34 +338,90 @@ void decode_all(const float* qp, const T* kp, const T* vp, const int64_t* sp, co
       first.push_back(b);
   const int64_t runs = static_cast<int64_t>(first.size());
   first.push_back(B);
-  #pragma omp parallel for collapse(2) schedule(dynamic, 1)
+  // A task: run r, kv heads h0 .. h1 over context rows t0 .. t1; head h's output goes to `partial` slot part + h - h0
+  // (part -1: straight to op). A split task takes every kv head of its rows, one after another: the first pass
+  // prefetches the rows' K and V for all of them (a slot's heads lie side by side), so the others read them from L2.
+  struct Task { int64_t r, h0, h1, t0, t1, part; };
+  struct Merge { int64_t r, h, part, stride, splits; };  // head h's splits: slots part + s x stride
+  std::vector<Task> tasks;
+  std::vector<Merge> merges;
+  int64_t parts = 0;
   for (int64_t r = 0; r < runs; ++r) {
-    for (int64_t h = 0; h < Hkv; ++h) {
-      const int64_t b0 = first[r], rows = first[r + 1] - b0, b = first[r + 1] - 1;  // b: the longest context
-      const int64_t* rs = sp + b * Lmax;
-      if (rows == 1) {
-        const float* qh = qp + (b * Hq + h * G) * D;
-        float* oh = op + (b * Hq + h * G) * D;
-        if (grouped && D == 64) attend<4>(qh, kp, vp, rs, lp[b], Hkv, h, G, sc, oh);
-        else if (grouped && D == 128) attend<8>(qh, kp, vp, rs, lp[b], Hkv, h, G, sc, oh);
-        else if (grouped && D == 256) attend<16>(qh, kp, vp, rs, lp[b], Hkv, h, G, sc, oh);
-        else attend_any(qh, kp, vp, rs, lp[b], Hkv, h, G, D, sc, oh);
-        continue;
-      }
-      alignas(64) float q[MAX_GROUP * 256];  // the run's query heads of this kv head, one after another
-      alignas(64) float o[MAX_GROUP * 256];
-      int64_t lens[MAX_GROUP];
-      for (int64_t j = 0; j < rows; ++j)
-        for (int64_t g = 0; g < G; ++g) {
-          std::memcpy(q + (j * G + g) * D, qp + ((b0 + j) * Hq + h * G + g) * D, D * sizeof(float));
-          lens[j * G + g] = lp[b0 + j];
-        }
+    const int64_t L = lp[first[r + 1] - 1];  // the run's longest context
+    if (!tiled || L <= SPLIT) {
+      for (int64_t h = 0; h < Hkv; ++h) tasks.push_back({r, h, h + 1, 0, L, -1});
+      continue;
+    }
+    const int64_t splits = (L + SPLIT - 1) / SPLIT;
+    for (int64_t h = 0; h < Hkv; ++h) merges.push_back({r, h, parts + h, Hkv, splits});
+    for (int64_t t0 = 0; t0 < L; t0 += SPLIT, parts += Hkv) {
+      tasks.push_back({r, 0, Hkv, t0, std::min(t0 + SPLIT, L), parts});
+    }
+  }
+  int64_t heads_max = 0;  // the most query heads a task holds
+  for (int64_t r = 0; r < runs; ++r) heads_max = std::max(heads_max, (first[r + 1] - first[r]) * G);
+  const int64_t part_size = heads_max * (D + 2);  // a split's outputs, then (max, sum) per head
+  std::unique_ptr<float[]> partial(parts ? new float[parts * part_size] : nullptr);  // every value written first
+  const int64_t n_tasks = static_cast<int64_t>(tasks.size()), n_merges = static_cast<int64_t>(merges.size());
+  #pragma omp parallel
+  {
+    #pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < n_tasks; ++i) {
+      const Task task = tasks[i];
+      const int64_t b0 = first[task.r], rows = first[task.r + 1] - b0, b = b0 + rows - 1;
+      const int64_t* rs = sp + b * Lmax;  // the longest context's slots (the others' are its prefixes)
       const int64_t heads = rows * G;
-      if (D == 64) attend<4>(q, kp, vp, rs, lp[b], Hkv, h, heads, sc, o, lens);
-      else if (D == 128) attend<8>(q, kp, vp, rs, lp[b], Hkv, h, heads, sc, o, lens);
-      else attend<16>(q, kp, vp, rs, lp[b], Hkv, h, heads, sc, o, lens);
-      for (int64_t j = 0; j < rows; ++j)
-        std::memcpy(op + ((b0 + j) * Hq + h * G) * D, o + j * G * D, G * D * sizeof(float));
+      for (int64_t h = task.h0; h < task.h1; ++h) {
+        alignas(64) float q[MAX_GROUP * 256];  // a run's query heads of this kv head, one after another
+        alignas(64) float o[MAX_GROUP * 256];
+        int64_t lens[MAX_GROUP];
+        const float* qh = qp + (b * Hq + h * G) * D;
+        const int64_t* lensp = nullptr;
+        if (rows > 1) {
+          for (int64_t j = 0; j < rows; ++j)
+            for (int64_t g = 0; g < G; ++g) {
+              std::memcpy(q + (j * G + g) * D, qp + ((b0 + j) * Hq + h * G + g) * D, D * sizeof(float));
+              lens[j * G + g] = lp[b0 + j];
+            }
+          qh = q;
+          lensp = lens;
+        }
+        const int64_t part = task.part < 0 ? -1 : task.part + h - task.h0;
+        float* oh = part >= 0 ? partial.get() + part * part_size : rows > 1 ? o : op + (b * Hq + h * G) * D;
+        float* ml = part >= 0 ? oh + heads_max * D : nullptr;
+        // prefetching: a one-head task its head's rows; a task of all heads every head's rows in its first pass
+        const int64_t pf = task.h1 - task.h0 == 1 ? 1 : h == task.h0 ? Hkv : 0;
+        if (D == 64 && tiled) attend<4>(qh, kp, vp, rs, task.t0, task.t1, Hkv, h, heads, sc, oh, lensp, ml, pf);
+        else if (D == 128 && tiled) attend<8>(qh, kp, vp, rs, task.t0, task.t1, Hkv, h, heads, sc, oh, lensp, ml, pf);
+        else if (D == 256 && tiled) attend<16>(qh, kp, vp, rs, task.t0, task.t1, Hkv, h, heads, sc, oh, lensp, ml, pf);
+        else attend_any(qh, kp, vp, rs, task.t1, Hkv, h, G, D, sc, oh);  // rows == 1 here (per_run 1)
+        if (part < 0 && rows > 1)
+          for (int64_t j = 0; j < rows; ++j)
+            std::memcpy(op + ((b0 + j) * Hq + h * G) * D, o + j * G * D, G * D * sizeof(float));
+      }
+    }
+    // each head's splits: outputs weighted by exp(split max - overall max), over the weighted sums of exponentials
+    // (a split past a head's own length has max `lowest` and sum 0: weight 0)
+    #pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < n_merges; ++i) {
+      const Merge merge = merges[i];
+      const int64_t b0 = first[merge.r], rows = first[merge.r + 1] - b0;
+      for (int64_t j = 0; j < rows * G; ++j) {
+        float mx = std::numeric_limits<float>::lowest();
+        for (int64_t s = 0; s < merge.splits; ++s)
+          mx = std::max(mx, partial[(merge.part + s * merge.stride) * part_size + heads_max * D + 2 * j]);
+        float total = 0.f;
+        float* out = op + ((b0 + j / G) * Hq + merge.h * G + j % G) * D;
+        std::fill(out, out + D, 0.f);
+        for (int64_t s = 0; s < merge.splits; ++s) {
+          const float* part = partial.get() + (merge.part + s * merge.stride) * part_size;
+          const float w = std::exp(part[heads_max * D + 2 * j] - mx);
+          total += w * part[heads_max * D + 2 * j + 1];
+          for (int64_t d = 0; d < D; ++d) out[d] += w * part[j * D + d];
+        }
+        const float inv = 1.f / total;
+        for (int64_t d = 0; d < D; ++d) out[d] *= inv;
+      }
     }
   }
 }
