@@ -249,6 +249,8 @@ def test_ngram_drafts_and_acceptance_policy():
     assert ngram_drafts(tokens, 3) == [8, 9, 1]  # the 3-gram 5 6 7 seen before
     assert ngram_drafts(np.array([1, 2, 3, 4]), 2) == []
     assert ngram_drafts(np.array([4, 2, 9, 9, 3, 2]), 2) == [9, 9]  # only the last token recurs
+    # the 4-gram 1 5 6 7 seen first wins over the later 3-gram 5 6 7
+    assert ngram_drafts(np.array([1, 5, 6, 7, 8, 2, 5, 6, 7, 9, 3, 1, 5, 6, 7]), 2) == [8, 2]
     batch_one = [0.18 * k for k in (1, 2, 3)]  # a draft row at batch 1: ~0.18 of the request's plain step
     assert draft_len(0.9, batch_one) == 3 and draft_len(0.05, batch_one) == 0
     state = SpecState()

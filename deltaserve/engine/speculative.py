@@ -47,7 +47,10 @@ import torch
 from deltaserve.engine.grammar import advance
 from deltaserve.engine.sampler import Sampled, distribution, draw, sample, with_logprobs
 
-NGRAM_MAX = 3  # the longest suffix looked up; shorter ones are tried when it does not occur
+# The longest suffix looked up; shorter ones are tried when it does not occur. 4 as llama.cpp's lookup decoding
+# (LLAMA_NGRAM_MAX): replayed over SmolLM2's greedy answers to three code-editing prompts (int8 and float32), a
+# 4-gram never drafted worse than a 3-gram, and one answer went from 2.42 to 2.62 tokens a verifying step (k = 3).
+NGRAM_MAX = 4
 NGRAM_MIN = 1
 ACCEPTANCE_SMOOTHING = 0.3  # weight of the newest verification in a request's acceptance estimate
 ACCEPTANCE_PRIOR = 0.6  # the estimate before a request's first verification
