@@ -1,7 +1,11 @@
 """Speculative decoding with prompt lookup (--speculative ngram) on vs off, batch-1 decode, one run.
 
-The workload is code editing: the prompt holds a source file of this repository and asks for it back with one
-name changed, so the answer repeats most of the prompt (what coding agents do with the files they edit). Both sides
+The workload is code editing: each prompt holds a source file of this repository (--file: three by default) and asks
+for it back with one name changed, what coding agents do with the files they edit. What the built-in 135M model
+answers is less than that: it begins the file (its imports, the first definition and docstring) and soon loops on
+one line of its own (`token_id = None` again and again); the drafter gains on both, and how soon the loop starts
+moves one answer's figure a lot (one float32 ULP of attention rounding turned one int8 answer into a loop 60
+tokens earlier: x1.14 -> x2.0), hence several files, their tokens and times summed. Both sides
 run the same Engine on the built-in SmolLM2 GGUF (or --model), greedy, alternated --repeats times (a shared machine's
 speed drifts within minutes), and the outputs must be equal token for token (speculation is lossless) under
 --activation-dtype float32; under int8 (the engine's CPU default for packed 4-bit weights) a greedy token at a
@@ -141,59 +145,73 @@ def llama_lookup(root: Path, gguf: Path, prompt_file: Path, tokens: int, k: int,
 
 
 def batch_one(args, run, off, on, peer) -> None:
-    """The batch-1 table: the code-editing prompt decoded with speculation off and on, alternated (and llama.cpp's
-    lookup beside them with a peer)."""
+    """The batch-1 table: each file's code-editing prompt decoded with speculation off and on, alternated (and
+    llama.cpp's lookup beside them with a peer); rates over all the files' tokens, so that one answer's luck (a
+    135M model soon loops, and how soon moves the figure) weighs as one file of several."""
     import llamacpp
 
-    prompt = edit_prompt(off.tokenizer, ROOT / args.file, args.lines)
-    print(f"prompt {len(prompt)} tokens ({args.file}, {args.lines} lines), {args.tokens} new tokens, k {args.k}")
-    rates = {"off": [], "ngram": []}
+    files = args.file.split(",")
+    prompts = [edit_prompt(off.tokenizer, ROOT / f, args.lines) for f in files]
+    print(f"prompts {', '.join(str(len(p)) for p in prompts)} tokens ({', '.join(files)}, {args.lines} lines each), "
+          f"{args.tokens} new tokens, k {args.k}")
+    seconds = {"off": [0.0] * len(files), "ngram": [0.0] * len(files)}
+    new = [0] * len(files)
     steps = {"plain": [], "verify": []}
     peer_rates = {"plain": [], "lookup": [], "acceptance": []}
+    prompt_files = []
     if peer is not None:
         from deltaserve.budget import default_model_path
 
         gguf = Path(args.model) if args.model and args.model.endswith(".gguf") else default_model_path()
-        prompt_file = Path(tempfile.mkdtemp()) / "prompt.txt"
-        prompt_file.write_text(off.tokenizer.decode(prompt))
+        folder = Path(tempfile.mkdtemp())
+        for n, prompt in enumerate(prompts):
+            prompt_files.append(folder / f"prompt{n}.txt")
+            prompt_files[-1].write_text(off.tokenizer.decode(prompt))
+    drafted, accepted, verifies = (on.speculation.drafted_total, on.speculation.accepted_total,
+                                   on.speculation.verify_steps_total)
     for _ in range(args.repeats):
-        if peer is not None:  # llama.cpp beside ours, in the same alternation
-            try:
-                got = llama_lookup(peer, gguf, prompt_file, args.tokens, args.k, args.threads)
-                plain_rate = llamacpp.run_one(peer, gguf, f"tg{args.tokens}", args.threads, ("-d", str(len(prompt))))
-            except (RuntimeError, subprocess.CalledProcessError) as error:  # a build that cannot run here
-                print(f"llama.cpp skipped: {str(error)[-300:]}")
-                run.note(f"llama.cpp's llama-lookup did not run here: {str(error)[-200:]}")
-                peer = None
-            else:
-                peer_rates["plain"].append(plain_rate)
-                peer_rates["lookup"].append(got["rate"])
-                peer_rates["acceptance"].append(got["acceptance"])
-        a = run_once(off, prompt, args.tokens)
-        drafted, accepted, verifies = (on.speculation.drafted_total, on.speculation.accepted_total,
-                                       on.speculation.verify_steps_total)
-        b = run_once(on, prompt, args.tokens)
-        same_output(a["tokens"], b["tokens"], args, "the code-editing answer")
-        rates["off"].append((len(a["tokens"]) - 1) / a["decode_s"])
-        rates["ngram"].append((len(b["tokens"]) - 1) / b["decode_s"])
-        steps["plain"] += a["plain_steps"]
-        steps["verify"] += b["verify_steps"]
-        drafted = on.speculation.drafted_total - drafted
-        accepted = on.speculation.accepted_total - accepted
-        verifies = on.speculation.verify_steps_total - verifies
-    off_rate, on_rate = statistics.median(rates["off"]), statistics.median(rates["ngram"])
+        for n, prompt in enumerate(prompts):
+            if peer is not None:  # llama.cpp beside ours, in the same alternation
+                try:
+                    got = llama_lookup(peer, gguf, prompt_files[n], args.tokens, args.k, args.threads)
+                    plain_rate = llamacpp.run_one(peer, gguf, f"tg{args.tokens}", args.threads,
+                                                  ("-d", str(len(prompt))))
+                except (RuntimeError, subprocess.CalledProcessError) as error:  # a build that cannot run here
+                    print(f"llama.cpp skipped: {str(error)[-300:]}")
+                    run.note(f"llama.cpp's llama-lookup did not run here: {str(error)[-200:]}")
+                    peer = None
+                else:
+                    peer_rates["plain"].append(plain_rate)
+                    peer_rates["lookup"].append(got["rate"])
+                    peer_rates["acceptance"].append(got["acceptance"])
+            a = run_once(off, prompt, args.tokens)
+            b = run_once(on, prompt, args.tokens)
+            same_output(a["tokens"], b["tokens"], args, f"the code-editing answer to {files[n]}")
+            seconds["off"][n] += a["decode_s"]
+            seconds["ngram"][n] += b["decode_s"]
+            new[n] += len(a["tokens"]) - 1
+            steps["plain"] += a["plain_steps"]
+            steps["verify"] += b["verify_steps"]
+    drafted = on.speculation.drafted_total - drafted
+    accepted = on.speculation.accepted_total - accepted
+    verifies = on.speculation.verify_steps_total - verifies
+    off_rate, on_rate = sum(new) / sum(seconds["off"]), sum(new) / sum(seconds["ngram"])
+    per_file = ", ".join(f"{f} x{seconds['off'][n] / seconds['ngram'][n]:.2f}" for n, f in enumerate(files))
+    print(f"per file: {per_file}")
     columns, rows, plain_ms, verify_ms = decode_table(f"ngram k={args.k}", off_rate, on_rate, drafted, accepted,
                                                       verifies, steps)
-    if peer is not None:
-        lp, ll = statistics.median(peer_rates["plain"]), statistics.median(peer_rates["lookup"])
-        acc = peer_rates["acceptance"][-1]
+    if peer is not None:  # harmonic means over the runs: tokens over time, as ours
+        lp = len(peer_rates["plain"]) / sum(1 / r for r in peer_rates["plain"])
+        ll = len(peer_rates["lookup"]) / sum(1 / r for r in peer_rates["lookup"])
+        known = [a for a in peer_rates["acceptance"] if a is not None]
+        acc = statistics.mean(known) if known else None
         rows += [["llama.cpp plain (llama-bench tg at the prompt's depth)", round(lp, 1), "", "", ""],
                  [f"llama.cpp llama-lookup k={args.k}", round(ll, 1), "" if acc is None else round(acc, 3), "", ""]]
         print(f"llama.cpp: plain {lp:.1f} tok/s, lookup {ll:.1f} tok/s (x{ll / lp:.2f}), acceptance {acc}")
-    run.table(f"batch-1 greedy decode, {len(prompt)}-token code-editing prompt, {args.tokens} new tokens", columns,
-              rows)
-    run.note(f"speed-up x{on_rate / off_rate:.2f}; {outputs_note()}; a verifying step costs "
-             f"{verify_ms / plain_ms:.2f} plain decode steps (medians)")
+    run.table(f"batch-1 greedy decode, {len(files)} code-editing prompts ({', '.join(str(len(p)) for p in prompts)} "
+              f"tokens), {args.tokens} new tokens each", columns, rows)
+    run.note(f"speed-up x{on_rate / off_rate:.2f} over all {len(files)} answers ({per_file}); {outputs_note()}; "
+             f"a verifying step costs {verify_ms / plain_ms:.2f} plain decode steps (medians)")
 
 
 DIFFERED: list[str] = []  # int8 runs: the outputs speculation changed at a near-tie
@@ -222,7 +240,9 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--tokens", type=int, default=192)
     parser.add_argument("--k", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--file", default="deltaserve/engine/sampler.py")
+    parser.add_argument("--file", default="deltaserve/engine/sampler.py,deltaserve/engine/speculative.py,"
+                                          "deltaserve/models/batch.py",
+                        help="the files of the code-editing prompts, comma-separated [three of this repository]")
     parser.add_argument("--lines", type=int, default=60)
     parser.add_argument("--mixed", type=int, default=16, help="requests of the mixed load (0: skip it) [16]")
     parser.add_argument("--mixed-tokens", type=int, default=48)
