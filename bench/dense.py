@@ -10,6 +10,8 @@ one run of each test alternated with ours (a shared VM's speed drifts within min
 `--ik-llama-cpp DIR` ik_llama.cpp's llama-bench likewise (with its load-time repacking, -rtr 1).
 - prefill tok/s: prompt tokens / time to the first token of one request (the whole prompt in one chunk);
 - decode tok/s: (new tokens - 1) / (time from the first to the last token), batch 1, greedy, EOS ignored;
+- with --decode-depth N, decode tok/s again after an N-token prompt (llama-bench tg with -d N): a step's attention
+  reads N cached rows per layer (SmolLM2's float16 cache: 23 KB a token over its 30 layers, 94 MB at 4,096);
 - bytes per token: the weight bytes each side holds (a batch-1 step reads every one: the head is tied to the
   embedding), and the GB/s that decode rate reaches, next to torch.sum over a float32 tensor of the same size
   (a plain read of those bytes on this machine: the memory limit a decode step can approach).
@@ -139,6 +141,9 @@ def main(argv=None) -> int:
     parser.add_argument("--prefill", default="512,2048", help="prompt lengths for prefill, comma-separated")
     parser.add_argument("--decode", type=int, default=128, help="new tokens for the batch-1 decode run")
     parser.add_argument("--decode-prompt", type=int, default=16, help="prompt tokens before the decode run")
+    parser.add_argument("--decode-depth", type=int, default=0,
+                        help="also a batch-1 decode after this many cached tokens (llama-bench tg -d N beside it: "
+                             "decode where attention reads a long context, as an agent's turn does); 0: none [0]")
     parser.add_argument("--repeats", type=int, default=3, help="best of this many runs per cell")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--formats", default="gguf,w4a16",
@@ -166,11 +171,15 @@ def main(argv=None) -> int:
               "q8_0 and iq4_nl (the last two need --llama-cpp), --w4a16-group 32, 64, 128 or 256", file=sys.stderr)
         return 2
     torch.set_num_threads(args.threads)
-    longest = max(lengths + [args.decode_prompt + args.decode])
+    longest = max(lengths + [args.decode_prompt + args.decode, args.decode_depth + args.decode])
     cells = [(f"prefill {n} tokens", n, lambda side, ids: side.prefill(ids), prompt(n, n), f"pp{n}")
              for n in lengths]
     cells.append((f"decode {args.decode} (batch 1)", args.decode - 1,
                   lambda side, ids: side.decode(ids, args.decode), prompt(args.decode_prompt, 1), f"tg{args.decode}"))
+    if args.decode_depth:
+        cells.append((f"decode {args.decode} at depth {args.decode_depth}", args.decode - 1,
+                      lambda side, ids: side.decode(ids, args.decode), prompt(args.decode_depth, 2),
+                      f"tg{args.decode}@{args.decode_depth}"))
     ok = True
     run = results.Run("dense", f"SmolLM2-135M ({args.formats}): prefill and batch-1 decode, deltaserve vs "
                       f"transformers{' and llama.cpp' if args.llama_cpp else ''}"
@@ -285,7 +294,7 @@ def run_table(sides: dict, cells: list, repeats: int, peers: dict, run: results.
                 if peer_run is not None:
                     peer_best[name] = max(peer_best[name], peer_run(peer_key))
         rates = [tokens / best[name] for name in sides]
-        if peer_key.startswith("tg"):
+        if peer_key.startswith("tg") and "@" not in peer_key:  # the short-context decode: its bytes per token
             decode_rates = dict(zip(sides, rates))
         printed, row_peers = "", []
         for name in peers:

@@ -91,14 +91,23 @@ def run_bench(root: Path, gguf: Path, *, prompts: list[int] = (), gen: int = 0, 
     rates = {}
     for row in json.loads(done.stdout):
         name = f"pp{row['n_prompt']}" if row["n_prompt"] else f"tg{row['n_gen']}"
+        if str(row.get("test", "")).startswith("tg") and "@pp" in str(row["test"]):  # ik_llama.cpp's -gp
+            name = f"tg{row['n_gen']}@{row['n_prompt']}"
+        elif row.get("n_depth"):  # llama.cpp's -d
+            name += f"@{row['n_depth']}"
         rates[name] = max(map(float, row.get("samples_ts") or [row["avg_ts"]]))
     return rates
 
 
 def run_one(root: Path, gguf: Path, test: str, threads: int, extra: tuple[str, ...] = ()) -> float:
-    """tokens/s of one llama-bench run of one test ("pp512", "tg128"): a bench alternates it with its own side's runs,
-    so that both see the same machine (on a shared 2-core VM llama.cpp's tg128 moved between 133 and 166 tok/s
-    within an hour)."""
-    n = int(test[2:])
-    return run_bench(root, gguf, prompts=[n] if test.startswith("pp") else [], gen=n if test.startswith("tg") else 0,
+    """tokens/s of one llama-bench run of one test ("pp512", "tg128", or "tg128@4096": after 4,096 cached tokens, its
+    -d): a bench alternates it with its own side's runs, so that both see the same machine (on a shared 2-core VM
+    llama.cpp's tg128 moved between 133 and 166 tok/s within an hour)."""
+    kind, _, depth = test.partition("@")
+    n = int(kind[2:])
+    if depth:  # llama.cpp's -d N; ik_llama.cpp's llama-bench has -gp N,n instead (its tg after an N-token prompt)
+        if "-gp <" in subprocess.run([str(bench_binary(root)), "--help"], capture_output=True, text=True).stdout:
+            return run_bench(root, gguf, threads=threads, repeats=1, extra=(*extra, "-gp", f"{depth},{n}"))[test]
+        extra = (*extra, "-d", depth)
+    return run_bench(root, gguf, prompts=[n] if kind.startswith("pp") else [], gen=n if kind.startswith("tg") else 0,
                      threads=threads, repeats=1, extra=extra)[test]
