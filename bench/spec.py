@@ -174,8 +174,7 @@ def batch_one(args, run, off, on, peer) -> None:
             if peer is not None:  # llama.cpp beside ours, in the same alternation
                 try:
                     got = llama_lookup(peer, gguf, prompt_files[n], args.tokens, args.k, args.threads)
-                    plain_rate = llamacpp.run_one(peer, gguf, f"tg{args.tokens}", args.threads,
-                                                  ("-d", str(len(prompt))))
+                    plain_rate = llamacpp.run_one(peer, gguf, f"tg{args.tokens}@{len(prompt)}", args.threads)
                 except (RuntimeError, subprocess.CalledProcessError) as error:  # a build that cannot run here
                     print(f"llama.cpp skipped: {str(error)[-300:]}")
                     run.note(f"llama.cpp's llama-lookup did not run here: {str(error)[-200:]}")
