@@ -77,14 +77,14 @@ def test_paged_decode_reads_16_bit_caches(kernel, dtype, heads, kv_heads, d, len
     assert (portable.double() - want).abs().max().item() <= 1e-5
 
 
-# Contexts longer than the kernel's split (256 rows: paged_attention.h SPLIT) are attended in splits merged after;
+# Contexts longer than the kernel's split (128 rows: paged_attention.h SPLIT) are attended in splits merged after;
 # the splits follow a row's own length alone, so a verifying request's rows (contexts L, L + 1, .., L + k over one
 # slot list, attended together as a run) give each row the bits it gets alone. Lengths sit on both sides of the
 # split boundaries; the first row of each run is short of a split the run's last row starts.
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("heads,kv_heads,d,first,rows", [
-    (9, 3, 64, 254, 5), (9, 3, 64, 511, 3), (9, 3, 64, 1000, 2), (4, 1, 64, 256, 4), (6, 2, 128, 767, 3),
-    (2, 1, 256, 300, 2),
+    (9, 3, 64, 126, 4), (9, 3, 64, 254, 5), (9, 3, 64, 511, 3), (9, 3, 64, 1000, 2), (4, 1, 64, 256, 4),
+    (6, 2, 128, 767, 3), (2, 1, 256, 300, 2),
 ])
 def test_long_contexts_and_verifying_runs_match_float64_and_each_row_alone(kernel, dtype, heads, kv_heads, d,
                                                                            first, rows):

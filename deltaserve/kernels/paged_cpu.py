@@ -8,7 +8,7 @@ This kernel walks each sequence's slots and reads each K and V row once, for all
 loop. The cache may be float32 or 16-bit (float16, the CPU default, or bfloat16): rows are widened to float32 as
 a tile is staged and all arithmetic stays float32; half the bytes to stream. Rows two tiles ahead are prefetched
 (64 decodes of 800 tokens over cold pages: 7.3 -> 4.8-5.5 ms float32, 4.0 -> 2.6 ms float16 per layer). A context
-longer than 256 rows is attended in splits, one task each, merged after (flash-decoding: a batch-1 step has only as
+longer than 128 rows is attended in splits, one task each, merged after (flash-decoding: a batch-1 step has only as
 many tasks as KV heads otherwise); the splits follow each row's own length, so a row's result does not depend on
 the batch it is in. It needs
 GCC or Clang (vector extensions) and is built by kernels/cpp_build.py; where that fails, `load()` returns None and
