@@ -334,11 +334,11 @@ void attend_any(const float* qh, const T* kp, const T* vp, const int64_t* row_sl
   }
 }
 
-// Contexts longer than SPLIT rows are attended in splits of SPLIT rows (flash-decoding), each split a task, their
-// partial softmaxes merged after: a step with fewer (sequence, kv head) tasks than threads x a few left threads idle
-// (SmolLM2, 3 kv heads on 2 threads: one thread took two heads, the other one). The splits depend on a row's own
-// context length alone, never on the batch, so a row's attention is the same bits alone or beside others (greedy
-// output with and without speculation is compared token for token): a split past a row's length, or the part of
+// Contexts longer than SPLIT rows are attended in splits of SPLIT rows (flash-decoding), each split a task (all its
+// KV heads), their partial softmaxes merged after: a step with fewer (sequence, kv head) tasks than threads x a few
+// left threads idle (SmolLM2, 3 kv heads on 2 threads: one thread took two heads, the other one). The splits depend on
+// a row's own context length alone, never on the batch, so a row's attention is the same bits alone or beside others
+// (greedy output with and without speculation is compared token for token): a split past a row's length, or the part of
 // one, adds exact zeros. Measured (SmolLM2's 9 / 3 heads of 64, 30 layers of a float16 cache over scattered pages,
 // 2 threads, Sapphire Rapids): 5,000 cached rows, 1 row 15.1 -> 9.8-10.9 ms, a 5-row verifying run 31.5 -> 23.3 ms.
 // 128 rows against 256: at 850-1,286 rows 1 row 1.23-1.57 ms against 1.34-2.0 and 4 rows 3.0-3.9 against 3.1-4.5;
