@@ -17,6 +17,7 @@ ik_llama.cpp (github ikawrakow/ik_llama.cpp; `--ik-llama-cpp DIR`) builds the sa
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -99,6 +100,12 @@ def run_bench(root: Path, gguf: Path, *, prompts: list[int] = (), gen: int = 0, 
     return rates
 
 
+@functools.cache
+def takes_gp(root: Path) -> bool:
+    """Whether the tree's llama-bench has ik_llama.cpp's -gp (asked once per tree)."""
+    return "-gp <" in subprocess.run([str(bench_binary(root)), "--help"], capture_output=True, text=True).stdout
+
+
 def run_one(root: Path, gguf: Path, test: str, threads: int, extra: tuple[str, ...] = ()) -> float:
     """tokens/s of one llama-bench run of one test ("pp512", "tg128", or "tg128@4096": after 4,096 cached tokens, its
     -d): a bench alternates it with its own side's runs, so that both see the same machine (on a shared 2-core VM
@@ -106,7 +113,7 @@ def run_one(root: Path, gguf: Path, test: str, threads: int, extra: tuple[str, .
     kind, _, depth = test.partition("@")
     n = int(kind[2:])
     if depth:  # llama.cpp's -d N; ik_llama.cpp's llama-bench has -gp N,n instead (its tg after an N-token prompt)
-        if "-gp <" in subprocess.run([str(bench_binary(root)), "--help"], capture_output=True, text=True).stdout:
+        if takes_gp(root):
             return run_bench(root, gguf, threads=threads, repeats=1, extra=(*extra, "-gp", f"{depth},{n}"))[test]
         extra = (*extra, "-d", depth)
     return run_bench(root, gguf, prompts=[n] if kind.startswith("pp") else [], gen=n if kind.startswith("tg") else 0,
