@@ -85,19 +85,23 @@ def prefilled(model, prompts: list[list[int]], dtype: torch.dtype):
 
 def steps_both_ways(model, prompts, dtype, steps: int):
     """(fused logits, per-op logits, fused caches, per-op caches) of `steps` batched decode steps from the same
-    prefilled caches, both fed the per-op path's greedy tokens."""
+    prefilled caches, both fed the per-op path's greedy tokens. Where the one-call head gave its argmax with the
+    logits (ForwardBatch.logits_argmax: the sampler's greedy tokens), it is torch's argmax of those logits."""
     caches, tokens = prefilled(model, prompts, dtype)
     other = copy.deepcopy(caches)
     lens = [len(p) for p in prompts]
-    fused, plain = [], []
+    fused, plain, row_argmax = [], [], []
     for _ in range(steps):
         batch = decode_batch(tokens, lens)
         fused.append(model(batch, caches))
+        row_argmax.append(batch.logits_argmax is not None)
+        if batch.logits_argmax is not None:
+            assert torch.equal(batch.logits_argmax, fused[-1].argmax(-1))
         with decode_cpu.disabled():
             plain.append(model(decode_batch(tokens, lens), other))
         tokens = plain[-1].argmax(-1).tolist()
         lens = [n + 1 for n in lens]
-    return torch.stack(fused), torch.stack(plain), caches, other
+    return torch.stack(fused), torch.stack(plain), caches, other, set(row_argmax)
 
 
 @pytest.mark.parametrize("kind,weights", [("llama", "fp32"), ("llama", "int4"), ("qwen3", "iq4"),
@@ -109,10 +113,11 @@ def test_fused_decode_equals_the_per_op_path(kind, weights, cache, isa):
     model = tiny_dense(kind, weights)
     gen = torch.Generator().manual_seed(7)
     prompts = [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in (5, 17, 1, 40, 9)]
-    fused, plain, caches, other = steps_both_ways(model, prompts, getattr(torch, cache), steps=6)
+    fused, plain, caches, other, row_argmax = steps_both_ways(model, prompts, getattr(torch, cache), steps=6)
     assert model.model.layers[0].fused.parts is not None  # the blocks served (they take these weights)
     assert model.model.stack._args is not None  # all layers in one call (decode_stack)
-    assert model.fused_head.args is not None  # ... the final norm and the LM head at its end
+    assert model.fused_head.args is not None  # ... the final norm and the LM head at its end (and their argmax)
+    assert row_argmax == {True}  # ... and their argmax, every step (steps_both_ways compared it with torch's)
     hidden = model.config["hidden_size"]
     tol = logits_rtol(3, max(hidden, model.config["intermediate_size"], 48)) * plain.abs().max().item()
     assert (fused - plain).abs().max().item() <= tol
@@ -131,7 +136,7 @@ def test_one_to_sixty_four_rows_and_a_prefill_step_keep_their_paths():
     gen = torch.Generator().manual_seed(11)
     prompts = [torch.randint(0, VOCAB, (int(n),), generator=gen).tolist()
                for n in torch.randint(1, 30, (64,), generator=gen)]
-    fused, plain, _, _ = steps_both_ways(model, prompts, torch.float16, steps=2)
+    fused, plain, _, _, _ = steps_both_ways(model, prompts, torch.float16, steps=2)
     tol = logits_rtol(3, 192) * plain.abs().max().item()
     assert (fused - plain).abs().max().item() <= tol
     x = torch.zeros(3, 128)
@@ -201,7 +206,7 @@ def test_hybrid_fused_decode_equals_the_per_op_path(name, cache, tmp_path):
     model = build_model(ckpt.config, ckpt.tensors)
     gen = torch.Generator().manual_seed(5)
     prompts = [torch.randint(0, HYBRID_VOCAB, (n,), generator=gen).tolist() for n in (6, 23, 2, 31)]
-    fused, plain, caches, other = steps_both_ways(model, prompts, getattr(torch, cache), steps=5)
+    fused, plain, caches, other, row_argmax = steps_both_ways(model, prompts, getattr(torch, cache), steps=5)
     # the attention layers' blocks served, and Qwen3.5's GDN mixers (Qwen3-Next's packed in-projections: op by op)
     for layer in model.model.layers:
         fused_mixer = layer.kind != "linear_attention" or name.startswith("qwen3_5")
@@ -209,6 +214,7 @@ def test_hybrid_fused_decode_equals_the_per_op_path(name, cache, tmp_path):
     # every layer in one call (decode_stack) where all blocks are fused; Qwen3-Next's steps go layer by layer
     assert (model.model.stack._args is not None) == name.startswith("qwen3_5")
     assert model.fused_head.args is not None  # the head joins that call where there is one
+    assert row_argmax == {name.startswith("qwen3_5")}  # with its argmax (steps_both_ways compared it with torch's)
     tol = logits_rtol(ref.config.num_hidden_layers, 64 * 16) * plain.abs().max().item()
     assert (fused - plain).abs().max().item() <= tol
     assert torch.equal(fused.argmax(-1), plain.argmax(-1))

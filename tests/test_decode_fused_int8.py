@@ -149,7 +149,7 @@ def assert_fused_int8_equals_per_op(model, prompts, cache, layers: int, reductio
     of the cases with `compare` meet no such tie on either build; the tied hybrid config's do (its third sequence's
     first MLP input lies 1.1e-4 of a quantum from a tie, where the two paths' inputs differ by ~127 x 1e-6), so
     only its calls are checked."""
-    fused, plain, caches, _ = steps_both_ways(model, prompts, cache, steps=4)
+    fused, plain, caches, _, _ = steps_both_ways(model, prompts, cache, steps=4)
     if compare:
         tol = logits_rtol(layers, reduction) * plain.abs().max().item()
         assert (fused - plain).abs().max().item() <= tol
@@ -182,7 +182,7 @@ def test_fused_int8_decode_equals_the_per_op_int8_path(kind, cache, int8_isa):
     assert all(group < 0 for group in attn[1][4:]) and all(group < 0 for group in mlp[1])  # panel weights served
     assert model.model.stack._args is not None
     # and not the float32 packed arithmetic: the same steps of the unswapped model differ by the activation rounding
-    float_fused, _, _, _ = steps_both_ways(float_model, prompts, getattr(torch, cache), steps=1)
+    float_fused, _, _, _, _ = steps_both_ways(float_model, prompts, getattr(torch, cache), steps=1)
     assert (fused[0] - float_fused[0]).abs().max() > logits_rtol(3, 192) * float_fused.abs().max()
 
 
@@ -209,7 +209,7 @@ def test_fused_decode_of_byte_valued_weights_equals_the_per_op_int8_path(kind, f
     fused = assert_fused_int8_equals_per_op(model, prompts, torch.float32, 3, 192)
     attn, mlp = model.model.layers[0].fused.parts
     assert all(group < 0 for group in attn[1][4:]) and all(group < 0 for group in mlp[1])
-    float_fused, _, _, _ = steps_both_ways(float_model, prompts, torch.float32, steps=1)
+    float_fused, _, _, _, _ = steps_both_ways(float_model, prompts, torch.float32, steps=1)
     assert (fused[0] - float_fused[0]).abs().max() > logits_rtol(3, 192) * float_fused.abs().max()
 
 

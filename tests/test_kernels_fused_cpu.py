@@ -83,6 +83,17 @@ def test_argmax_rows_is_torch_argmax():
         assert torch.equal(fused_cpu.argmax(x), x.argmax(-1)), width
         strided = torch.randn(5, 2 * width, generator=gen)[:, :width]
         assert torch.equal(fused_cpu.argmax(strided), strided.argmax(-1)), width
+    wide = torch.randn(3, 49152, generator=gen).round().clamp(max=2.0)  # equal maxima in every piece a thread takes
+    wide[1, 5] = float("nan")  # a NaN in the first piece, a larger number in the last
+    wide[1, 45000] = 3.0
+    wide[2, 40000] = float("nan")
+    kept = torch.get_num_threads()
+    try:
+        for threads in (1, 2, 3, 6):  # pieces of 8,192 at least: one to six of them
+            torch.set_num_threads(threads)
+            assert torch.equal(fused_cpu.argmax(wide), wide.argmax(-1)), threads
+    finally:
+        torch.set_num_threads(kept)
     assert fused_cpu.argmax(torch.randn(0, 5)).shape == (0,)
     with pytest.raises(RuntimeError, match="argmax_rows: x must be float32"):
         fused_cpu.KERNELS.module.argmax_rows(torch.randn(4, 8).double())

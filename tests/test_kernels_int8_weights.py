@@ -169,6 +169,27 @@ def test_the_model_swap_takes_int8_layers_and_a_tied_table_once():
     assert torch.equal(model.layers[0](x), expect)
 
 
+
+@pytest.mark.parametrize("n,k,group,count", [(64, 576, 32, 6), (48, 512, 128, 100), (32, 640, 64, 1)])
+def test_panel_rows_are_the_table_rows_natively_and_through_torch(n, k, group, count):
+    """A panel table's rows (the embedding of a tied head under int8 activations) are the table's own rows, bit for bit,
+    through fused_cpu's one-call gather (over 64 ids: its threaded loop) and through torch's indexing."""
+    from deltaserve.kernels import fused_cpu
+
+    assert fused_cpu.load() is not None
+    table = int8_weight((n, k, group, True, False), 11)
+    panel = int4_int8.repack_int8(table)
+    ids = torch.randint(0, n, (count,), generator=torch.Generator().manual_seed(count))
+    ids[: min(count, 3)] = torch.tensor([0, n - 1, 17])[: min(count, 3)]  # first and last rows, a lane past the first
+    expect = table.codes[ids].float().view(count, k // group, group) * table.scales[ids][..., None]
+    native = int4_int8.gather_rows(panel, ids)
+    with fused_cpu.disabled():
+        portable = int4_int8.gather_rows(panel, ids)
+    assert torch.equal(native, expect.view(count, k)) and torch.equal(portable, native)
+    assert torch.equal(int4_int8.gather_rows(panel, ids.view(1, -1)), native[None])
+    with pytest.raises(RuntimeError, match=f"id {n} is outside the table's {n} rows"):
+        fused_cpu.int8_panel_rows(panel.codes, panel.scales, torch.tensor([n]))
+
 IQ4_CASES = [  # (N, K, group, scale dtype): IQ4_NL (float16 scale per 32), IQ4_XS (float32 products per 32)
     (96, 576, 32, torch.float16), (48, 512, 32, torch.float32), (576, 576, 32, torch.float32)]
 IQ4_IDS = [f"{n}x{k}-{str(t)[6:]}" for n, k, _, t in IQ4_CASES]

@@ -84,7 +84,8 @@ class KVPool:
 
     def slots(self, owner: Hashable) -> torch.Tensor:
         """Flat slots of all the owner's pages, [capacity(owner)] int64."""
-        return self._slots.get(owner, self._offsets[:0])
+        slots = self._slots.get(owner)  # (a default argument would slice a tensor on every call: a decode step's)
+        return slots if slots is not None else self._offsets[:0]
 
     def allocate(self, owner: Hashable, num_pages: int) -> list[int]:
         """Append `num_pages` free pages to the owner's table; all or nothing."""

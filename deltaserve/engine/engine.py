@@ -433,9 +433,9 @@ class Engine:
         fed = [(request, request.num_cached, n) for request, n in plan.sequences]  # what the MTP head reads after
         try:
             self._hook("after_schedule")
-            logits = self.runner.forward(plan)
+            logits, argmax = self.runner.forward(plan)
             self._hook("during_forward")
-            sampled = sample_step(logits, plan)
+            sampled = sample_step(logits, plan, argmax)
             self._hook("after_sampling")
             self._hook("before_complete")
         except Exception as e:  # includes torch.OutOfMemoryError: this step's requests fail, not the process

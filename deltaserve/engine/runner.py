@@ -25,6 +25,7 @@ class ModelRunner:
         self.kv_pool = kv_pool
         self.state_pool = state_pool
         self.device = torch.device(device)
+        self._aranges: dict[int, torch.Tensor] = {}  # cu_q of a decode step of n rows: arange(n + 1), made once
         self.caches = ModelCaches(k=kv_pool.k, v=kv_pool.v, conv=state_pool.conv, recurrent=state_pool.recurrent,
                                   snapshot_conv=snapshot_pool.conv if snapshot_pool is not None else None,
                                   snapshot_recurrent=snapshot_pool.recurrent if snapshot_pool is not None else None)
@@ -97,13 +98,17 @@ class ModelRunner:
         sampling = set(map(id, plan.sampling))
         rows = [b for b, r in enumerate(decode) if id(r) in sampling]
         meta = torch.tensor([r.output_ids[-1] for r in decode] + cached + [self.state_pool.slot(r) for r in decode]
-                            + rows, dtype=torch.long)
+                            + [c + 1 for c in cached] + rows, dtype=torch.long)
         slot_mapping = contexts[0][-1:] if n == 1 else torch.cat([c[-1:] for c in contexts])
         context_slots = contexts[0][None] if n == 1 else torch.nn.utils.rnn.pad_sequence(contexts, batch_first=True)
+        cu_q = self._aranges.get(n + 1)
+        if cu_q is None:
+            cu_q = self._aranges[n + 1] = torch.arange(n + 1)
         batch = ForwardBatch(
             input_ids=meta[:n], positions=meta[n:2 * n], q_lens=[1] * n, cached_lens=cached, num_decode=n,
-            cu_q=torch.arange(n + 1), slot_mapping=slot_mapping, context_slots=context_slots,
-            state_slots=meta[2 * n:3 * n], logits_indices=meta[3 * n:], paged_kernel=self.paged_kernel)
+            cu_q=cu_q, slot_mapping=slot_mapping, context_slots=context_slots,
+            state_slots=meta[2 * n:3 * n], logits_indices=meta[4 * n:], paged_kernel=self.paged_kernel)
+        batch.decode_context_lens = meta[3 * n:4 * n]  # the cached property's value, from the same tensor
         if self.device.type != "cpu":
             for name in ("input_ids", "positions", "cu_q", "slot_mapping", "context_slots", "state_slots",
                          "logits_indices"):
@@ -132,9 +137,10 @@ class ModelRunner:
         return out
 
     @torch.inference_mode()
-    def forward(self, plan: StepPlan) -> torch.Tensor:
-        """Logits float32 [rows, vocab], in the order of plan.sampling: one row per request, 1 + k rows for a
-        verifying request with k drafts."""
+    def forward(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(logits float32 [rows, vocab], in the order of plan.sampling: one row per request, 1 + k rows for a
+        verifying request with k drafts; their argmax int64 [rows] where the model's head computed it, else None)."""
         batch = self.build_batch(plan)
         with decode_rows_first(batch.num_decode):  # --prefill-dtype bfloat16 rounds the prefill rows only
-            return self.model(batch, self.caches)
+            logits = self.model(batch, self.caches)
+        return logits, batch.logits_argmax

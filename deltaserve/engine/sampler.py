@@ -48,8 +48,10 @@ class Sampled:
     top: list[tuple[int, float]] | None = None
 
 
-def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[Sampled]:
-    """logits [R, V] float32, one row per entry of `rows` -> one Sampled per row."""
+def sample(logits: torch.Tensor, rows: list[SamplingRow], argmax: torch.Tensor | None = None) -> list[Sampled]:
+    """logits [R, V] float32, one row per entry of `rows` -> one Sampled per row. `argmax` [R] int64: each row's
+    argmax of these logits where the model computed it with them (the greedy tokens of rows nothing adjusts), or
+    None."""
     if not rows:
         return []
     raw = logits.float()
@@ -59,12 +61,13 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[Sampled]:
         x = x.clone() if x is raw else x  # raw stays unmasked: logprobs are the model's own
         grammars = rows[constrained[0]].grammar[0]
         grammars.mask(x, constrained, [rows[i].grammar[1] for i in constrained])
-    tokens = torch.empty(len(rows), dtype=torch.long, device=x.device)
     greedy = [i for i, r in enumerate(rows) if r.params.greedy]
     random = [i for i, r in enumerate(rows) if not r.params.greedy]
     if len(greedy) == len(rows):  # all greedy (the common decode step): argmax over the logits where they lie
-        tokens = fused_cpu.argmax(x)
-    elif greedy:
+        tokens = argmax if argmax is not None and x is raw else fused_cpu.argmax(x)
+    else:
+        tokens = torch.empty(len(rows), dtype=torch.long, device=x.device)
+    if greedy and random:
         index = torch.tensor(greedy, device=x.device)
         tokens[index] = fused_cpu.argmax(x.index_select(0, index))
     if random:

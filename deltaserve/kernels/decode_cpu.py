@@ -183,29 +183,31 @@ class Stack:
 
     @staticmethod
     def run_with(args: tuple[list, list, list], x, cos, sin, batch, head=None, rows=None,
-                 normed=None) -> torch.Tensor:
+                 normed=None, argmax=None) -> torch.Tensor:
         """x [B, hidden] updated in place by every layer (cos / sin [B, rd] float32), returned; with `head` (head_args)
         the same call ends with the final norm and the LM head over the rows `rows` of x (int64 [R]: the step's
         logits rows, which a batch made by as_decode_rows does not carry), and returns their logits [R, vocab]
         float32 (no return to Python between the last layer and the logits); `normed` [B, hidden] float32 (with
-        `head`): every row's final-norm output written there too (what an MTP head reads)."""
+        `head`): every row's final-norm output written there too (what an MTP head reads); `argmax` int64 [R] (with
+        `head`): each logits row's argmax written there (torch.argmax's answer, ties and NaN alike)."""
         tensors, ints, floats = args
         snaps = EMPTY if batch.row_snapshots is None else batch.row_snapshots
         if head is None:
             return KERNELS.module.decode_stack(x, tensors, ints, floats, cos, sin, batch.slot_mapping,
                                                batch.context_slots, batch.decode_context_lens, batch.state_slots, snaps,
-                                               EMPTY, EMPTY, EMPTY)
+                                               EMPTY, EMPTY, EMPTY, EMPTY)
         (head_tensors, head_ints, head_floats), vocab = head
         rows = batch.logits_indices if rows is None else rows
         logits = torch.empty(rows.shape[0], vocab)
         KERNELS.module.decode_stack(x, tensors + head_tensors, ints + head_ints, floats + head_floats, cos, sin,
                                     batch.slot_mapping, batch.context_slots, batch.decode_context_lens,
-                                    batch.state_slots, snaps, rows, logits, EMPTY if normed is None else normed)
+                                    batch.state_slots, snaps, rows, logits, EMPTY if normed is None else normed,
+                                    EMPTY if argmax is None else argmax)
         return logits
 
-    def run(self, x, key: tuple, build, cos, sin, batch, head=None, rows=None) -> torch.Tensor:
+    def run(self, x, key: tuple, build, cos, sin, batch, head=None, rows=None, argmax=None) -> torch.Tensor:
         """args_for then run_with, for a model whose layers the blocks always take."""
-        return self.run_with(self.args_for(key, build), x, cos, sin, batch, head, rows)
+        return self.run_with(self.args_for(key, build), x, cos, sin, batch, head, rows, argmax=argmax)
 
 
 def serves_gdn(conv_states: torch.Tensor, states: torch.Tensor, *snapshots: torch.Tensor) -> bool:

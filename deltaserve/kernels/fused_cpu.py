@@ -23,7 +23,7 @@ from deltaserve.kernels.cpp_build import CSRC, CompiledKernels
 
 KERNELS = CompiledKernels("deltaserve_fused_cpu", CSRC / "fused.cpp",
                            ["causal_conv1d", "rms_norm", "gdn_prefill", "gdn_decode", "argmax_rows", "int8_rows",
-                            "silu_mul", "rope", "flush_denormals"],
+                            "int8_panel_rows", "silu_mul", "rope", "flush_denormals"],
                            "fused CPU kernels (conv, RMSNorm, gated delta rule, argmax, int8 rows, SwiGLU, RoPE)",
                            "the portable PyTorch ops")
 
@@ -124,6 +124,16 @@ def int8_rows(codes: torch.Tensor, scales: torch.Tensor, ids: torch.Tensor) -> t
             or scales.dtype != torch.float32):
         return None
     return KERNELS.module.int8_rows(codes, scales, ids.long().contiguous())
+
+
+def int8_panel_rows(codes: torch.Tensor, scales: torch.Tensor, ids: torch.Tensor) -> torch.Tensor | None:
+    """Rows `ids` [R] of a symmetric 8-bit panel table (kernels/int4_int8.py's layout: codes [N / 16, K * 16] uint8,
+    float32 scales [N / 16, K / group, 16]) as float32 [R, K], or None where the kernel is not built or does not take
+    these tensors (the caller then gathers with torch ops, the same values)."""
+    if (KERNELS.module is None or codes.device.type != "cpu" or codes.dtype != torch.uint8 or ids.dim() != 1
+            or scales.dtype != torch.float32):
+        return None
+    return KERNELS.module.int8_panel_rows(codes, scales, ids.long().contiguous())
 
 
 # The value head sizes the GDN kernels are compiled for: any multiple of 16 up to 128 (csrc/gdn.h's gdn_value_dim_ok).

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from deltaserve.kernels import fused_cpu
 from deltaserve.kernels.cpp_build import CSRC, CompiledKernels
 from deltaserve.kernels.int4 import BLOCK, PackedInt4
 from deltaserve.kernels.int8 import Int8Rows
@@ -125,6 +126,9 @@ def gather_rows(w: PanelWeight, ids: torch.Tensor, dtype: torch.dtype = torch.fl
         raise ValueError("gather_rows: a symmetric 8-bit panel weight with its columns in order")
     n, k = w.shape
     flat = ids.reshape(-1)
+    rows = fused_cpu.int8_panel_rows(w.codes, w.scales, flat)  # one native call where built
+    if rows is not None:
+        return rows.view(*ids.shape, k).to(dtype)
     panel, lane = flat // PANEL_ROWS, flat % PANEL_ROWS
     codes = w.codes.view(n // PANEL_ROWS, k // BLOCK, 8, PANEL_ROWS, 4)[panel, :, :, lane, :]  # [r, K / 32, 8, 4]
     codes = codes.reshape(flat.shape[0], k // w.group_size, w.group_size).to(torch.float32)

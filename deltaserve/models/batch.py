@@ -87,6 +87,9 @@ class ForwardBatch:
     # A batch of decode rows made from chunks (as_decode_rows): per row, the slot in caches.snapshot_conv /
     # snapshot_recurrent its GDN state goes to after it, or -1; None: no row keeps one
     row_snapshots: torch.Tensor | None = None  # [T] int64
+    # out: [R] int64, each logits row's argmax, where the model's head ran in the step's one native call (the
+    # sampler's greedy tokens without its own pass over the logits)
+    logits_argmax: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:

@@ -493,9 +493,11 @@ class HybridModel(nn.Module):
             x = x.contiguous()  # the residual stream updated in place
             cos_sin = self.rotary.decode_rows(positions, max(batch.context_lens))  # rows() for image positions
             if args is not None:  # every layer in one native call (and the head, where given)
-                if head is not None:
+                if head is not None:  # the sampler's greedy tokens come with the logits
                     normed = torch.empty_like(x) if all_rows else None
-                    return None, self.stack.run_with(args, x, *cos_sin, flat, head, rows, normed), normed
+                    batch.logits_argmax = torch.empty(rows.shape[0], dtype=torch.long)
+                    logits = self.stack.run_with(args, x, *cos_sin, flat, head, rows, normed, batch.logits_argmax)
+                    return None, logits, normed
                 self.stack.run_with(args, x, *cos_sin, flat)
             else:  # a block some layer's weights do not take: layer by layer
                 for layer in self.layers:

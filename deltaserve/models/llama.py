@@ -141,8 +141,10 @@ class LlamaModel(nn.Module):
         if parts is not None and all(p is not None for p in parts):
             x = x.contiguous()  # every layer in one native call, the residual stream in place
             cos, sin = self.rotary.decode_rows(batch.positions, max(batch.context_lens))
+            if head is not None:  # the sampler's greedy tokens come with the logits
+                batch.logits_argmax = torch.empty(rows.shape[0], dtype=torch.long)
             out = self.stack.run(x, (caches, *parts), lambda: [layer.stack_args(caches) for layer in self.layers],
-                                 cos, sin, flat, head, rows)  # and the head, where given: its logits
+                                 cos, sin, flat, head, rows, batch.logits_argmax)  # and the head, where given: its logits
             return (None, out) if head is not None else (x.index_select(0, rows), None)
         cos_sin = self.rotary.cos_sin(batch.positions)
         for layer in self.layers[:-1]:

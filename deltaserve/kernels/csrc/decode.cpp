@@ -18,6 +18,7 @@
 #include "paged_attention.h"
 #include "gdn.h"
 #include "int4_int8_tile.h"
+#include "argmax.h"
 
 namespace {
 
@@ -707,9 +708,12 @@ torch::Tensor gdn_block(torch::Tensor x, std::vector<torch::Tensor> t, std::vect
 
 // The model's final norm and its LM head over the logits rows of x [B, H]: logits [R, V] = head(norm(x[rows])). t: the
 // norm's weight, then the head's 5 tensors (lin_of); offset + weight scales the norm (1: zero-centred). `normed`
-// [B, H] (or empty): every row's norm(x) written there too (what an MTP head reads).
+// [B, H] (or empty): every row's norm(x) written there too (what an MTP head reads). `argmax` int64 [R] (or empty):
+// each logits row's argmax (argmax.h) while the logits lie in the caches of the threads that wrote them: the sampler's
+// greedy tokens without a pass of its own after the call (~50 us of a step, most of it a cold interpreter).
 void head_block(const torch::Tensor& x, const std::vector<torch::Tensor>& t, int64_t group, double eps, double offset,
-                const torch::Tensor& rows, const torch::Tensor& logits, const torch::Tensor& normed) {
+                const torch::Tensor& rows, const torch::Tensor& logits, const torch::Tensor& normed,
+                const torch::Tensor& argmax) {
   TORCH_CHECK(t.size() == 6, "head_block: the norm and the head's 5 tensors");
   const int64_t B = x.size(0), H = x.size(1);
   const Lin lh = lin_of(t, 1, group, H);
@@ -739,6 +743,11 @@ void head_block(const torch::Tensor& x, const std::vector<torch::Tensor>& t, int
       rms_row(xp + r[i] * H, wn, off, e, H, np + i * H);
   }
   matmul(lh, np, R, logits.data_ptr<float>());
+  if (argmax.numel()) {
+    TORCH_CHECK(argmax.scalar_type() == torch::kInt64 && argmax.is_contiguous() && argmax.numel() == R,
+                "head_block: argmax must be int64 [rows]");
+    if (lh.N > 0) argmaxk::rows(logits.data_ptr<float>(), R, lh.N, lh.N, argmax.data_ptr<int64_t>());
+  }
 }
 
 // Every layer of a decode step in one call: x [B, hidden] updated in place, layer by layer, by the blocks above.
@@ -750,14 +759,15 @@ void head_block(const torch::Tensor& x, const std::vector<torch::Tensor>& t, int
 //   floats: attention's eps, offset, scale, or GDN's eps, offset, norm_eps; the MLP's eps, offset.
 // Optionally last, kind 3: the final norm and the LM head (head_block: 6 tensors, its group size, eps and offset),
 // writing logits [R, V] for the rows `logits_rows` of x (both empty when the step has no head entry), and every row's
-// normed hidden state into `normed` where it is not empty.
+// normed hidden state into `normed` where it is not empty, and each logits row's argmax into `logits_argmax` where it
+// is not empty.
 // A step of SmolLM2 made 60 calls from Python (~0.6 ms of a ~9 ms step in the interpreter and in argument
 // conversion, the other thread waiting meanwhile); now one.
 torch::Tensor decode_stack(torch::Tensor x, std::vector<torch::Tensor> tensors, std::vector<int64_t> ints,
                            std::vector<double> floats, torch::Tensor cos, torch::Tensor sin,
                            torch::Tensor slot_mapping, torch::Tensor context_slots, torch::Tensor context_lens,
                            torch::Tensor state_slots, torch::Tensor row_snapshots, torch::Tensor logits_rows,
-                           torch::Tensor logits, torch::Tensor normed) {
+                           torch::Tensor logits, torch::Tensor normed, torch::Tensor logits_argmax) {
   size_t ti = 0, ii = 0, fi = 0;
   auto take = [&](size_t n) {
     TORCH_CHECK(ti + n <= tensors.size(), "decode_stack: fewer tensors than the layers' kinds need");
@@ -796,7 +806,7 @@ torch::Tensor decode_stack(torch::Tensor x, std::vector<torch::Tensor> tensors, 
       const auto group = sizes(1);
       const double* f = reals(2);
       TORCH_CHECK(ii == ints.size(), "decode_stack: the head is the last entry");
-      head_block(x, t, group[0], f[0], f[1], logits_rows, logits, normed);
+      head_block(x, t, group[0], f[0], f[1], logits_rows, logits, normed, logits_argmax);
       break;
     } else {
       TORCH_CHECK(mixer == 0, "decode_stack: a kind must be 0, 1, 2 or 3");

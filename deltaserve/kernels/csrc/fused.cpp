@@ -2,6 +2,7 @@
 // loads and wraps them).
 #include "prelude.h"
 #include "gdn.h"
+#include "argmax.h"
 #include <algorithm>
 #include <cmath>
 #include <type_traits>
@@ -410,44 +411,14 @@ torch::Tensor rope(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
   return out;
 }
 
-// The index of each row's largest value, x [R, V] float32 (rows contiguous) -> int64 [R], as torch.argmax: the
-// first of equal maxima, and a NaN counts as larger than every number (the first NaN wins). torch's CPU argmax
-// over one 49,152-wide row took ~50 us (a scalar pass); this two vectorised passes: the largest value (and whether
-// any is NaN), then the first block of 64 that holds it, searched one by one (a NaN: the first, one by one).
+// The index of each row's largest value, x [R, V] float32 (rows contiguous) -> int64 [R], as torch.argmax
+// (argmax.h: the first of equal maxima, the first NaN before any number). torch's CPU argmax over one 49,152-wide row
+// took ~50 us (a scalar pass); this vectorised passes, a wide row cut into one piece a thread.
 torch::Tensor argmax_rows(torch::Tensor x) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.stride(1) == 1 && x.size(1) > 0,
               "argmax_rows: x must be float32 [R, V], V > 0, with contiguous rows");
-  constexpr int64_t BLOCK = 64;
-  const int64_t R = x.size(0), V = x.size(1);
-  auto out = torch::empty({R}, x.options().dtype(torch::kLong));
-  int64_t* o = out.data_ptr<int64_t>();
-  for (int64_t r = 0; r < R; ++r) {
-    const float* __restrict v = x.data_ptr<float>() + r * x.stride(0);
-    float best = v[0];
-    int nan = 0;
-    #pragma omp simd reduction(max:best) reduction(|:nan)
-    for (int64_t i = 0; i < V; ++i) {
-      best = v[i] > best ? v[i] : best;
-      nan |= v[i] != v[i];
-    }
-    int64_t at = 0;
-    if (nan) {  // rare (a broken model): the first NaN, one by one
-      while (v[at] == v[at]) ++at;
-    } else {
-      for (int64_t b = 0; b < V; b += BLOCK) {  // the first block with a match, then the match within it
-        const int64_t end = std::min(V, b + BLOCK);
-        int hit = 0;
-        #pragma omp simd reduction(|:hit)
-        for (int64_t i = b; i < end; ++i) hit |= v[i] == best;
-        if (hit) {
-          at = b;
-          while (v[at] != best) ++at;
-          break;
-        }
-      }
-    }
-    o[r] = at;
-  }
+  auto out = torch::empty({x.size(0)}, x.options().dtype(torch::kLong));
+  argmaxk::rows(x.data_ptr<float>(), x.size(0), x.size(1), x.stride(0), out.data_ptr<int64_t>());
   return out;
 }
 
@@ -477,6 +448,44 @@ torch::Tensor int8_rows(torch::Tensor codes, torch::Tensor scales, torch::Tensor
       #pragma omp simd
       for (int64_t k = g * group; k < (g + 1) * group; ++k) o[r * K + k] = static_cast<float>(q[k]) * sg;
     }
+  }
+  return out;
+}
+
+// Rows ids of a symmetric 8-bit panel table (kernels/int4_int8.py repack_int8: an embedding whose codes are held once,
+// in its tied vocabulary projection's panels) widened to float32: out[i, k] = (float(c) - 128) * s, c the code byte
+// (q + 128) and s its group's scale, kernels/int4_int8.py gather_rows' arithmetic. codes [N / 16, K * 16] uint8: row
+// t's code of column 32b + 4L + i at byte 512b + 64L + 4(t % 16) + i of panel t / 16; scales [N / 16, K / g, 16].
+// One call where gather_rows' torch indexing was six ops (~110 us of a SmolLM2 decode step between its native calls).
+torch::Tensor int8_panel_rows(torch::Tensor codes, torch::Tensor scales, torch::Tensor ids) {
+  TORCH_CHECK(codes.scalar_type() == torch::kUInt8 && codes.is_contiguous() && codes.dim() == 2 &&
+              codes.size(1) % 512 == 0, "int8_panel_rows: codes must be contiguous uint8 [N / 16, K * 16]");
+  const int64_t P = codes.size(0), K = codes.size(1) / 16, N = P * 16;
+  TORCH_CHECK(scales.scalar_type() == torch::kFloat32 && scales.is_contiguous() && scales.dim() == 3 &&
+              scales.size(0) == P && scales.size(2) == 16 && scales.size(1) > 0 && K % scales.size(1) == 0,
+              "int8_panel_rows: scales must be contiguous float32 [N / 16, K / group, 16]");
+  TORCH_CHECK(ids.scalar_type() == torch::kLong && ids.is_contiguous() && ids.dim() == 1,
+              "int8_panel_rows: ids must be contiguous int64 [R]");
+  const int64_t R = ids.size(0), G = scales.size(1), group = K / G;
+  const int64_t* id = ids.data_ptr<int64_t>();
+  for (int64_t r = 0; r < R; ++r)
+    TORCH_CHECK(id[r] >= 0 && id[r] < N, "int8_panel_rows: id ", id[r], " is outside the table's ", N, " rows");
+  auto out = torch::empty({R, K}, scales.options());
+  float* o = out.data_ptr<float>();
+  const uint8_t* cp = codes.data_ptr<uint8_t>();
+  const float* sp = scales.data_ptr<float>();
+  #pragma omp parallel for schedule(static) if (R > 64)
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t panel = id[r] / 16, lane = id[r] % 16;
+    const uint8_t* c = cp + panel * K * 16 + lane * 4;
+    const float* s = sp + panel * G * 16 + lane;
+    float* row = o + r * K;
+    for (int64_t b = 0; b < K / 32; ++b)
+      for (int64_t L = 0; L < 8; ++L)
+        for (int64_t i = 0; i < 4; ++i) {
+          const int64_t k = 32 * b + 4 * L + i;
+          row[k] = (static_cast<float>(c[512 * b + 64 * L + i]) - 128.0f) * s[(k / group) * 16];
+        }
   }
   return out;
 }
