@@ -41,7 +41,7 @@ from deltaserve.engine.admission import AdmissionPolicy
 from deltaserve.engine.door import EngineInfo, Submission
 from deltaserve.engine.errors import internal_error
 from deltaserve.engine.grammar import GrammarError, Grammars
-from deltaserve.engine.loader import LoadedModel, load_model
+from deltaserve.engine.loader import LoadedModel, load_model, return_freed_memory
 from deltaserve.engine.multimodal import ImagePromptError, PromptImages, expand_prompt
 from deltaserve.engine.request import Request, RequestStream, SamplingParams, TokenLogprob
 from deltaserve.engine.runner import ModelRunner
@@ -49,6 +49,7 @@ from deltaserve.engine.mtp_drafter import MtpDrafter
 from deltaserve.engine.speculative import NgramDrafter, Speculation, sample_step
 from deltaserve.engine.scheduler import QueueFull, RequestRefused, Scheduler
 from deltaserve.kernels import decode_cpu, fused_cpu, int4_cpu, int4_int8, linear_cpu, paged_cpu, prefill_cpu
+from deltaserve.models.arena import pack_weights
 
 __all__ = ["Completion", "Engine", "EngineStats", "LLM", "QueueFull", "RequestRefused"]
 
@@ -167,6 +168,9 @@ class Engine:
                 paged_cpu.load(self._log)
                 prefill_cpu.load(self._log)
                 decode_cpu.load(self._log)  # a decode step's layers in two native calls each
+            moved = pack_weights(loaded.model, return_freed_memory)  # in one buffer of 2 MB pages (models/arena.py)
+            if moved:
+                self._log(f"weights: {moved / 2 ** 20:,.1f} MiB moved into one buffer, transparent huge pages asked for")
         self.vocab_size = int(loaded.model.lm_head.out_features)
         self._setup_images(loaded)
         self.grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_token_ids)

@@ -181,6 +181,10 @@ class Stack:
             self._args, self._key = args, key
         return self._args
 
+    def forget(self) -> None:
+        """Drop the arguments (and the tensors they hold): rebuilt at the next args_for."""
+        self._key = self._args = None
+
     @staticmethod
     def run_with(args: tuple[list, list, list], x, cos, sin, batch, head=None, rows=None,
                  normed=None, argmax=None) -> torch.Tensor:
@@ -207,7 +211,7 @@ class Stack:
 
     def run(self, x, key: tuple, build, cos, sin, batch, head=None, rows=None, argmax=None) -> torch.Tensor:
         """args_for then run_with, for a model whose layers the blocks always take."""
-        return self.run_with(self.args_for(key, build), x, cos, sin, batch, head, rows, argmax=argmax)
+        return self.run_with(self.args_for(key, build), x, cos, sin, batch, head, rows, None, argmax)
 
 
 def serves_gdn(conv_states: torch.Tensor, states: torch.Tensor, *snapshots: torch.Tensor) -> bool:

@@ -67,7 +67,7 @@ def use_int8_activations(model: nn.Module, tied_heads: bool | None = None) -> tu
     for module in model.modules():  # fused decode parts built before the swap would still hold the old tensors
         fused = getattr(module, "fused", None)
         if isinstance(fused, FusedParts):
-            fused.key = None
+            fused.forget()
     lines = [f"int4_int8 (kernels/int4_int8): {reason}: the float32 {kind} kernel serves {count} layers"
              for (reason, kind), count in refusals.items()]
     return swapped, lines

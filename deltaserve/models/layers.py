@@ -373,6 +373,10 @@ class FusedHead:
             self.key = (weight, head)
         return self.args
 
+    def forget(self) -> None:
+        """Drop the arguments (and the tensors they hold): rebuilt at the next get."""
+        self.key = self.args = None
+
 
 class FusedParts:
     """What a layer hands the fused decode blocks, built once per loaded weights: rebuilt only when the layer's
@@ -387,6 +391,10 @@ class FusedParts:
         if self.key is not key:
             self.parts, self.key = self.build(), key
         return self.parts
+
+    def forget(self) -> None:
+        """Drop the parts (and the tensors they hold): rebuilt at the next get."""
+        self.key = self.parts = None
 
 
 def current_parts(layers: nn.ModuleList) -> list:
