@@ -252,6 +252,26 @@ void write_and_attend(const float* q, const float* k, const float* v, torch::Ten
   pagedk::decode_all<T>(q, kc, vc, ctx, lens, out, B, Hq, Hkv, D, Lmax, scale);
 }
 
+// The cached K and V rows the attention below will read (the weights streamed since the last step evicted them),
+// fetched while the projections run: up to PREFETCH_CONTEXT_BYTES of them, a sequence's first rows first (the
+// attention fetches ahead as it goes past them).
+constexpr int64_t PREFETCH_CONTEXT_BYTES = 256 << 10;
+void prefetch_context(const torch::Tensor& k_cache, const torch::Tensor& v_cache, const int64_t* ctx,
+                      const int64_t* lens, int64_t B, int64_t Lmax) {
+  const int64_t row = k_cache.size(1) * k_cache.size(2) * k_cache.element_size();
+  const char* kc = static_cast<const char*>(k_cache.data_ptr());
+  const char* vc = static_cast<const char*>(v_cache.data_ptr());
+  int64_t budget = PREFETCH_CONTEXT_BYTES;
+  for (int64_t b = 0; b < B && budget > 0; ++b)
+    for (int64_t t = 0; t < lens[b] - 1 && budget > 0; ++t, budget -= 2 * row) {  // the last row is this step's
+      const int64_t slot = ctx[b * Lmax + t];
+      for (int64_t c = 0; c < row; c += 64) {
+        __builtin_prefetch(kc + slot * row + c, 0, 2);
+        __builtin_prefetch(vc + slot * row + c, 0, 2);
+      }
+    }
+}
+
 void check_rows(const torch::Tensor& x) {
   TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.is_contiguous() && x.dim() == 2,
               "decode block: x must be contiguous float32 [B, hidden]");
@@ -314,6 +334,7 @@ torch::Tensor attention_block(torch::Tensor x, std::vector<torch::Tensor> t, std
   float* o = att + B * Hq * D; // [B, H]
   float* xp = x.data_ptr<float>();
   for (int64_t b = 0; b < B; ++b) rms_row(xp + b * H, wn, off, e, H, xn + b * H);
+  prefetch_context(k_cache, v_cache, context_slots.data_ptr<int64_t>(), lens, B, Lmax);
   matmuls(xn, B, {{&lq, qr}, {&lk, kr}, {&lv, vr}});
   const float* cp = cos.data_ptr<float>();
   const float* sp = sin.data_ptr<float>();
