@@ -218,8 +218,10 @@ def gguf_table(args, lengths: list[int], longest: int, cells: list, run: results
     title = (f"{path.name}, {torch.get_num_threads()} threads, best of {args.repeats} (the peers' runs alternated "
              f"with ours); tok/s, the ratio to transformers, and deltaserve's default side / each peer")
     print(title)
-    decode_rates = run_table(sides, cells, args.repeats, peers or {"llama.cpp": None}, run=run, title=title)
-    print_bytes(sides, decode_rates, args.repeats, run)
+    plain = {}
+    decode_rates = run_table(sides, cells, args.repeats, peers or {"llama.cpp": None}, run=run, title=title,
+                             plain=plain)
+    print_bytes(sides, decode_rates, args.repeats, run, plain)
 
 
 REQUANTIZED = {"q8_0": "Q8_0", "iq4_nl": "IQ4_NL"}  # --formats -> llama-quantize's type
@@ -246,8 +248,9 @@ def requantized_table(args, kind: str, folder: Path, longest: int, cells: list,
              f"dequantized float32 side, and deltaserve's default side (packed: the file's codes x int8 activations) / "
              f"each peer")
     print("\n" + title)
-    decode_rates = run_table(sides, cells, args.repeats, peers, run=run, title=title)
-    print_bytes(sides, decode_rates, args.repeats, run)
+    plain = {}
+    decode_rates = run_table(sides, cells, args.repeats, peers, run=run, title=title, plain=plain)
+    print_bytes(sides, decode_rates, args.repeats, run, plain)
 
 
 def w4a16_table(args, folder: Path, longest: int, cells: list, run: results.Run | None = None) -> bool:
@@ -262,17 +265,19 @@ def w4a16_table(args, folder: Path, longest: int, cells: list, run: results.Run 
              f"compressor in {made:.0f} s), {torch.get_num_threads()} threads, best of {args.repeats}; tok/s, and "
              f"packed / dequantized (fp32)")
     print("\n" + title)
-    decode_rates = run_table(sides, cells, args.repeats, {}, run=run, title=title)
-    print_bytes(sides, decode_rates, args.repeats, run)
+    plain = {}
+    decode_rates = run_table(sides, cells, args.repeats, {}, run=run, title=title, plain=plain)
+    print_bytes(sides, decode_rates, args.repeats, run, plain)
     return logits_check(sides["deltaserve packed"], sides["deltaserve fp32"], folder, run)
 
 
 def run_table(sides: dict, cells: list, repeats: int, peers: dict, run: results.Run | None = None,
-              title: str = "") -> dict:
+              title: str = "", plain: dict | None = None) -> dict:
     """Print one row per cell (tok/s per side, the ratio of each to the first side, and per peer its best and our
     first packed side's ratio to it);
     the decode rates by side. peers: name -> run(test) -> the peer's tok/s of one run, or None for a column of "-"
-    (a peer not given); no peers, no peer columns."""
+    (a peer not given); no peers, no peer columns. `plain`: filled with each side's best plain read of its weight
+    bytes (GB/s), one read after each of its short-context decode runs (the same minutes of a shared VM's load)."""
     width = max(20, *(len(name) + 2 for name in sides))
     ratio_width = max(11, *(len(name.split()[-1]) + 3 for name in sides))
     print(f"{'what':<22}" + "".join(f"{name:>{width}}" for name in sides)
@@ -290,6 +295,8 @@ def run_table(sides: dict, cells: list, repeats: int, peers: dict, run: results.
         for _ in range(repeats):  # alternate the sides, the peers too, so all see the same machine load
             for name, side in sides.items():
                 best[name] = min(best[name], measure(side, ids))
+                if plain is not None and peer_key.startswith("tg") and "@" not in peer_key:
+                    plain[name] = max(plain.get(name, 0.0), plain_read_gbps(side.weight_bytes, 1))
             for name, peer_run in peers.items():
                 if peer_run is not None:
                     peer_best[name] = max(peer_best[name], peer_run(peer_key))
@@ -313,11 +320,14 @@ def run_table(sides: dict, cells: list, repeats: int, peers: dict, run: results.
     return decode_rates
 
 
-def print_bytes(sides: dict, decode_rates: dict, repeats: int, run: results.Run | None = None) -> None:
+def print_bytes(sides: dict, decode_rates: dict, repeats: int, run: results.Run | None = None,
+                plain: dict | None = None) -> None:
+    """Each side's bytes per decode token and the GB/s its decode rate reaches, beside a plain read of those bytes
+    (`plain`: run_table's reads, alternated with the decode runs; else best of `repeats` now)."""
     for name, side in sides.items():
         if isinstance(side, Ours):
             reached = side.weight_bytes * decode_rates[name] / 1e9
-            limit = plain_read_gbps(side.weight_bytes, repeats)
+            limit = plain[name] if plain and name in plain else plain_read_gbps(side.weight_bytes, repeats)
             line = (f"{name}: {side.weight_bytes / 1e6:.1f} MB per decode token, {reached:.1f} GB/s; a plain read "
                     f"of the same bytes: {limit:.1f} GB/s ({reached / limit:.0%})")
             print(line)
