@@ -264,16 +264,18 @@ def sample_step(logits: torch.Tensor, plan, argmax: torch.Tensor | None = None) 
             plain_rows.append(row)
         row += n
     plain = [r for r in plan.sampling if r not in drafts]
-    picked = iter(sample(logits[plain_rows], plain) if plain else [])
+    picked = iter(sample(logits[plain_rows], plain, None if argmax is None else argmax[plain_rows]) if plain else [])
     out = []
     for request, (first, n) in zip(plan.sampling, spans):
-        out.append([next(picked)] if n == 1 else verify(logits[first:first + n], request, drafts[request]))
+        out.append([next(picked)] if n == 1 else verify(logits[first:first + n], request, drafts[request],
+                                                         None if argmax is None else argmax[first:first + n]))
     return out
 
 
-def verify(logits: torch.Tensor, request, drafts: list[int]) -> list[Sampled]:
-    """The tokens a request keeps from logits [1 + k, V] of its rows: the accepted drafts and one of its own.
-    Stops early at a stop token or the token budget (the tokens after it would never be kept)."""
+def verify(logits: torch.Tensor, request, drafts: list[int], argmax: torch.Tensor | None = None) -> list[Sampled]:
+    """The tokens a request keeps from logits [1 + k, V] of its rows (`argmax`: each row's, where the model computed
+    it): the accepted drafts and one of its own. Stops early at a stop token or the token budget (the tokens after it
+    would never be kept)."""
     out: list[Sampled] = []
     stops = request.stop_ids
     room = request.max_new_tokens - len(request.output_ids)
@@ -282,7 +284,7 @@ def verify(logits: torch.Tensor, request, drafts: list[int]) -> list[Sampled]:
                    request.output_ids + [s.token_id for s in out], request.grammar)
         draft = drafts[j] if j < len(drafts) else None
         if request.params.greedy or draft is None:
-            choice = sample(logits[j:j + 1], [row])[0]
+            choice = sample(logits[j:j + 1], [row], None if argmax is None else argmax[j:j + 1])[0]
         else:
             choice = _accept_or_resample(logits[j], row, draft)
         out.append(choice)
