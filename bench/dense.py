@@ -295,7 +295,7 @@ def run_table(sides: dict, cells: list, repeats: int, peers: dict, run: results.
         for _ in range(repeats):  # alternate the sides, the peers too, so all see the same machine load
             for name, side in sides.items():
                 best[name] = min(best[name], measure(side, ids))
-                if plain is not None and peer_key.startswith("tg") and "@" not in peer_key:
+                if plain is not None and isinstance(side, Ours) and peer_key.startswith("tg") and "@" not in peer_key:
                     plain[name] = max(plain.get(name, 0.0), plain_read_gbps(side.weight_bytes, 1))
             for name, peer_run in peers.items():
                 if peer_run is not None:
