@@ -11,8 +11,8 @@ llama.cpp does not ask for.
 
 The values are the same tensors' bytes, copied once at load: every parameter and buffer becomes a view of the buffer
 (a tensor two modules share, as a tied head's codes, stays one view), so the ledger's weights line and the engine's
-measured bytes are unchanged; each original is freed as soon as its copy is made, so the load never holds twice the
-weights. The kernels' argument caches built from the old tensors (FusedParts, FusedHead, decode_cpu.Stack) are
+measured bytes are unchanged; each original is freed as soon as its copy is made (its pages given back every
+RELEASE_EVERY bytes), so the move holds at most that much beyond the weights, never twice them. The kernels' argument caches built from the old tensors (FusedParts, FusedHead, decode_cpu.Stack) are
 forgotten first and rebuilt at the next step.
 """
 
