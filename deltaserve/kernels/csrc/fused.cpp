@@ -422,6 +422,18 @@ torch::Tensor argmax_rows(torch::Tensor x) {
   return out;
 }
 
+namespace {
+// The row ids [R] a table gather reads, each checked against the table's N rows (the error names the kernel `what`).
+const int64_t* table_ids(const torch::Tensor& ids, int64_t N, const char* what) {
+  TORCH_CHECK(ids.scalar_type() == torch::kLong && ids.is_contiguous() && ids.dim() == 1, what,
+              ": ids must be contiguous int64 [R]");
+  const int64_t* id = ids.data_ptr<int64_t>();
+  for (int64_t r = 0; r < ids.size(0); ++r)
+    TORCH_CHECK(id[r] >= 0 && id[r] < N, what, ": id ", id[r], " is outside the table's ", N, " rows");
+  return id;
+}
+}  // namespace
+
 // Rows ids of a symmetric int8 table widened to float32: out[i, k] = float(codes[ids[i], k]) * scales[ids[i], k / g],
 // one rounding, the product kernels/int8.py's gather forms (a table with offsets takes that path instead). The
 // gather there is ~10 small torch ops (~45 us a decode step's token, ~2x that between the step's big native calls).
@@ -432,12 +444,8 @@ torch::Tensor int8_rows(torch::Tensor codes, torch::Tensor scales, torch::Tensor
   TORCH_CHECK(scales.scalar_type() == torch::kFloat32 && scales.is_contiguous() && scales.dim() == 2 &&
               scales.size(0) == N && scales.size(1) > 0 && K % scales.size(1) == 0,
               "int8_rows: scales must be contiguous float32 [N, K / group]");
-  TORCH_CHECK(ids.scalar_type() == torch::kLong && ids.is_contiguous() && ids.dim() == 1,
-              "int8_rows: ids must be contiguous int64 [R]");
+  const int64_t* id = table_ids(ids, N, "int8_rows");
   const int64_t R = ids.size(0), G = scales.size(1), group = K / G;
-  const int64_t* id = ids.data_ptr<int64_t>();
-  for (int64_t r = 0; r < R; ++r)
-    TORCH_CHECK(id[r] >= 0 && id[r] < N, "int8_rows: id ", id[r], " is outside the table's ", N, " rows");
   auto out = torch::empty({R, K}, scales.options());
   float* o = out.data_ptr<float>();
   for (int64_t r = 0; r < R; ++r) {
@@ -464,12 +472,8 @@ torch::Tensor int8_panel_rows(torch::Tensor codes, torch::Tensor scales, torch::
   TORCH_CHECK(scales.scalar_type() == torch::kFloat32 && scales.is_contiguous() && scales.dim() == 3 &&
               scales.size(0) == P && scales.size(2) == 16 && scales.size(1) > 0 && K % scales.size(1) == 0,
               "int8_panel_rows: scales must be contiguous float32 [N / 16, K / group, 16]");
-  TORCH_CHECK(ids.scalar_type() == torch::kLong && ids.is_contiguous() && ids.dim() == 1,
-              "int8_panel_rows: ids must be contiguous int64 [R]");
+  const int64_t* id = table_ids(ids, N, "int8_panel_rows");
   const int64_t R = ids.size(0), G = scales.size(1), group = K / G;
-  const int64_t* id = ids.data_ptr<int64_t>();
-  for (int64_t r = 0; r < R; ++r)
-    TORCH_CHECK(id[r] >= 0 && id[r] < N, "int8_panel_rows: id ", id[r], " is outside the table's ", N, " rows");
   auto out = torch::empty({R, K}, scales.options());
   float* o = out.data_ptr<float>();
   const uint8_t* cp = codes.data_ptr<uint8_t>();
