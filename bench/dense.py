@@ -432,14 +432,10 @@ def plain_read_gbps(nbytes: int, repeats: int) -> float:
     """GB/s of torch.sum over a float32 tensor of `nbytes` (best of `repeats`, after one warm-up read), held as our
     weights are (deltaserve/models/arena.py: one buffer of transparent huge pages where the platform gives them; in
     4 KB pages a plain read here is ~15% slower)."""
-    import mmap
+    from deltaserve.models import arena
 
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        area = mmap.mmap(-1, nbytes + (2 << 20), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        area.madvise(mmap.MADV_HUGEPAGE)
-        whole = torch.frombuffer(area, dtype=torch.uint8)
-        start = -whole.data_ptr() % (2 << 20)
-        data = whole[start: start + nbytes // 4 * 4].view(torch.float32)
+    if arena.huge_pages_available():
+        data = arena.huge_page_buffer(nbytes // 4 * 4).view(torch.float32)
         data.fill_(1.0)
     else:
         data = torch.ones(nbytes // 4)

@@ -36,6 +36,17 @@ def huge_pages_available() -> bool:
     return hasattr(mmap, "MADV_HUGEPAGE")
 
 
+def huge_page_buffer(nbytes: int) -> torch.Tensor:
+    """uint8 [nbytes], untouched, starting on a 2 MB boundary of a private anonymous mapping that asks for transparent
+    huge pages (a shared mapping would be shmem, whose huge pages a separate setting governs); each page is made when
+    first written. The tensor keeps the mapping alive. Only where huge_pages_available()."""
+    area = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    area.madvise(mmap.MADV_HUGEPAGE)
+    whole = torch.frombuffer(area, dtype=torch.uint8)
+    start = -whole.data_ptr() % HUGE_PAGE
+    return whole[start: start + nbytes]
+
+
 RELEASE_EVERY = 32 << 20  # bytes of originals freed between two calls of `release`
 
 
@@ -57,15 +68,9 @@ def pack_weights(model: nn.Module, release=None) -> int:
         for value in vars(module).values():
             if isinstance(value, (FusedParts, FusedHead, decode_cpu.Stack)):
                 value.forget()
-    # private anonymous memory (a shared mapping would be shmem, whose huge pages a separate setting governs), untouched:
-    # each page is made when first written below
-    area = mmap.mmap(-1, total + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    area.madvise(mmap.MADV_HUGEPAGE)
-    whole = torch.frombuffer(area, dtype=torch.uint8)  # the tensor keeps the mapping alive
-    start = -whole.data_ptr() % HUGE_PAGE  # the buffer's first byte on a 2 MB boundary
+    whole = huge_page_buffer(total)
     views: dict[tuple, torch.Tensor] = {}
-    used = start
-    freed = 0
+    used = freed = 0
     for module, store, name in _slots(model):
         t = store[name]
         key = _key(t)
@@ -84,7 +89,7 @@ def pack_weights(model: nn.Module, release=None) -> int:
             freed = 0
     if release is not None:
         release()
-    return used - start
+    return used
 
 
 def _slots(model: nn.Module):
