@@ -99,7 +99,7 @@ def normalize_dtype(name: str, allowed: tuple[str, ...], setting: str) -> str:
 # The parsers of deltaserve.text (named here: config is a leaf and imports nothing of ours).
 TOOL_CALL_PARSERS = ("auto", "none", "qwen3_coder", "hermes", "llama3_json")
 REASONING_PARSERS = ("auto", "none", "think")
-SPECULATIVE_METHODS = ("off", "ngram", "mtp")
+SPECULATIVE_METHODS = ("auto", "off", "ngram", "mtp")
 MAX_SPECULATIVE_TOKENS = 8  # drafts a step verifies per request; each costs a GDN state (engine/speculative.py)
 
 
@@ -146,7 +146,9 @@ class EngineConfig:
     prefix_cache: bool = True  # reuse the KV pages (and GDN checkpoints) of prompts seen before
     checkpoint_slots: int = 8  # GDN state checkpoints the prefix cache keeps (hybrid models; its own ledger line)
     checkpoint_interval_tokens: int = 2048  # a GDN checkpoint every this many prompt tokens
-    speculative: str = "off"  # off | ngram (prompt lookup) | mtp (the checkpoint's own multi-token-prediction head)
+    # auto (mtp where the checkpoint has a head and its ledger fits, else off: budget/ledger.py plan_budget) | off |
+    # ngram (prompt lookup) | mtp (the checkpoint's own multi-token-prediction head)
+    speculative: str = "auto"
     speculative_tokens: int = 3  # draft tokens a decode step verifies at most, per request
     language_model_only: bool = False  # skip a multimodal checkpoint's vision tower: its memory becomes context
     max_images_per_request: int = 8
@@ -378,13 +380,14 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                    "hybrid model (8); each costs what `plan` shows in KV tokens")
     g.add_argument("--checkpoint-interval-tokens", type=int,
                    help="store a GDN checkpoint every this many prompt tokens (2048)")
-    g.add_argument("--speculative", choices=SPECULATIVE_METHODS, help="speculative decoding: off (default), ngram "
-                   "(prompt lookup: draft tokens copied from where the request's last tokens occurred earlier in its "
-                   "prompt or output, verified as extra rows of the same step; greedy output is unchanged, sampled "
-                   "output keeps its distribution), mtp (drafts from the checkpoint's multi-token-prediction "
-                   "head, mtp.*, loaded with the model; its attention layer's KV is one more layer of the KV pool; "
-                   "refused for a checkpoint without one; opt-in for now, even where a checkpoint has a head: its "
-                   "drafting runs request by request and its own cost is not yet in the draft-length choice)")
+    g.add_argument("--speculative", choices=SPECULATIVE_METHODS, help="speculative decoding: auto (default: mtp "
+                   "where the checkpoint has a multi-token-prediction head and the ledger fits with it, else off; "
+                   "`plan` says which), off, ngram (prompt lookup: "
+                   "draft tokens copied from where the request's last tokens occurred earlier in its prompt or "
+                   "output, verified as extra rows of the same step; greedy output is unchanged, sampled output "
+                   "keeps its distribution), mtp (drafts from the checkpoint's multi-token-prediction head, mtp.*, "
+                   "loaded with the model; its attention layer's KV is one more layer of the KV pool; refused for a "
+                   "checkpoint without one). A request drafts only as many tokens as its acceptance pays for")
     g.add_argument("--speculative-tokens", type=int, help=f"draft tokens one decode step verifies at most per "
                    f"request, 1..{MAX_SPECULATIVE_TOKENS} (3); on a hybrid model each costs one GDN state per "
                    f"running request (the ledger's speculative_states line). A request whose drafts are rarely "

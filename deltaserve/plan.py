@@ -9,6 +9,7 @@ serves it, `--chart` draws the device as one stacked bar.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import sys
@@ -41,6 +42,7 @@ def run(args: argparse.Namespace) -> int:
         kind = config.device_kind()
         total = config.device_memory or device_memory_bytes(kind)[0]
         budget = plan_budget(spec, config, device_total_bytes=total, device_kind=kind)
+        config = dataclasses.replace(config, speculative=budget.speculative)  # what --speculative auto became
         host_tier = parse_bytes(args.host_tier)
         if args.request_context is not None and args.request_context <= 0:
             raise ConfigError(f"--request-context {args.request_context} must be a positive number")

@@ -398,7 +398,7 @@ def test_deploy_file_sets_speculation_per_role(tmp_path):
                     '[instances.agents]\ndevice = "cpu"\nport = 9102\n')
     configs = {i.name: i.config for i in load_deployment(path).instances}
     assert (configs["chat"].speculative, configs["chat"].speculative_tokens) == ("ngram", 5)
-    assert configs["agents"].speculative == "off"
+    assert configs["agents"].speculative == "auto"  # mtp where the checkpoint has a head (test_speculative_mtp)
     path.write_text('[instances.chat]\ndevice = "cpu"\nport = 9101\nspeculative = "mtp"\n')
     assert load_deployment(path).instances[0].config.speculative == "mtp"
     path.write_text('[instances.chat]\ndevice = "cpu"\nport = 9101\nspeculative = "eagle"\n')

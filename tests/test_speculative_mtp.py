@@ -164,7 +164,7 @@ def test_greedy_equals_speculation_off_and_pools_return(mtp_folder):
     speculation, with logprobs; the verifier saw drafts, every page and state slot comes back."""
     prompts = [random_prompt(n, 60 + n, HYBRID_VOCAB) for n in (9, 130, 70)]
     params = SamplingParams(max_tokens=20, logprobs=2, **GREEDY)
-    off = engine(str(mtp_folder), max_running_requests=4)
+    off = engine(str(mtp_folder), max_running_requests=4, speculative="off")
     off.scheduler.prefill_chunk_tokens = 64
     plain = run_all(off, [(p, params) for p in prompts])
     on = engine(str(mtp_folder), max_running_requests=4, speculative="mtp", speculative_tokens=K)
@@ -263,6 +263,57 @@ def test_ledger_prices_the_head_and_its_kv(mtp_folder):
     assert "MTP head" in on.budget.line("kv_pool").reason
 
 
+def test_auto_drafts_with_the_head_where_there_is_one(mtp_folder, tmp_path):
+    """--speculative auto (the default): the checkpoint's MTP head drafts where the checkpoint has one; without a
+    head nothing is drafted and nothing is priced for it."""
+    auto = engine(str(mtp_folder), max_running_requests=2)
+    assert auto.config.speculative == auto.budget.speculative == "mtp"
+    assert auto.mtp_drafter is not None and auto.speculation.drafter is auto.mtp_drafter
+    assert auto.budget.line("speculative_states").bytes > 0
+    params = SamplingParams(max_tokens=16, **GREEDY)
+    prompts = [random_prompt(12, seed, HYBRID_VOCAB) for seed in range(2)]
+    off = engine(str(mtp_folder), max_running_requests=2, speculative="off")
+    assert ([tokens_of(o) for o in run_all(auto, [(p, params) for p in prompts])]
+            == [tokens_of(o) for o in run_all(off, [(p, params) for p in prompts])])
+    assert auto.speculation.verify_steps_total > 0
+    make_hybrid_checkpoint(tmp_path)  # transformers saves no head
+    plain = engine(str(tmp_path), max_running_requests=2)
+    assert plain.config.speculative == plain.budget.speculative == "off" and plain.speculation is None
+    assert plain.budget.line("speculative_states").bytes == 0
+
+
+def test_auto_leaves_the_head_off_where_the_ledger_has_no_room_for_it():
+    """The field's 27B (a W4A16 header fixture with an 811 MiB MTP head) on a 24 GiB card: with its 16 running
+    requests the head's weights, its K/V layer and 48 draft states do not fit, so auto plans without it and says
+    what would make room; with fewer running requests auto takes it. Decided on the card's size alone, never on
+    what is free at start."""
+    from deltaserve.budget import load_spec, plan_budget
+    from deltaserve.config import EngineConfig, GiB
+
+    spec = load_spec(str(Path(__file__).parent / "data" / "qwen3_5_27b_w4a16" / "config.json"), None, "int8", "int4")
+    field = dict(device="cuda", language_model_only=True)
+
+    def plan(**settings):
+        return plan_budget(spec, EngineConfig(**field, **settings), device_total_bytes=24 * GiB, device_kind="cuda")
+
+    crowded = plan()
+    assert crowded.speculative == "off" and crowded.line("speculative_states").bytes == 0
+    note = next(n for n in crowded.notes if n.startswith("--speculative auto is off"))
+    assert "MTP head" in note and "short by" in note and "--max-running-requests" in note
+    roomy = plan(max_running_requests=8)
+    assert roomy.speculative == "mtp" and roomy.line("speculative_states").bytes > 0
+    assert roomy.to_json() == plan(max_running_requests=8, speculative="mtp").to_json()
+    with pytest.raises(SpecError, match="no multi-token-prediction head"):  # explicit mtp still refuses no head
+        plan_budget(spec_without_head(spec), EngineConfig(**field, speculative="mtp"), device_total_bytes=24 * GiB,
+                    device_kind="cuda")
+
+
+def spec_without_head(spec):
+    from dataclasses import replace
+
+    return replace(spec, weight_groups=[g for g in spec.weight_groups if g.name != "mtp"])
+
+
 def test_mtp_refused_without_a_head(tmp_path):
     make_dense_checkpoint(tmp_path)
     with pytest.raises(SpecError, match="no multi-token-prediction head"):
@@ -279,7 +330,7 @@ def test_fitted_head_accepts_most_drafts_on_held_out_prompts():
     accepted (a random head: about 1 in 160)."""
     prompts = [random_prompt(16, seed, HYBRID_VOCAB) for seed in range(8)]
     params = SamplingParams(max_tokens=32, **GREEDY)
-    plain = run_all(engine(str(FITTED), max_running_requests=8), [(p, params) for p in prompts])
+    plain = run_all(engine(str(FITTED), max_running_requests=8, speculative="off"), [(p, params) for p in prompts])
     on = engine(str(FITTED), max_running_requests=8, speculative="mtp", speculative_tokens=K)
     on.speculation.adaptive = False
     spec = run_all(on, [(p, params) for p in prompts])
@@ -390,7 +441,7 @@ def speculates_losslessly_as_stored(path: Path, prompts: int, tokens: int):
     ids = [random_prompt(16, seed, HYBRID_VOCAB) for seed in range(prompts)]
     params = SamplingParams(max_tokens=tokens, **GREEDY)
     as_stored = dict(max_running_requests=4, dequantize_weights=False, activation_dtype="float32")
-    plain = run_all(engine(str(path), **as_stored), [(p, params) for p in ids])
+    plain = run_all(engine(str(path), **as_stored, speculative="off"), [(p, params) for p in ids])
     on = engine(str(path), **as_stored, speculative="mtp", speculative_tokens=K)
     on.speculation.adaptive = False
     assert [tokens_of(o) for o in run_all(on, [(p, params) for p in ids])] == [tokens_of(o) for o in plain]
@@ -487,7 +538,7 @@ def test_qwen3_next_head_matches_transformers_and_decodes_losslessly(tmp_path):
 
     prompts = [random_prompt(n, 70 + n, HYBRID_VOCAB) for n in (9, 100)]
     params = SamplingParams(max_tokens=16, **GREEDY)
-    off = engine(str(folder), max_running_requests=2)
+    off = engine(str(folder), max_running_requests=2, speculative="off")
     plain = run_all(off, [(p, params) for p in prompts])
     on = engine(str(folder), max_running_requests=2, speculative="mtp", speculative_tokens=K)
     on.speculation.adaptive = False

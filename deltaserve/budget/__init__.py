@@ -18,12 +18,12 @@ from deltaserve.budget.advice import OptionCost, option_costs
 from deltaserve.budget.errors import BudgetError, SpecError
 from deltaserve.budget.headers import spec_from_checkpoint
 from deltaserve.budget.ledger import Budget, BudgetLine, LineCheck, measure_vs_predicted, plan_budget
-from deltaserve.budget.lines import CONSUMER_LINES, POOL_LINES, serves_images
+from deltaserve.budget.lines import CONSUMER_LINES, POOL_LINES, has_mtp_head, serves_images
 from deltaserve.budget.load import default_model_path, load_spec
 from deltaserve.budget.quant import QuantScheme, parse_quant
 from deltaserve.budget.spec import ModelMemorySpec, VisionShape, WeightGroup, spec_from_config
 
 __all__ = ["Budget", "BudgetError", "BudgetLine", "CONSUMER_LINES", "LineCheck", "ModelMemorySpec", "OptionCost",
            "POOL_LINES", "QuantScheme", "SpecError", "VisionShape", "WeightGroup", "default_model_path",
-           "load_spec", "measure_vs_predicted", "option_costs", "parse_quant", "plan_budget",
+           "has_mtp_head", "load_spec", "measure_vs_predicted", "option_costs", "parse_quant", "plan_budget",
            "serves_images", "spec_from_checkpoint", "spec_from_config"]

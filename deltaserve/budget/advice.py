@@ -8,7 +8,7 @@ import dataclasses
 import math
 from typing import NamedTuple
 
-from deltaserve.budget.lines import Draft, cuda_paged, draft_ledger, mib, serves_images
+from deltaserve.budget.lines import Draft, cuda_paged, draft_ledger, has_mtp_head, mib, serves_images
 from deltaserve.budget.spec import ModelMemorySpec
 from deltaserve.config import DTYPE_BYTES, ConfigError, EngineConfig, MiB
 
@@ -94,10 +94,32 @@ class OptionCost(NamedTuple):
     note: str
 
 
+def auto_speculation(spec: ModelMemorySpec, config: EngineConfig, total: int,
+                     kind: str) -> tuple[EngineConfig, str | None]:
+    """--speculative auto: mtp where the checkpoint has a head and the ledger fits with its weights, its K/V layer
+    and the draft states; otherwise off, with a note of what the head would need (and the settings that make room).
+    Decided on the device's size, never on what happens to be free at start: one config, one ledger, every boot."""
+    if config.speculative != "auto":
+        return config, None
+    off = dataclasses.replace(config, speculative="off")
+    if not has_mtp_head(spec):
+        return off, None
+    mtp = dataclasses.replace(config, speculative="mtp")
+    d = draft_ledger(spec, mtp, total, kind)
+    if d.shortfall <= 0:
+        return mtp, None
+    fixes = fixes_for(spec, d, kind, lambda x: x.shortfall <= 0)
+    how = (f"--speculative mtp fits with one of: {fixes.removeprefix('Fix: ')}" if fixes.startswith("Fix: ")
+           else "no single setting makes room for it")
+    return off, (f"--speculative auto is off: with the checkpoint's MTP head {d.problem}: short by "
+                 f"{mib(d.shortfall)} MiB; {how}")
+
+
 def option_costs(spec: ModelMemorySpec, config: EngineConfig, device_total: int, *, device_kind: str | None = None,
                  host_tier_bytes: int = 12 * 1000**3) -> list[OptionCost]:
     """What each option costs (negative) or gains in KV tokens, with the pool sized from memory, uncapped."""
     kind = device_kind or config.device_kind()
+    config = auto_speculation(spec, config, device_total, kind)[0]  # priced as plan_budget decides it
     base_config = dataclasses.replace(config, max_total_tokens=None)
     base = draft_ledger(spec, base_config, device_total, kind, pricing=True)
     c, tokens = base.c, base.kv_pages * base.c.page_size

@@ -13,7 +13,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
-from deltaserve.budget.advice import fixes_for
+from deltaserve.budget.advice import auto_speculation, fixes_for
 from deltaserve.budget.errors import BudgetError
 from deltaserve.budget.lines import Draft, draft_ledger, mib
 from deltaserve.budget.spec import ModelMemorySpec
@@ -55,6 +55,7 @@ class Budget:
     settings: dict
     notes: list[str] = field(default_factory=list)
     checkpoint_slots: int = 0  # GDN state checkpoints of the prefix cache (0: dense model or no prefix cache)
+    speculative: str = "off"  # the drafter the ledger priced: off, ngram or mtp (--speculative auto decided)
 
     def line(self, name: str) -> BudgetLine:
         """The line called `name` (KeyError if there is none)."""
@@ -108,6 +109,7 @@ def plan_budget(spec: ModelMemorySpec, config: EngineConfig, *, device_total_byt
     Raises BudgetError (shortfall in MiB and two fixes) when the ledger does not fit, or when
     `device_free_bytes`, what is free at start, is less than the consumers need.
     """
+    config, note = auto_speculation(spec, config, device_total_bytes, device_kind)
     draft = draft_ledger(spec, config, device_total_bytes, device_kind)
     if draft.shortfall > 0:
         fixes = fixes_for(spec, draft, device_kind, lambda d: d.shortfall <= 0)
@@ -118,7 +120,10 @@ def plan_budget(spec: ModelMemorySpec, config: EngineConfig, *, device_total_byt
                        lambda d: d.shortfall <= 0 and d.required <= device_free_bytes)
         raise BudgetError(f"the ledger needs {mib(draft.required)} MiB at start but the device has "
                           f"{mib(device_free_bytes)} MiB free: short by {mib(short)} MiB. {fixes}")
-    return _finish(spec, draft, device_kind)
+    budget = _finish(spec, draft, device_kind)
+    if note:
+        budget.notes.append(note)
+    return budget
 
 
 def _finish(spec: ModelMemorySpec, d: Draft, kind: str) -> Budget:
@@ -149,4 +154,5 @@ def _finish(spec: ModelMemorySpec, d: Draft, kind: str) -> Budget:
         max_new_tokens_cap=cap, default_max_tokens=c.default_max_tokens,
         max_running_requests=c.max_running_requests, required_bytes=d.required,
         weight_source=spec.weight_source, model_type=spec.model_type, settings=c.to_dict(), notes=notes,
+        speculative=c.speculative,
     )

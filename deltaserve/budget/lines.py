@@ -50,6 +50,8 @@ def draft_ledger(spec: ModelMemorySpec, config: EngineConfig, device_total: int,
     `pricing` (option costs): the pool is not capped and not checked against --context-length.
     """
     c = config.for_device(kind)
+    if c.speculative == "auto":  # plan_budget decides it by the fit first; a caller that did not: the head if any
+        c = replace(c, speculative="mtp" if has_mtp_head(spec) else "off")
     spec = with_mtp_head(spec, c)
     total = c.device_memory or device_total
     context = c.context_length or spec.max_position_embeddings
@@ -93,12 +95,18 @@ def draft_ledger(spec: ModelMemorySpec, config: EngineConfig, device_total: int,
     return Draft(c, total, lines, usable, kv_pages, bpt, context, shortfall, problem)
 
 
+def has_mtp_head(spec: ModelMemorySpec) -> bool:
+    """Whether the checkpoint carries a multi-token-prediction head (--speculative auto drafts with it where the
+    ledger fits)."""
+    return any(g.name == "mtp" for g in spec.weight_groups)
+
+
 def with_mtp_head(spec: ModelMemorySpec, c: EngineConfig) -> ModelMemorySpec:
     """The spec as --speculative mtp serves it: the checkpoint's MTP head loaded (its weight group counted), and its
     attention layer's K/V one more layer of every KV page (models/mtp.py). SpecError where there is no head."""
     if c.speculative != "mtp":
         return spec
-    if not any(g.name == "mtp" for g in spec.weight_groups):
+    if not has_mtp_head(spec):
         raise SpecError(f"--speculative mtp: the {spec.model_type} checkpoint has no multi-token-prediction head "
                         "(mtp.*); --speculative ngram drafts from the prompt and needs no weights")
     groups = [replace(g, excluded=False) if g.name == "mtp" else g for g in spec.weight_groups]

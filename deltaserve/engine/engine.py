@@ -26,6 +26,7 @@ import time
 import uuid
 from collections import Counter, deque
 from collections.abc import Callable
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -99,6 +100,8 @@ class Engine:
         total, free = device_memory_bytes(kind)
         self.budget: Budget = plan_budget(spec_from_checkpoint(path), config, device_total_bytes=total,
                                           device_kind=kind, device_free_bytes=free)
+        # --speculative auto is decided by the ledger (the checkpoint's MTP head where it fits)
+        self.config = dataclasses.replace(self.config, speculative=self.budget.speculative)
         self._log(self.budget.to_table())
         for note in self.budget.notes:  # e.g. --max-total-tokens rounded down to whole pages
             self._log(f"note: {note}")
