@@ -267,7 +267,7 @@ def main(argv: list[str]) -> None:
     peer = llamacpp.tree_with(args.llama_cpp, "llama-lookup")
     common = dict(model=args.model, device="cpu", max_total_tokens=8192 + 1024 * args.mixed,
                   max_running_requests=max(4, args.mixed), prefix_cache=False, activation_dtype=args.activation_dtype)
-    off = Engine(EngineConfig(**common), log=None)
+    off = Engine(EngineConfig(**common, speculative="off"), log=None)
     on = Engine(EngineConfig(**common, speculative="ngram", speculative_tokens=args.k), log=None)
     if args.batch1:
         batch_one(args, run, off, on, peer)
@@ -337,7 +337,7 @@ def mtp_pair(args, run, model: str) -> None:
     from deltaserve.engine.engine import Engine
 
     common = dict(model=model, device="cpu", max_total_tokens=4096, max_running_requests=4, prefix_cache=False)
-    off = Engine(EngineConfig(**common), log=None)
+    off = Engine(EngineConfig(**common, speculative="off"), log=None)
     on = Engine(EngineConfig(**common, speculative="mtp", speculative_tokens=args.k), log=None)
     name, held = Path(model).name, off.measured_bytes()["weights"] / 2**20
     print(f"{name}: {held:.1f} MiB of weights held")
