@@ -197,44 +197,49 @@ def test_drafter_state_equals_the_head_over_the_whole_sequence(mtp_folder, block
 
 
 def drafter_state_equals_the_head(mtp_folder):
+    """Three requests at once (the head reads every request's kept rows in one pass), of different lengths."""
     from transformers import AutoModelForCausalLM
 
     target = AutoModelForCausalLM.from_pretrained(mtp_folder, dtype=torch.float32).eval()
-    prompt = random_prompt(90, 8, HYBRID_VOCAB)
-    on = engine(str(mtp_folder), max_running_requests=2, speculative="mtp", speculative_tokens=K)
+    on = engine(str(mtp_folder), max_running_requests=3, speculative="mtp", speculative_tokens=K)
     on.speculation.adaptive = False
-    on.scheduler.prefill_chunk_tokens = 32  # the prompt in three chunks
-    on.submit(prompt, SamplingParams(max_tokens=14, **GREEDY), request_id="r")
-    head, checked = on.loaded.model.mtp, 0
+    on.scheduler.prefill_chunk_tokens = 32  # the longest prompt in three chunks
+    names = {"r": (90, 8, 14), "s": (20, 9, 18), "t": (41, 10, 10)}  # prompt length, seed, new tokens
+    for name, (length, seed, tokens) in names.items():
+        on.submit(random_prompt(length, seed, HYBRID_VOCAB), SamplingParams(max_tokens=tokens, **GREEDY),
+                  request_id=name)
+    head, checked, together = on.loaded.model.mtp, 0, 0
     kv = head.layers[0].self_attn
     while on.scheduler.has_work:
-        request = on._live.get("r")
+        live = {name: on._live.get(name) for name in names}
         on.step()
-        if request is None or request.finished or request not in on.mtp_drafter.next:
-            continue
-        state = on.mtp_drafter.next[request]
-        ids = (request.prompt_ids + request.output_ids)[:request.num_cached + 1]
-        with torch.no_grad():
-            hidden = target.model(torch.tensor([ids[:-1]])).last_hidden_state[0]
-            cache = torch.zeros(len(ids), kv.num_kv_heads, kv.head_dim)
-            slots = torch.arange(len(ids) - 1)
-            want = head(target.model.embed_tokens(torch.tensor(ids[1:])), hidden, 0, cache, cache.clone(),
-                        slots[:0], write_slots=slots)[-1]
-        torch.testing.assert_close(state.hidden, want, atol=1e-4, rtol=1e-4)
-        assert state.cached == request.num_cached and state.token == int(target.lm_head(want).argmax())
-        # the chain: the head op by op from the same state, its K/V in a list (not the cache)
-        on.kv_pool.ensure(request, request.num_cached + K - 1)  # what the scheduler grows before drafting
-        drafts, hidden_j, chain = [state.token], state.hidden, []
-        slots = on.kv_pool.slots(request)[:request.num_cached]
-        with torch.no_grad():
-            for j in range(1, K):
-                hidden_j = head(on.loaded.model.model.embed_tokens(torch.tensor([drafts[-1]])), hidden_j[None],
-                                request.num_cached + j - 1, on.kv_pool.k[head.kv_layer], on.kv_pool.v[head.kv_layer],
-                                slots, chain=chain)[0]
-                drafts.append(int(on.loaded.model.lm_head(hidden_j).argmax()))
-        assert on.mtp_drafter.propose(request, K) == drafts
-        checked += 1
-    assert checked >= 5 and on.speculation.drafted_total > on.speculation.accepted_total
+        observed = [r for r in live.values() if r is not None and not r.finished and r in on.mtp_drafter.next]
+        together += len(observed) > 1
+        for request in observed:
+            state = on.mtp_drafter.next[request]
+            ids = (request.prompt_ids + request.output_ids)[:request.num_cached + 1]
+            with torch.no_grad():
+                hidden = target.model(torch.tensor([ids[:-1]])).last_hidden_state[0]
+                cache = torch.zeros(len(ids), kv.num_kv_heads, kv.head_dim)
+                slots = torch.arange(len(ids) - 1)
+                want = head(target.model.embed_tokens(torch.tensor(ids[1:])), hidden, 0, cache, cache.clone(),
+                            slots[:0], write_slots=slots)[-1]
+            torch.testing.assert_close(state.hidden, want, atol=1e-4, rtol=1e-4)
+            first = on.mtp_drafter._logits_token(state.hidden)  # the first draft, read when the request drafts
+            assert state.cached == request.num_cached and first == int(target.lm_head(want).argmax())
+            # the chain: the head op by op from the same state, its K/V in a list (not the cache)
+            on.kv_pool.ensure(request, request.num_cached + K - 1)  # what the scheduler grows before drafting
+            drafts, hidden_j, chain = [first], state.hidden, []
+            slots = on.kv_pool.slots(request)[:request.num_cached]
+            with torch.no_grad():
+                for j in range(1, K):
+                    hidden_j = head(on.loaded.model.model.embed_tokens(torch.tensor([drafts[-1]])), hidden_j[None],
+                                    request.num_cached + j - 1, on.kv_pool.k[head.kv_layer],
+                                    on.kv_pool.v[head.kv_layer], slots, chain=chain)[0]
+                    drafts.append(int(on.loaded.model.lm_head(hidden_j).argmax()))
+            assert on.mtp_drafter.propose(request, K) == drafts
+            checked += 1
+    assert checked >= 15 and together >= 3 and on.speculation.drafted_total > on.speculation.accepted_total
 
 
 def test_sampled_output_runs_and_a_seed_repeats(mtp_folder):

@@ -4,14 +4,18 @@ drafts (engine/speculative.py: the verifier, the GDN rollback and the draft leng
 After every step (`observe`), the head runs over each request's rows the step kept, positions [before, num_cached):
 row t pairs the target's hidden state at t (every row's, kept by the model's forward) with the token at t + 1 (the
 prompt's next token, an accepted draft, or the token sampled this step), and writes the head's K/V at t (its layer
-of the KV pool, the request's own page slots). Rejected draft rows are never fed to it. The last kept row's output
-is the first draft (greedy) and its hidden state, kept until the request's next step. `propose` chains the head from
+of the KV pool, the request's own page slots). Rejected draft rows are never fed to it. The kept rows of all the
+step's requests go through the head in one pass (one read of its weights: a pass per request made 16 running
+requests of the weight-bound bench hybrid run at x0.67 of speculation off, one pass x0.92). The last kept row's
+output is kept until the request's next step; it becomes the first draft (greedy, through the vocabulary projection)
+only when the request drafts, since a 248K-token projection costs a real model as much as a few layers. `propose`
+chains the head from
 there: draft j + 1 from (h' of draft j's row, draft j), at position num_cached + j - 1, its K/V written at that
 position's slot (the scheduler grows the request's pages first: `writes_ahead`). Nothing of the head needs rolling
 back: a position past num_cached is never read before `observe` writes it again with the target's hidden state.
 
-On CPU the head's rows run as decode rows of the native blocks (models/mtp.py decode_rows: its layer in one
-decode_stack call, the target's decode path), elsewhere op by op. Measured on the fitted tiny head (H 64, Sapphire
+On CPU the head's rows run as decode rows of the native blocks (models/mtp.py rows: its layer in one decode_stack
+call, the target's decode path), elsewhere op by op, one request at a time. Measured on the fitted tiny head (H 64, Sapphire
 Rapids, 2 threads): a pass of one row took ~155 us op by op, ~100 us so; a head this small is all call overhead.
 
 Drafts are greedy (a point mass): the verifier's rejection sampling is exact for them at any temperature.
@@ -24,15 +28,16 @@ from dataclasses import dataclass
 
 import torch
 
+from deltaserve.kernels import decode_cpu
 from deltaserve.models.batch import ModelCaches
 
 
 @dataclass
 class _Next:
-    """What the head said after a request's last step: its first draft, and the hidden state to chain from."""
+    """What the head said after a request's last step: the hidden state its first draft comes from and later drafts
+    chain from (the draft itself is read through the vocabulary projection only when the request drafts)."""
 
     cached: int  # the request's num_cached when it was computed (stale once it moved)
-    token: int
     hidden: torch.Tensor  # [H]
 
 
@@ -76,8 +81,11 @@ class MtpDrafter:
 
     @torch.no_grad()
     def observe(self, steps: list[tuple[object, int]]) -> None:
-        """After a step: `steps` is (request, num_cached before the step, rows fed) in the forward's row order."""
+        """After a step: `steps` is (request, num_cached before the step, rows fed) in the forward's row order. The
+        kept rows of every request go through the head together (`_observe_rows`); the last one of each gives its
+        first draft."""
         hidden, self.head.target_hidden = self.head.target_hidden, None
+        work = []  # (request, before, kept, the request's rows of `hidden`)
         row = 0
         for request, before, fed in steps:
             first, row = row, row + fed
@@ -85,14 +93,48 @@ class MtpDrafter:
                 self.next.pop(request, None)
                 continue
             kept = request.num_cached - before
-            if kept <= 0:
-                continue
-            tokens = torch.tensor(token_range(request, before + 1, before + kept + 1), dtype=torch.long,
-                                  device=self.device)
-            out = self._rows(tokens, hidden[first:first + kept], before, self.kv_pool.slots(request))
-            self.next[request] = _Next(request.num_cached, self._logits_token(out[-1]), out[-1])
+            if kept > 0:
+                work.append((request, before, kept, hidden[first:first + kept]))
+        for (request, _, _, _), out in zip(work, self._observe_rows(work)):
+            self.next[request] = _Next(request.num_cached, out[-1])
         for request in [r for r in self.next if r.finished]:
             self.next.pop(request)
+
+    def _observe_rows(self, work: list) -> list[torch.Tensor]:
+        """The head's output rows [kept, H] of each request in `work`: as decode rows of the native blocks, every
+        request's rows in one pass (MAX_ROWS at a time; one read of the head's weights for them all, where one pass
+        a request made 16 running requests pay 16 reads a step), else request by request (`_rows`)."""
+        if not work:
+            return []
+        per_request = [token_range(r, before + 1, before + kept + 1) for r, before, kept, _ in work]
+        slots = [self.kv_pool.slots(r) for r, _, _, _ in work]
+        outs: list[torch.Tensor] = []
+        i = 0
+        while i < len(work):
+            j, n = i, 0  # requests i .. j - 1 in this pass, n rows
+            while j < len(work) and (j == i or n + work[j][2] <= decode_cpu.MAX_ROWS):
+                n += work[j][2]
+                j += 1
+            chunk = work[i:j]
+            tokens = torch.tensor([t for ts in per_request[i:j] for t in ts], dtype=torch.long, device=self.device)
+            positions = [before + m for _, before, kept, _ in chunk for m in range(kept)]
+            write = torch.cat([slots[r][before:before + kept] for r, (_, before, kept, _) in enumerate(chunk, i)])
+            contexts = [slots[r][:before + m + 1] for r, (_, before, kept, _) in enumerate(chunk, i)
+                        for m in range(kept)]
+            context = torch.nn.utils.rnn.pad_sequence(contexts, batch_first=True)
+            out = None
+            if n <= decode_cpu.MAX_ROWS:
+                out = self.head.rows(tokens, self.model.model.embed_tokens(tokens),
+                                     torch.cat([h for _, _, _, h in chunk]), positions, write, context,
+                                     self.caches, self.paged_kernel)
+            if out is None:  # not the native blocks (another device, a mixture of experts): one request at a time
+                for r, (_, before, _, h) in enumerate(chunk, i):
+                    ids = torch.tensor(per_request[r], dtype=torch.long, device=self.device)
+                    outs.append(self._rows(ids, h, before, slots[r]))
+            else:
+                outs += list(out.split([kept for _, _, kept, _ in chunk]))
+            i = j
+        return outs
 
     @torch.no_grad()
     def propose(self, request, k: int) -> list[int]:
@@ -104,7 +146,8 @@ class MtpDrafter:
         state = self.next.get(request)
         if state is None or state.cached != request.num_cached or k <= 0:
             return []
-        drafts, hidden = [state.token], state.hidden
+        hidden = state.hidden
+        drafts = [self._logits_token(hidden)]
         slots = self.kv_pool.slots(request)
         chain = None if len(slots) >= state.cached + k - 1 else []
         for j in range(1, k):

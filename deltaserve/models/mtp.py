@@ -96,18 +96,26 @@ class MtpHead(nn.Module):
     def decode_rows(self, tokens: torch.Tensor, embeds: torch.Tensor, hidden: torch.Tensor, start: int,
                     write_slots: torch.Tensor, context_slots: torch.Tensor, caches: ModelCaches,
                     paged_kernel: bool = True) -> torch.Tensor | None:
-        """The head over n rows at positions start .. start + n - 1 of one sequence, as decode rows of the native
-        blocks (kernels/decode_cpu.py: its layer's attention and MLP in one decode_stack call, as the target's
-        decode steps run theirs): h' [n, H], or None where those blocks do not serve (then `forward`, op by op).
-        Row i (tokens[i], its embedding embeds[i], hidden[i]) writes its K/V at write_slots[i], then attends to
-        context_slots[i, :start + i + 1], its own and earlier rows' included (every row's K/V is written before any
-        row attends: the rows attend causally). `caches`: the pool's tensors, the head's K/V at index kv_layer;
-        `paged_kernel` False: the portable attention backend, which these blocks do not serve. A pass of the fitted
-        tiny head (H 64) took ~155 us as one call per block and op, of which the norms' and the layer's Python was
-        half."""
+        """The head over n rows at positions start .. start + n - 1 of one sequence (`rows`, one sequence)."""
+        return self.rows(tokens, embeds, hidden, list(range(start, start + tokens.shape[0])), write_slots,
+                         context_slots, caches, paged_kernel)
+
+    def rows(self, tokens: torch.Tensor, embeds: torch.Tensor, hidden: torch.Tensor, positions: list[int],
+             write_slots: torch.Tensor, context_slots: torch.Tensor, caches: ModelCaches,
+             paged_kernel: bool = True) -> torch.Tensor | None:
+        """The head over n rows, each at its own position of its own sequence, as decode rows of the native blocks
+        (kernels/decode_cpu.py: its layer's attention and MLP in one decode_stack call, as the target's decode steps
+        run theirs): h' [n, H], or None where those blocks do not serve (then `forward`, op by op, one sequence at a
+        time). Row i (tokens[i], its embedding embeds[i], hidden[i]) writes its K/V at write_slots[i], then attends
+        to context_slots[i, :positions[i] + 1], the slots of its sequence's positions 0 .. positions[i] (every row's
+        K/V is written before any row attends: rows of one sequence at consecutive positions attend causally).
+        `caches`: the pool's tensors, the head's K/V at index kv_layer; `paged_kernel` False: the portable attention
+        backend, which these blocks do not serve. A pass of the fitted tiny head (H 64) took ~155 us as one call per
+        block and op, of which the norms' and the layer's Python was half; the rows of every request a step kept
+        go in one pass (engine/mtp_drafter.py observe), one read of the head's weights for them all."""
         n = tokens.shape[0]
-        batch = ForwardBatch(input_ids=tokens, positions=torch.arange(start, start + n),
-                             q_lens=[1] * n, cached_lens=list(range(start, start + n)), num_decode=n,
+        batch = ForwardBatch(input_ids=tokens, positions=torch.tensor(positions, dtype=torch.long),
+                             q_lens=[1] * n, cached_lens=positions, num_decode=n,
                              cu_q=torch.arange(n + 1), slot_mapping=write_slots, context_slots=context_slots,
                              state_slots=torch.zeros(n, dtype=torch.long), logits_indices=torch.arange(n),
                              paged_kernel=paged_kernel)
@@ -122,7 +130,7 @@ class MtpHead(nn.Module):
         x = self.fc(torch.cat([fused_cpu.rms_norm(embeds, norm_e.weight, norm_e.eps, 1.0),
                                fused_cpu.rms_norm(hidden, norm_h.weight, norm_h.eps, 1.0)], dim=-1))
         x = x.contiguous()  # the residual stream, updated in place
-        self.stack.run_with(args, x, *self.rotary.decode_rows(batch.positions, start + n), batch)
+        self.stack.run_with(args, x, *self.rotary.decode_rows(batch.positions, max(positions) + 1), batch)
         return fused_cpu.rms_norm(x, self.norm.weight, self.norm.eps, 1.0)
 
     @staticmethod
