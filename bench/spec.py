@@ -26,11 +26,16 @@ greedy, the same number of drafts) reads the same prompt text from the same GGUF
 
     OMP_NUM_THREADS=2 .venv/bin/python bench/spec.py --tokens 192
 
-With --method mtp (issue 40's workload (b)), the drafter is the checkpoint's own MTP head (--speculative mtp) on a
-model that has one, by default the fitted tiny hybrid tests/data/mtp_fitted (tests/data/make_mtp_fitted.py: a
-tiny Qwen3.5 hybrid taught a fixed successor table, its head fitted to its own greedy continuations): --mtp-prompts
-random 16-token prompts from seeds 0.. (held out: the fixture trained on seeds >= 1000), each decoded --tokens,
-speculation on vs off alternated prompt by prompt; decode tok/s over all of them, acceptance, identical outputs.
+With --method mtp (issue 40's workload (b)), the drafter is the checkpoint's own MTP head (--speculative mtp) on
+models that have one (or --model): tests/data/make_mtp_fitted.py's hybrids, taught a fixed successor table, their
+heads fitted to their own greedy continuations. First its weight-bound size (--size bench: 12 layers of hidden 512,
+~156 MiB held in float32, one head layer beside them, as a served model's step is bound by reading its weights;
+fitted once, ~3 minutes, and kept under build/), then the committed tiny fixture tests/data/mtp_fitted (hidden 64,
+a 0.2 ms step that is interpreter time, so a head pass costs as much as a target step: a floor, not a served
+model). Each: --mtp-prompts random 16-token prompts from seeds 0.. (held out: the fits trained on seeds >= 1000),
+each decoded --tokens, speculation on vs off alternated prompt by prompt; decode tok/s over all of them,
+acceptance, identical outputs. Then --mixed requests at once on the first model, on vs off alternated: throughput
+(every step pays the head's pass over the kept rows, one pass for all the requests; drafts as the policy prices).
 
     OMP_NUM_THREADS=2 .venv/bin/python bench/spec.py --method mtp --tokens 24
 """
@@ -324,6 +329,8 @@ def mtp_main(args, argv) -> None:
     models = [args.model] if args.model else [str(bench_mtp_model()), str(ROOT / "tests" / "data" / "mtp_fitted")]
     for model in models:
         mtp_pair(args, run, model)
+    if args.mixed:
+        mtp_mixed(args, run, models[0])
     run.note(f"machine load average (1, 5, 15 min) at the end: {', '.join(f'{x:.1f}' for x in os.getloadavg())} "
              f"on {os.cpu_count()} logical CPUs")
     run.save()
@@ -370,6 +377,43 @@ def mtp_pair(args, run, model: str) -> None:
     run.note(f"{name}: speed-up x{on_rate / off_rate:.2f}; {outputs_note()}; accepted {accepted} of "
              f"{drafted} drafts; a verifying step costs {verify_ms / plain_ms:.2f} plain decode steps (medians)")
     del off, on
+
+
+def mtp_mixed(args, run, model: str) -> None:
+    """--mixed requests at once (held-out prompts, seeds 100..), speculation on vs off, alternated: throughput."""
+    import torch
+
+    from deltaserve.config import EngineConfig
+    from deltaserve.engine.engine import Engine
+
+    common = dict(model=model, device="cpu", max_total_tokens=2048 + 128 * args.mixed,
+                  max_running_requests=args.mixed, prefix_cache=False)
+    off = Engine(EngineConfig(**common, speculative="off"), log=None)
+    on = Engine(EngineConfig(**common, speculative="mtp", speculative_tokens=args.k), log=None)
+    prompts = [torch.randint(0, off.vocab_size, (16,), generator=torch.Generator().manual_seed(100 + i)).tolist()
+               for i in range(args.mixed)]
+    through = {"off": [], "mtp": []}
+    drafted, accepted = on.speculation.drafted_total, on.speculation.accepted_total
+    for _ in range(args.repeats):
+        a = run_mixed(off, prompts, args.mixed_tokens)
+        b = run_mixed(on, prompts, args.mixed_tokens)
+        same_output(a["tokens"], b["tokens"], args, "the MTP mixed load")
+        new = sum(map(len, a["tokens"]))
+        through["off"].append(new / a["seconds"])
+        through["mtp"].append(new / b["seconds"])
+        print(f"  pair: wall x{a['seconds'] / b['seconds']:.3f}")
+    drafted = on.speculation.drafted_total - drafted
+    accepted = on.speculation.accepted_total - accepted
+    t_off, t_on = statistics.median(through["off"]), statistics.median(through["mtp"])
+    rows = [["off", round(t_off, 1), ""], [f"mtp k={args.k}", round(t_on, 1), f"{accepted} / {drafted}"]]
+    columns = ["speculative", "throughput tok/s", "accepted / drafted"]
+    for row in [columns] + rows:
+        print("  ".join(str(c) for c in row))
+    print(f"MTP mixed load: x{t_on / t_off:.2f}")
+    run.table(f"{args.mixed} requests at once, 16-token held-out prompts, {args.mixed_tokens} new tokens each, greedy, "
+              f"{Path(model).name}", columns, rows)
+    run.note(f"MTP mixed load: speculation x{t_on / t_off:.2f} throughput (medians of {args.repeats} alternated runs; "
+             f"{outputs_note()})")
 
 
 if __name__ == "__main__":
