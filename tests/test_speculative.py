@@ -370,6 +370,33 @@ def test_measured_step_cost_decides_the_draft_length():
     assert draft_len(0.6, fresh.draft_costs(alone, 3)) == 2 and draft_len(0.6, fresh.draft_costs(crowded, 3)) == 0
 
 
+def test_an_observing_drafter_pays_alone_not_in_a_crowd():
+    """observing_pays on the step times above (one thread, SmolLM2) and a head pass of 6 ms (a sixth of a one-row
+    step beside it): alone, drafts accepted at PROBE_RATE would gain more than the pass costs; among 16, where a draft
+    row costs most of a request's share, they would not. The rates of the requests do not enter (load, not luck);
+    nothing is decided before the pass is measured."""
+    from types import SimpleNamespace
+
+    from deltaserve.engine.speculative import Speculation, StepRows
+
+    spec = Speculation(SimpleNamespace(propose=lambda request, k: [1] * k), 3)
+    for rows, ms in {1: 19, 2: 25, 4: 32, 8: 59, 16: 104}.items():
+        for _ in range(3):
+            spec.observe(SimpleNamespace(decode=[object()] * rows, verify=[], drafts={}, prefill=[]), ms / 1000)
+
+    def pays(requests: int) -> bool:
+        step = StepRows(requests, requests)
+        spec.step_gain = 0.0
+        for _ in range(requests):
+            spec.propose(SimpleNamespace(images=None, speculative=SpecState(rate=0.05)), 3, step)
+        return spec.observing_pays(step)
+
+    assert pays(1) and pays(16)  # observe_s not measured yet
+    spec.observed(0.006)
+    assert pays(1) and not pays(16)  # requests whose drafts nearly all miss (rate 0.05): the load decides
+    assert spec.observing_pays(StepRows(16, 16, prefill=True))  # a step with a prompt chunk is always read
+
+
 def test_step_costs_skip_first_steps_and_forget_stale_ones():
     """A row count's first step (one-time costs) is not kept, and a count not seen for STALE_STEPS steps no longer
     prices drafts: a slow early 3-row step (the MTP head's first verification) cannot keep drafting off for good."""

@@ -242,6 +242,35 @@ def drafter_state_equals_the_head(mtp_folder):
     assert checked >= 15 and together >= 3 and on.speculation.drafted_total > on.speculation.accepted_total
 
 
+def test_a_crowded_step_retires_its_requests_from_the_head(mtp_folder):
+    """Where the head's pass over a step's rows costs more than drafts could gain there (observing_pays, from the
+    measured step and pass times), the step's requests are not read by the head and never drafted for again; the
+    output stays the output without speculation and later requests are read (and drafted for) again."""
+    from deltaserve.engine.speculative import StepRows
+
+    params = SamplingParams(max_tokens=16, **GREEDY)
+    prompts = [random_prompt(12, 30 + seed, HYBRID_VOCAB) for seed in range(3)]
+    want = [tokens_of(o) for o in run_all(engine(str(mtp_folder), max_running_requests=3, speculative="off"),
+                                          [(p, params) for p in prompts])]
+    on = engine(str(mtp_folder), max_running_requests=3, speculative="mtp", speculative_tokens=K)
+    spec = on.speculation
+    assert spec.observing_pays(StepRows(3, 3))  # nothing measured yet: read
+    run_all(on, [(prompts[0], params)])  # measures the steps and the head's pass
+    assert spec.observe_s is not None and spec.costs.decode_s
+    measured = spec.observe_s
+    spec.observe_s = 10.0  # a pass dearer than any gain: every decode-only step is crowded
+    drafted = spec.drafted_total
+    seen = set()
+    outs = run_all(on, [(p, params) for p in prompts], on_step=lambda _: seen.update(on.scheduler.running))
+    assert [tokens_of(o) for o in outs] == want
+    assert len(seen) == len(prompts) and all(r.speculative.retired for r in seen) and not on.mtp_drafter.next
+    assert spec.drafted_total - drafted <= len(prompts) * K  # at most the first decode step's drafts
+    spec.observe_s = measured * 1e-6  # a free pass: read and drafted for again
+    drafted = spec.drafted_total
+    assert [tokens_of(o) for o in run_all(on, [(p, params) for p in prompts])] == want
+    assert spec.drafted_total > drafted
+
+
 def test_sampled_output_runs_and_a_seed_repeats(mtp_folder):
     """Sampling with MTP drafts (rejection sampling against point-mass drafts): with a fixed draft length (the
     adaptive one follows measured step times) the same seed gives the same tokens, so the drafts are a function of

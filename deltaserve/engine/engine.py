@@ -458,7 +458,13 @@ class Engine:
                 self._fail(plan.requests, e)
             if self.mtp_drafter is not None:
                 try:
-                    self.mtp_drafter.observe(fed)
+                    if plan.observe:
+                        observing = time.perf_counter()
+                        self.mtp_drafter.observe(fed)
+                        if not plan.prefill:
+                            self.speculation.observed(time.perf_counter() - observing)
+                    else:  # a crowded step: its requests are not read by the head, nor drafted for again
+                        self.mtp_drafter.retire(plan.requests)
                 except Exception as e:
                     self._fail([r for r in plan.requests if not r.finished], e)
             for request in plan.requests:

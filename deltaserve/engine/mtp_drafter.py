@@ -48,6 +48,7 @@ class MtpDrafter:
     # propose writes the K/V of draft j's row at the position it would take (num_cached + j - 1): the scheduler makes
     # those pages exist first (scheduler.py _drafts)
     writes_ahead = True
+    observes = True  # it reads every step's rows (observe), so a step may not pay for it: Speculation.observing_pays
 
     def __init__(self, model, kv_pool, paged_kernel: bool = True):
         self.model, self.head, self.kv_pool = model, model.mtp, kv_pool
@@ -89,7 +90,8 @@ class MtpDrafter:
         row = 0
         for request, before, fed in steps:
             first, row = row, row + fed
-            if request.finished or request.images is not None or hidden is None:
+            if (request.finished or request.images is not None or hidden is None
+                    or (request.speculative is not None and request.speculative.retired)):
                 self.next.pop(request, None)
                 continue
             kept = request.num_cached - before
@@ -135,6 +137,14 @@ class MtpDrafter:
                 outs += list(out.split([kept for _, _, kept, _ in chunk]))
             i = j
         return outs
+
+    def retire(self, requests) -> None:
+        """These requests' rows of the last step were not read (a crowded step: Speculation.observing_pays): the
+        head's K/V has a hole there, so they are never drafted for again."""
+        for request in requests:
+            self.next.pop(request, None)
+            if request.speculative is not None:
+                request.speculative.retired = True
 
     @torch.no_grad()
     def propose(self, request, k: int) -> list[int]:

@@ -65,6 +65,7 @@ class StepPlan:
     # GDN states to write in the middle of a prefill chunk: (request, prompt position, checkpoint slot)
     snapshots: list[tuple[Request, int, int]] = field(default_factory=list)
     verify: list[Request] = field(default_factory=list)  # decode requests fed drafts this step
+    observe: bool = True  # an observing drafter (the MTP head) reads this step's rows (Speculation.observing_pays)
     drafts: dict[Request, list[int]] = field(default_factory=dict)  # of each verifying request
     # GDN states after each draft row of a verifying request: (request, rows read, slot in the snapshot tensors)
     draft_snapshots: list[tuple[Request, int, int]] = field(default_factory=list)
@@ -208,6 +209,7 @@ class Scheduler:
         if verify and self.speculation.snapshot_pool is not None:
             plan.draft_snapshots = [(r, j, self.speculation.snapshot_slot(self.state_pool.slot(r), j))
                                     for r in verify for j in range(1, len(drafts[r]) + 1)]
+        plan.observe = self._observe or bool(plan.prefill)
         return plan if plan.decode or plan.prefill or plan.verify else None
 
     def _drafts(self, decode: list[Request], budget: int) -> dict[Request, list[int]]:
@@ -215,9 +217,11 @@ class Scheduler:
         token and k drafts yield at most k + 1 tokens, so its KV never passes its reservation), each priced on this
         step: its decode rows so far, and whether a prompt chunk will ride in it."""
         drafts: dict[Request, list[int]] = {}
+        self._observe = True
         if self.speculation is None:
             return drafts
         step = StepRows(len(decode), len(decode), any(not r.prefilled for r in self.running))
+        self.speculation.step_gain = 0.0
         for request in decode:
             limit = min(self.speculation.max_tokens, request.max_new_tokens - len(request.output_ids) - 1, budget)
             proposed = self.speculation.propose(request, limit, step, grow=self._grow)
@@ -225,6 +229,7 @@ class Scheduler:
                 drafts[request] = proposed
                 budget -= len(proposed)
                 step.rows += len(proposed)
+        self._observe = self.speculation.observing_pays(step)
         return drafts
 
     def _scores_fit(self, cached: int, rows: int) -> bool:

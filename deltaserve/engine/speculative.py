@@ -30,7 +30,9 @@ share of a decode step of B requests, t(B) / B; k drafts add t(R + k) - t(R) to 
 step that carries a prompt chunk (run per op, not as decode rows) a verifying request costs more than it gains, so
 none drafts there. At batch 1 a draft row is ~0.2 of the step, so drafting pays; at batch 16 a row is ~0.9 of a
 request's share (a CPU decode step of many rows is arithmetic, not weight reads), so it almost never does. A request
-at k = 0 probes with one draft now and then, so an estimate that recovers is seen.
+at k = 0 probes with one draft now and then, so an estimate that recovers is seen. A drafter that reads every
+step's rows (the MTP head) costs a pass a step even where nobody drafts; where that pass costs more than drafts
+could gain in the step (`Speculation.observing_pays`: a crowded CPU step), the step's requests are retired from it.
 
 Not speculated (they decode plainly, one token a step): requests with images (their rotary positions come from
 the image grid).
@@ -77,6 +79,7 @@ class SpecState:
     rate: float = ACCEPTANCE_PRIOR
     idle_steps: int = 0
     prompt: np.ndarray | None = None  # the prompt as an array, made once for the n-gram search
+    retired: bool = False  # its drafter stopped reading its rows (a crowded step, `observing_pays`): no drafts again
 
     def record(self, drafted: int, accepted: int) -> None:
         self.drafted += drafted
@@ -97,12 +100,17 @@ def draft_len(rate: float, costs: list[float]) -> int:
     """The number of drafts (0..len(costs)) with the most expected tokens per unit of cost, when each draft is
     accepted with probability `rate` independently: E[tokens] = 1 + rate + .. + rate^k for 1 + costs[k - 1], a plain
     token costing 1."""
+    return draft_choice(rate, costs)[0]
+
+
+def draft_choice(rate: float, costs: list[float]) -> tuple[int, float]:
+    """(draft_len's k, its expected tokens per unit of cost: 1 at k = 0)."""
     best, best_value = 0, 1.0
     for k, cost in enumerate(costs, 1):
         value = sum(rate ** i for i in range(k + 1)) / (1 + cost)
         if value > best_value:
             best, best_value = k, value
-    return best
+    return best, best_value
 
 
 class StepCosts:
@@ -189,6 +197,11 @@ class Speculation:
     accepted_total: int = 0
     verify_steps_total: int = 0
     costs: StepCosts = field(default_factory=StepCosts)
+    # A drafter that reads every step's rows (the MTP head: `observes`) costs a pass a step whether anyone drafts:
+    # its running seconds a decode-only step, and what this step's drafts could gain, in plain tokens, were they
+    # accepted at PROBE_RATE (propose adds each request's, the scheduler zeroes it as it plans a step)
+    observe_s: float | None = None
+    step_gain: float = 0.0
 
     def draft_costs(self, step: StepRows, k_max: int) -> list[float]:
         """What 1..k_max drafts of one request add to the step, in units of that request's plain token (its share of
@@ -210,11 +223,12 @@ class Speculation:
         """Drafts for a decode request this step (at most `limit`); [] when it decodes plainly. `step`: the step being
         planned (None: a decode step of this request alone). `grow(request, tokens)`: makes the request's pages hold
         `tokens` tokens, called before a drafter that writes its draft rows' K/V ahead (the MTP head) drafts."""
-        if request.images is not None or limit <= 0:
-            return []
         state = request.speculative
+        if request.images is not None or limit <= 0 or state.retired:
+            return []
         k_max = min(self.max_tokens, limit)
         costs = self.draft_costs(step or StepRows(), k_max)
+        self.step_gain += draft_choice(PROBE_RATE, costs)[1] - 1  # what drafts could gain here: observing_pays
         k = draft_len(state.rate, costs) if self.adaptive else k_max
         if k == 0:
             state.idle_steps += 1
@@ -228,6 +242,28 @@ class Speculation:
             if request.finished:  # its pages could not be had (the scheduler failed it)
                 return []
         return self.drafter.propose(request, k)[:k]
+
+    def observed(self, seconds: float) -> None:
+        """The drafter's pass after a decode-only step took `seconds` (the MTP head over the kept rows)."""
+        old = self.observe_s
+        self.observe_s = seconds if old is None else old + STEP_TIME_SMOOTHING * (seconds - old)
+
+    def observing_pays(self, step: StepRows) -> bool:
+        """Whether a drafter that reads every step's rows should read this one's: its pass (observe_s) costs less
+        than what the step's drafts could gain (step_gain plain tokens, drafts accepted at PROBE_RATE, each token a
+        1 / requests share of a plain step of this many requests, priced from the measured step times). A question
+        of load, not of one request's luck: a request whose drafts miss drafts nothing (draft_len) but stays read.
+        Where it does not pay (a crowded step on a CPU, where a draft row costs nearly a request's share), the
+        step's requests are retired from drafting: a request the head skipped has holes in the head's K/V, so it is
+        not drafted for again (requests that start later are). Not decided before both costs were measured, nor in
+        a step with a prompt chunk (drafts never ride there, and the chunk passes soon). Measured on the
+        weight-bound bench hybrid (bench/spec.py --method mtp): 16 requests at once x0.92 of speculation off while
+        read, ~x1.0 retired; 4 at once drafting pays (x1.3-1.5) and they stay read."""
+        if not self.adaptive or self.observe_s is None or step.prefill or not self.costs.decode_s:
+            return True
+        fixed, per_row = self.costs.decode_line(step.requests / 2, step.rows)
+        plain_s = fixed + per_row * step.requests
+        return self.step_gain * plain_s / step.requests >= self.observe_s
 
     def snapshot_slot(self, state_slot: int, read: int) -> int:
         """Where the state after `read` (1..k) rows of a verifying request goes, in the snapshot tensors."""
