@@ -34,8 +34,11 @@ fitted once, ~3 minutes, and kept under build/), then the committed tiny fixture
 a 0.2 ms step that is interpreter time, so a head pass costs as much as a target step: a floor, not a served
 model). Each: --mtp-prompts random 16-token prompts from seeds 0.. (held out: the fits trained on seeds >= 1000),
 each decoded --tokens, speculation on vs off alternated prompt by prompt; decode tok/s over all of them,
-acceptance, identical outputs. Then --mixed requests at once on the first model, on vs off alternated: throughput
-(every step pays the head's pass over the kept rows, one pass for all the requests; drafts as the policy prices).
+acceptance, identical outputs. Then prompt lookup (ngram) on the first model where the answer repeats the prompt
+(what workload (a) measures where a model copies what it was shown: [the model's answer to a held-out prompt p, p]
+is answered with that answer again). Then --mixed requests at once on the first model, MTP on vs off alternated:
+throughput (every step pays the head's pass over the kept rows, one pass for all the requests, unless the step is
+too crowded for drafts to pay: engine/speculative.py observing_pays).
 
     OMP_NUM_THREADS=2 .venv/bin/python bench/spec.py --method mtp --tokens 24
 """
@@ -329,6 +332,8 @@ def mtp_main(args, argv) -> None:
     models = [args.model] if args.model else [str(bench_mtp_model()), str(ROOT / "tests" / "data" / "mtp_fitted")]
     for model in models:
         mtp_pair(args, run, model)
+    if not args.model:
+        repeat_pair(args, run, models[0])
     if args.mixed:
         mtp_mixed(args, run, models[0])
     run.note(f"machine load average (1, 5, 15 min) at the end: {', '.join(f'{x:.1f}' for x in os.getloadavg())} "
@@ -377,6 +382,55 @@ def mtp_pair(args, run, model: str) -> None:
     run.note(f"{name}: speed-up x{on_rate / off_rate:.2f}; {outputs_note()}; accepted {accepted} of "
              f"{drafted} drafts; a verifying step costs {verify_ms / plain_ms:.2f} plain decode steps (medians)")
     del off, on
+
+
+def repeat_pair(args, run, model: str) -> None:
+    """Prompt lookup where the answer repeats the prompt, on the weight-bound fitted hybrid: its greedy answer to a
+    held-out prompt p (a chain it learnt) is put before p, and the answer to [answer, p] is that answer again, as a
+    coding agent's answer repeats the file it was shown. What workload (a) measures where the model copies (the
+    built-in 135M model does not: module docstring)."""
+    import torch
+
+    from deltaserve.config import EngineConfig
+    from deltaserve.engine.engine import Engine
+
+    common = dict(model=model, device="cpu", max_total_tokens=4096, max_running_requests=4, prefix_cache=False)
+    off = Engine(EngineConfig(**common, speculative="off"), log=None)
+    on = Engine(EngineConfig(**common, speculative="ngram", speculative_tokens=args.k), log=None)
+    tokens = 2 * args.tokens
+    prompts = []
+    for seed in range(args.mtp_prompts):
+        p = torch.randint(0, off.vocab_size, (16,), generator=torch.Generator().manual_seed(seed)).tolist()
+        prompts.append(run_once(off, p, tokens)["tokens"] + p)
+    seconds = {"off": 0.0, "ngram": 0.0}
+    new, repeated = 0, 0
+    drafted, accepted, verifies = (on.speculation.drafted_total, on.speculation.accepted_total,
+                                   on.speculation.verify_steps_total)
+    steps = {"plain": [], "verify": []}
+    for _ in range(args.repeats):
+        for prompt in prompts:
+            a = run_once(off, prompt, tokens)
+            b = run_once(on, prompt, tokens)
+            same_output(a["tokens"], b["tokens"], args, "a repeating prompt")
+            repeated += a["tokens"] == prompt[:tokens]
+            seconds["off"] += a["decode_s"]
+            seconds["ngram"] += b["decode_s"]
+            new += len(a["tokens"]) - 1
+            steps["plain"] += a["plain_steps"]
+            steps["verify"] += b["verify_steps"]
+    drafted = on.speculation.drafted_total - drafted
+    accepted = on.speculation.accepted_total - accepted
+    verifies = on.speculation.verify_steps_total - verifies
+    off_rate, on_rate = new / seconds["off"], new / seconds["ngram"]
+    columns, rows, plain_ms, verify_ms = decode_table(f"ngram k={args.k}", off_rate, on_rate, drafted, accepted,
+                                                      verifies, steps)
+    total = len(prompts) * args.repeats
+    run.table(f"batch-1 greedy decode, prompt lookup where the answer repeats the prompt: {len(prompts)} prompts "
+              f"[its answer, a held-out 16-token prompt] x {args.repeats}, {tokens} new tokens each, "
+              f"{Path(model).name}", columns, rows)
+    run.note(f"{Path(model).name}, answers repeating the prompt ({repeated} of {total} answers equal the {tokens} "
+             f"tokens the prompt begins with): ngram speed-up x{on_rate / off_rate:.2f}; {outputs_note()}; accepted "
+             f"{accepted} of {drafted} drafts; a verifying step costs {verify_ms / plain_ms:.2f} plain decode steps")
 
 
 def mtp_mixed(args, run, model: str) -> None:
