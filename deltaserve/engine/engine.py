@@ -19,6 +19,7 @@ live in door.py, speculation in speculative.py, admission in admission.py and sc
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 import random
 import threading
@@ -26,7 +27,6 @@ import time
 import uuid
 from collections import Counter, deque
 from collections.abc import Callable
-import dataclasses
 from dataclasses import dataclass
 
 import torch

@@ -9,14 +9,16 @@ step's requests go through the head in one pass (one read of its weights: a pass
 requests of the weight-bound bench hybrid run at x0.67 of speculation off, one pass x0.92). The last kept row's
 output is kept until the request's next step; it becomes the first draft (greedy, through the vocabulary projection)
 only when the request drafts, since a 248K-token projection costs a real model as much as a few layers. `propose`
-chains the head from
-there: draft j + 1 from (h' of draft j's row, draft j), at position num_cached + j - 1, its K/V written at that
-position's slot (the scheduler grows the request's pages first: `writes_ahead`). Nothing of the head needs rolling
-back: a position past num_cached is never read before `observe` writes it again with the target's hidden state.
+chains the head from there: draft j + 1 from (h' of draft j's row, draft j), at position num_cached + j - 1, its K/V
+written at that position's slot (the scheduler grows the request's pages first: `writes_ahead`). Nothing of the head
+needs rolling back: a position past num_cached is never read before `observe` writes it again with the target's
+hidden state. A step too crowded for drafts to pay (engine/speculative.py observing_pays) is not read: its requests
+are retired (`retire`), since the head's K/V of theirs now has a hole.
 
 On CPU the head's rows run as decode rows of the native blocks (models/mtp.py rows: its layer in one decode_stack
-call, the target's decode path), elsewhere op by op, one request at a time. Measured on the fitted tiny head (H 64, Sapphire
-Rapids, 2 threads): a pass of one row took ~155 us op by op, ~100 us so; a head this small is all call overhead.
+call, the target's decode path), elsewhere op by op, one request at a time. Measured on the fitted tiny head (H 64,
+Sapphire Rapids, 2 threads): a pass of one row took ~155 us op by op, ~100 us so; a head this small is all call
+overhead.
 
 Drafts are greedy (a point mass): the verifier's rejection sampling is exact for them at any temperature.
 Requests with images are not drafted for (engine/speculative.py), nor observed.
@@ -83,8 +85,8 @@ class MtpDrafter:
     @torch.no_grad()
     def observe(self, steps: list[tuple[object, int]]) -> None:
         """After a step: `steps` is (request, num_cached before the step, rows fed) in the forward's row order. The
-        kept rows of every request go through the head together (`_observe_rows`); the last one of each gives its
-        first draft."""
+        kept rows of every request go through the head together (`_observe_rows`); the last one of each is what its
+        drafts start from. Retired requests are not read."""
         hidden, self.head.target_hidden = self.head.target_hidden, None
         work = []  # (request, before, kept, the request's rows of `hidden`)
         row = 0
