@@ -341,6 +341,33 @@ def mtp_main(args, argv) -> None:
     run.save()
 
 
+def alternated(args, off, on, prompts: list[list[int]], tokens: int, label: str, what: str) -> dict:
+    """Each prompt decoded --repeats times by `off` and `on` in turn (batch 1, greedy, outputs compared): the
+    decode_table (printed), the speed-up over all of them, the draft counts, and the outputs (off's, in order)."""
+    spec = on.speculation
+    seconds = {"off": 0.0, "on": 0.0}
+    new = 0
+    drafted, accepted, verifies = spec.drafted_total, spec.accepted_total, spec.verify_steps_total
+    steps = {"plain": [], "verify": []}
+    outputs = []
+    for _ in range(args.repeats):
+        for prompt in prompts:
+            a = run_once(off, prompt, tokens)
+            b = run_once(on, prompt, tokens)
+            same_output(a["tokens"], b["tokens"], args, what)
+            outputs.append(a["tokens"])
+            seconds["off"] += a["decode_s"]
+            seconds["on"] += b["decode_s"]
+            new += len(a["tokens"]) - 1
+            steps["plain"] += a["plain_steps"]
+            steps["verify"] += b["verify_steps"]
+    drafted, accepted = spec.drafted_total - drafted, spec.accepted_total - accepted
+    off_rate, on_rate = new / seconds["off"], new / seconds["on"]
+    table = decode_table(label, off_rate, on_rate, drafted, accepted, spec.verify_steps_total - verifies, steps)
+    return {"table": table, "speed_up": on_rate / off_rate, "drafted": drafted, "accepted": accepted,
+            "outputs": outputs}
+
+
 def mtp_pair(args, run, model: str) -> None:
     """One model's table: --mtp-prompts held-out prompts decoded with speculation off and on, alternated."""
     import torch
@@ -356,31 +383,13 @@ def mtp_pair(args, run, model: str) -> None:
     vocab = off.vocab_size
     prompts = [torch.randint(0, vocab, (16,), generator=torch.Generator().manual_seed(seed)).tolist()
                for seed in range(args.mtp_prompts)]
-    seconds = {"off": 0.0, "mtp": 0.0}
-    new = 0
-    drafted, accepted, verifies = (on.speculation.drafted_total, on.speculation.accepted_total,
-                                   on.speculation.verify_steps_total)
-    steps = {"plain": [], "verify": []}
-    for _ in range(args.repeats):
-        for prompt in prompts:
-            a = run_once(off, prompt, args.tokens)
-            b = run_once(on, prompt, args.tokens)
-            same_output(a["tokens"], b["tokens"], args, f"an MTP prompt ({name})")
-            seconds["off"] += a["decode_s"]
-            seconds["mtp"] += b["decode_s"]
-            new += len(a["tokens"]) - 1
-            steps["plain"] += a["plain_steps"]
-            steps["verify"] += b["verify_steps"]
-    drafted = on.speculation.drafted_total - drafted
-    accepted = on.speculation.accepted_total - accepted
-    verifies = on.speculation.verify_steps_total - verifies
-    off_rate, on_rate = new / seconds["off"], new / seconds["mtp"]
-    columns, rows, plain_ms, verify_ms = decode_table(f"mtp k={args.k}", off_rate, on_rate, drafted, accepted,
-                                                      verifies, steps)
+    pair = alternated(args, off, on, prompts, args.tokens, f"mtp k={args.k}", f"an MTP prompt ({name})")
+    columns, rows, plain_ms, verify_ms = pair["table"]
     run.table(f"batch-1 greedy decode, {len(prompts)} held-out 16-token prompts x {args.repeats}, {args.tokens} new "
               f"tokens each, {name} ({held:.1f} MiB of weights)", columns, rows)
-    run.note(f"{name}: speed-up x{on_rate / off_rate:.2f}; {outputs_note()}; accepted {accepted} of "
-             f"{drafted} drafts; a verifying step costs {verify_ms / plain_ms:.2f} plain decode steps (medians)")
+    run.note(f"{name}: speed-up x{pair['speed_up']:.2f}; {outputs_note()}; accepted {pair['accepted']} of "
+             f"{pair['drafted']} drafts; a verifying step costs {verify_ms / plain_ms:.2f} plain decode steps "
+             f"(medians)")
     del off, on
 
 
@@ -402,35 +411,17 @@ def repeat_pair(args, run, model: str) -> None:
     for seed in range(args.mtp_prompts):
         p = torch.randint(0, off.vocab_size, (16,), generator=torch.Generator().manual_seed(seed)).tolist()
         prompts.append(run_once(off, p, tokens)["tokens"] + p)
-    seconds = {"off": 0.0, "ngram": 0.0}
-    new, repeated = 0, 0
-    drafted, accepted, verifies = (on.speculation.drafted_total, on.speculation.accepted_total,
-                                   on.speculation.verify_steps_total)
-    steps = {"plain": [], "verify": []}
-    for _ in range(args.repeats):
-        for prompt in prompts:
-            a = run_once(off, prompt, tokens)
-            b = run_once(on, prompt, tokens)
-            same_output(a["tokens"], b["tokens"], args, "a repeating prompt")
-            repeated += a["tokens"] == prompt[:tokens]
-            seconds["off"] += a["decode_s"]
-            seconds["ngram"] += b["decode_s"]
-            new += len(a["tokens"]) - 1
-            steps["plain"] += a["plain_steps"]
-            steps["verify"] += b["verify_steps"]
-    drafted = on.speculation.drafted_total - drafted
-    accepted = on.speculation.accepted_total - accepted
-    verifies = on.speculation.verify_steps_total - verifies
-    off_rate, on_rate = new / seconds["off"], new / seconds["ngram"]
-    columns, rows, plain_ms, verify_ms = decode_table(f"ngram k={args.k}", off_rate, on_rate, drafted, accepted,
-                                                      verifies, steps)
+    pair = alternated(args, off, on, prompts, tokens, f"ngram k={args.k}", "a repeating prompt")
+    columns, rows, plain_ms, verify_ms = pair["table"]
+    repeated = sum(out == prompt[:tokens] for out, prompt in zip(pair["outputs"], prompts * args.repeats))
     total = len(prompts) * args.repeats
     run.table(f"batch-1 greedy decode, prompt lookup where the answer repeats the prompt: {len(prompts)} prompts "
               f"[its answer, a held-out 16-token prompt] x {args.repeats}, {tokens} new tokens each, "
               f"{Path(model).name}", columns, rows)
     run.note(f"{Path(model).name}, answers repeating the prompt ({repeated} of {total} answers equal the {tokens} "
-             f"tokens the prompt begins with): ngram speed-up x{on_rate / off_rate:.2f}; {outputs_note()}; accepted "
-             f"{accepted} of {drafted} drafts; a verifying step costs {verify_ms / plain_ms:.2f} plain decode steps")
+             f"tokens the prompt begins with): ngram speed-up x{pair['speed_up']:.2f}; {outputs_note()}; accepted "
+             f"{pair['accepted']} of {pair['drafted']} drafts; a verifying step costs {verify_ms / plain_ms:.2f} plain "
+             f"decode steps")
 
 
 def mtp_mixed(args, run, model: str) -> None:
