@@ -124,6 +124,32 @@ def run_mixed(eng, prompts: list[list[int]], tokens: int) -> dict:
     return {"tokens": outs, "seconds": time.perf_counter() - started, "cpu_s": time.process_time() - cpu}
 
 
+def mixed_pair(args, off, on, prompts: list[list[int]], label: str, what: str) -> dict:
+    """All `prompts` at once, run to the end by `off` and `on` in turn, --repeats times: throughput medians (the
+    table, printed), their ratio, and the median ratio of process CPU seconds (steadier than wall time on a shared
+    machine at one thread)."""
+    through = {"off": [], "on": []}
+    cpu_ratios = []
+    drafted, accepted = on.speculation.drafted_total, on.speculation.accepted_total
+    for _ in range(args.repeats):
+        a = run_mixed(off, prompts, args.mixed_tokens)
+        b = run_mixed(on, prompts, args.mixed_tokens)
+        same_output(a["tokens"], b["tokens"], args, what)
+        new = sum(map(len, a["tokens"]))
+        through["off"].append(new / a["seconds"])
+        through["on"].append(new / b["seconds"])
+        cpu_ratios.append(a["cpu_s"] / b["cpu_s"])
+        print(f"  pair: wall x{a['seconds'] / b['seconds']:.3f}, process CPU time x{cpu_ratios[-1]:.3f}")
+    drafted = on.speculation.drafted_total - drafted
+    accepted = on.speculation.accepted_total - accepted
+    t_off, t_on = statistics.median(through["off"]), statistics.median(through["on"])
+    rows = [["off", round(t_off, 1), ""], [label, round(t_on, 1), f"{accepted} / {drafted}"]]
+    columns = ["speculative", "throughput tok/s", "accepted / drafted"]
+    for row in [columns] + rows:
+        print("  ".join(str(c) for c in row))
+    return {"columns": columns, "rows": rows, "ratio": t_on / t_off, "cpu_ratio": statistics.median(cpu_ratios)}
+
+
 def decode_table(label: str, off_rate: float, on_rate: float, drafted: int, accepted: int, verifies: int,
                  steps: dict) -> tuple[list, list, float, float]:
     """The batch-1 table, off vs on (printed): (columns, rows, plain step ms, verifying step ms), medians."""
@@ -281,30 +307,11 @@ def main(argv: list[str]) -> None:
         batch_one(args, run, off, on, peer)
     if args.mixed:
         prompts = mixed_prompts(off.tokenizer, args.mixed)
-        through = {"off": [], "ngram": []}
-        cpu_ratios = []  # CPU seconds off over on, per pair: steadier than wall time on a shared machine (1 thread)
-        drafted, accepted = on.speculation.drafted_total, on.speculation.accepted_total
-        for _ in range(args.repeats):
-            a = run_mixed(off, prompts, args.mixed_tokens)
-            b = run_mixed(on, prompts, args.mixed_tokens)
-            same_output(a["tokens"], b["tokens"], args, "the mixed load")
-            new = sum(map(len, a["tokens"]))
-            through["off"].append(new / a["seconds"])
-            through["ngram"].append(new / b["seconds"])
-            cpu_ratios.append(a["cpu_s"] / b["cpu_s"])
-            print(f"  pair: wall x{a['seconds'] / b['seconds']:.3f}, process CPU time x{cpu_ratios[-1]:.3f}")
-        drafted = on.speculation.drafted_total - drafted
-        accepted = on.speculation.accepted_total - accepted
-        t_off, t_on = statistics.median(through["off"]), statistics.median(through["ngram"])
-        mixed_rows = [["off", round(t_off, 1), ""],
-                      [f"ngram k={args.k}", round(t_on, 1), f"{accepted} / {drafted}"]]
-        mixed_columns = ["speculative", "throughput tok/s", "accepted / drafted"]
-        for row in [mixed_columns] + mixed_rows:
-            print("  ".join(str(c) for c in row))
-        print(f"mixed load: x{t_on / t_off:.2f} (process CPU time x{statistics.median(cpu_ratios):.2f})")
+        mixed = mixed_pair(args, off, on, prompts, f"ngram k={args.k}", "the mixed load")
+        print(f"mixed load: x{mixed['ratio']:.2f} (process CPU time x{mixed['cpu_ratio']:.2f})")
         run.table(f"{args.mixed} requests at once ({', '.join(str(len(p)) for p in prompts[:2])}.. prompt tokens), "
-                  f"{args.mixed_tokens} new tokens each, greedy", mixed_columns, mixed_rows)
-        run.note(f"mixed load: speculation x{t_on / t_off:.2f} throughput (medians of {args.repeats} alternated "
+                  f"{args.mixed_tokens} new tokens each, greedy", mixed["columns"], mixed["rows"])
+        run.note(f"mixed load: speculation x{mixed['ratio']:.2f} throughput (medians of {args.repeats} alternated "
                  f"runs; {outputs_note()})")
     run.note(f"machine load average (1, 5, 15 min) at the end: {', '.join(f'{x:.1f}' for x in os.getloadavg())} "
              f"on {os.cpu_count()} logical CPUs (on and off alternate, so the ratio is the figure to read)")
@@ -437,28 +444,12 @@ def mtp_mixed(args, run, model: str) -> None:
     on = Engine(EngineConfig(**common, speculative="mtp", speculative_tokens=args.k), log=None)
     prompts = [torch.randint(0, off.vocab_size, (16,), generator=torch.Generator().manual_seed(100 + i)).tolist()
                for i in range(args.mixed)]
-    through = {"off": [], "mtp": []}
-    drafted, accepted = on.speculation.drafted_total, on.speculation.accepted_total
-    for _ in range(args.repeats):
-        a = run_mixed(off, prompts, args.mixed_tokens)
-        b = run_mixed(on, prompts, args.mixed_tokens)
-        same_output(a["tokens"], b["tokens"], args, "the MTP mixed load")
-        new = sum(map(len, a["tokens"]))
-        through["off"].append(new / a["seconds"])
-        through["mtp"].append(new / b["seconds"])
-        print(f"  pair: wall x{a['seconds'] / b['seconds']:.3f}")
-    drafted = on.speculation.drafted_total - drafted
-    accepted = on.speculation.accepted_total - accepted
-    t_off, t_on = statistics.median(through["off"]), statistics.median(through["mtp"])
-    rows = [["off", round(t_off, 1), ""], [f"mtp k={args.k}", round(t_on, 1), f"{accepted} / {drafted}"]]
-    columns = ["speculative", "throughput tok/s", "accepted / drafted"]
-    for row in [columns] + rows:
-        print("  ".join(str(c) for c in row))
-    print(f"MTP mixed load: x{t_on / t_off:.2f}")
+    mixed = mixed_pair(args, off, on, prompts, f"mtp k={args.k}", "the MTP mixed load")
+    print(f"MTP mixed load: x{mixed['ratio']:.2f}")
     run.table(f"{args.mixed} requests at once, 16-token held-out prompts, {args.mixed_tokens} new tokens each, greedy, "
-              f"{Path(model).name}", columns, rows)
-    run.note(f"MTP mixed load: speculation x{t_on / t_off:.2f} throughput (medians of {args.repeats} alternated runs; "
-             f"{outputs_note()})")
+              f"{Path(model).name}", mixed["columns"], mixed["rows"])
+    run.note(f"MTP mixed load: speculation x{mixed['ratio']:.2f} throughput (medians of {args.repeats} alternated "
+             f"runs; {outputs_note()})")
 
 
 if __name__ == "__main__":
