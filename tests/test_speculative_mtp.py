@@ -52,7 +52,8 @@ def mtp_reference_parts(config_dict: dict, tensors: dict[str, torch.Tensor]):
 
 def add_mtp_head(folder: Path, seed: str = "mtp-head", head: dict[str, torch.Tensor] | None = None) -> None:
     """Add an `mtp.*` head to a tiny Qwen3.5 checkpoint, and mtp_num_hidden_layers = 1 to its config: `head`'s
-    tensors, or a random head (one full-attention Qwen3.5 layer, made by transformers)."""
+    tensors, or a random head (one full-attention Qwen3.5 layer, made by transformers, in the checkpoint's dtype;
+    the fuzzer's Qwen3.5 cases drawn for MTP get one too)."""
     from transformers import Qwen3_5TextConfig
     from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5DecoderLayer
 
@@ -62,7 +63,9 @@ def add_mtp_head(folder: Path, seed: str = "mtp-head", head: dict[str, torch.Ten
     config_path.write_text(json.dumps(config_dict))
     torch.manual_seed(zlib.crc32(seed.encode()))
     config = Qwen3_5TextConfig(**{k: v for k, v in config_dict.items() if k not in ("architectures", "model_type")})
-    layer = Qwen3_5DecoderLayer(config, MTP_LAYER_OF_TINY)
+    if "full_attention" not in config.layer_types:  # the head's layer is full attention whatever the target's are
+        config.layer_types = ["full_attention"] * config.num_hidden_layers
+    layer = Qwen3_5DecoderLayer(config, config.layer_types.index("full_attention"))
     h = config.hidden_size
     tensors = load_file(folder / "model.safetensors")
     if head is not None:
@@ -73,7 +76,9 @@ def add_mtp_head(folder: Path, seed: str = "mtp-head", head: dict[str, torch.Ten
     for name in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
         head[f"mtp.{name}.weight"] = torch.randn(h) * 0.2
     head["mtp.fc.weight"] = torch.randn(h, 2 * h) * 0.1
-    save_file({**tensors, **head}, folder / "model.safetensors", metadata={"format": "pt"})
+    dtype = tensors["model.embed_tokens.weight"].dtype  # as the checkpoint stores its own (bfloat16 or float32)
+    save_file({**tensors, **{k: v.to(dtype) for k, v in head.items()}}, folder / "model.safetensors",
+              metadata={"format": "pt"})
 
 
 @pytest.fixture(scope="module")

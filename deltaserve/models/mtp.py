@@ -149,6 +149,9 @@ class MtpHead(nn.Module):
 
 def attach(model, config: dict, moe_norm_topk_prob: bool = True) -> None:
     """Give a hybrid model (HybridForCausalLM) its checkpoint's MTP head as `model.mtp`, and one more attention
-    layer in its cache geometry for the head's K/V."""
+    layer in its cache geometry for the head's K/V (of the head's shape: a checkpoint whose target layers are all
+    Gated DeltaNet has no other attention layer to take it from; the fuzzer's seed 7 crashed on that)."""
     model.mtp = MtpHead(config, model.model.rotary, moe_norm_topk_prob)
-    model.geometry = replace(model.geometry, layer_kinds=model.geometry.layer_kinds + (ATTENTION,))
+    attn = model.mtp.layers[0].self_attn  # the pool's K/V shape is the head's, also where no target layer attends
+    model.geometry = replace(model.geometry, layer_kinds=model.geometry.layer_kinds + (ATTENTION,),
+                             num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim)

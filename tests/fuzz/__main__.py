@@ -31,8 +31,10 @@ def main() -> int:
     parser.add_argument("--start", type=int, default=0, help="first seed of a long run")
     args = parser.parse_args()
     seeds = args.seed or range(args.start, args.start + args.n)
-    counts = {"family": collections.Counter(), "format": collections.Counter(), "activation": collections.Counter()}
+    counts = {"family": collections.Counter(), "format": collections.Counter(), "activation": collections.Counter(),
+              "speculative": collections.Counter()}
     failed, refused, cache_hits, started = [], [], 0, time.monotonic()
+    drafts = collections.Counter()  # draft tokens verified and accepted, per method
     for seed in seeds:
         case = draw_case(seed)
         print(case.summary(), flush=True)
@@ -41,10 +43,14 @@ def main() -> int:
             counts["family"][case.image.family] += 1
         counts["format"][case.fmt.label().split("-")[0] if case.fmt.kind != "safetensors" else case.fmt.label()] += 1
         counts["activation"][case.engine["activation_dtype"]] += 1
+        method = case.engine.get("speculative", "off")
+        counts["speculative"][method] += 1
         try:
             result = run_case(case)
             problems, refusal = result.failures, result.refusal
             cache_hits += result.cached_tokens > 0
+            drafts[f"{method} drafted"] += result.drafted
+            drafts[f"{method} accepted"] += result.accepted
         except Exception:  # noqa: BLE001 -- a crash is a finding: report it and go on to the next seed
             problems, refusal = [traceback.format_exc().rstrip().splitlines()[-1]], None
             traceback.print_exc()
@@ -61,6 +67,8 @@ def main() -> int:
           f"{len(refused)} of them refusals, {cache_hits} served a follow-up from the prefix cache")
     for what, counter in counts.items():
         print(f"  per {what}: " + ", ".join(f"{k} {v}" for k, v in sorted(counter.items())))
+    if drafts:
+        print("  draft tokens: " + ", ".join(f"{k} {v}" for k, v in sorted(drafts.items())))
     if failed:
         print("  failing seeds: " + " ".join(map(str, failed)))
     return 1 if failed else 0

@@ -30,6 +30,12 @@ IMAGE_CASE_RATE = 0.1
 # drafts a step (its own draw, "speculative"), so the verify rows' native path (decode rows chained through the GDN
 # state, snapshots) meets every drawn shape; speculation is lossless, so the oracle and its bound are unchanged
 SPECULATIVE_RATE = 0.3
+# The checkpoint's own MTP head (issue 40; what --speculative auto picks where a head is): one Qwen3.5 safetensors
+# case in MTP_RATE of those not drawn for prompt lookup gets a random head (tests/test_speculative_mtp.add_mtp_head)
+# and runs `--speculative mtp` with 1..4 drafts a step (its own draw, "mtp"): the head's passes over several
+# requests' rows, its chained drafts written ahead, their rejections; lossless, so the oracle is unchanged
+MTP_RATE = 0.7
+FIXED_DRAFTS_RATE = 0.75
 # Activations rounded to int8 (issue 41, the CPU default for packed 4-bit and int8 weights): one case in INT8_RATE of
 # those that keep 4-bit weights packed or 8-bit ones int8 runs --activation-dtype int8 (its own draw, "activation"), compared within the
 # activations' rounding propagated (tests/int8_bound.py); every other case runs float32, the exact path. Not the MoE
@@ -103,6 +109,7 @@ class Case:
     batch: tuple[Request, ...]  # submitted together
     follow_ups: tuple[Request, ...] = field(default=())  # each after the batch, sharing a prefix with it
     image: ImageCase | None = None  # a multimodal case run beside the text one
+    fixed_drafts: bool = False  # a speculating case drafts its most every step (the adaptive policy off)
 
     def summary(self) -> str:
         c = self.config
@@ -120,8 +127,9 @@ def draw_case(seed: int) -> Case:
     test_fuzz.py name cases through this order of draws: a new dimension draws from its own
     random.Random(f"{seed}:<name>") so that every existing seed keeps its case. Those so far: "kv_dtype" (the KV
     cache's storage; a seed drawn before it ran float32), "image" (a multimodal case some seeds carry beside
-    their text case), "speculative" (prompt-lookup drafts verified in the step) and "activation" (int8 activations
-    where 4-bit weights stay packed; a seed drawn before it ran float32)."""
+    their text case), "speculative" (prompt-lookup drafts verified in the step), "mtp" (a Qwen3.5 safetensors case
+    not drawn for prompt lookup gets an MTP head and drafts with it; such a seed ran without one before) and
+    "activation" (int8 activations where 4-bit weights stay packed; a seed drawn before it ran float32)."""
     rng = random.Random(seed)
     family = rng.choice(FAMILIES)
     fmt_kind = rng.choice(formats_for(family))
@@ -133,12 +141,20 @@ def draw_case(seed: int) -> Case:
     speculative = random.Random(f"{seed}:speculative")
     if speculative.random() < SPECULATIVE_RATE:
         engine.update(speculative="ngram", speculative_tokens=speculative.randint(1, 4))
+    fixed_drafts = False
+    if "speculative" not in engine and family == "qwen3_5_text" and fmt.kind == "safetensors":
+        mtp = random.Random(f"{seed}:mtp")
+        if mtp.random() < MTP_RATE:
+            engine.update(speculative="mtp", speculative_tokens=mtp.randint(1, 4))
+            # mostly every draft verified: a random head on a tiny model never pays, so the policy would soon stop
+            # drafting and retire the requests (what the rest of the MTP cases run)
+            fixed_drafts = mtp.random() < FIXED_DRAFTS_RATE
     engine["activation_dtype"] = "float32"
     if held_quantized(fmt, engine) and family not in MOE_FAMILIES:
         if random.Random(f"{seed}:activation").random() < INT8_RATE:
             engine["activation_dtype"] = "int8"
     batch, follow_ups = draw_requests(rng, engine, GGUF_CONTEXT if gguf else None)
-    return Case(seed, family, config, fmt, engine, batch, follow_ups, draw_image_case(seed))
+    return Case(seed, family, config, fmt, engine, batch, follow_ups, draw_image_case(seed), fixed_drafts)
 
 
 def draw_image_case(seed: int) -> ImageCase | None:

@@ -50,7 +50,12 @@ def save(case: Case, folder: Path) -> tuple[torch.nn.Module, Path]:
     model = random_model(case)
     save_format = {"safetensors": save_safetensors, "compressed_tensors": save_compressed_tensors,
                    "gptq": save_gptq, "awq": save_gptq, "gguf": save_gguf}[case.fmt.kind]
-    return save_format(model, case.fmt, folder, case.seed)
+    ref, path = save_format(model, case.fmt, folder, case.seed)
+    if case.engine.get("speculative") == "mtp":  # a random MTP head beside the weights (draw.MTP_RATE)
+        from tests.test_speculative_mtp import add_mtp_head
+
+        add_mtp_head(path, seed=f"fuzz-mtp-{case.seed}")
+    return ref, path
 
 
 def save_safetensors(model, fmt: Format, folder: Path, seed: int):

@@ -46,6 +46,8 @@ class Result:
     failures: list[str] = field(default_factory=list)
     refusal: str | None = None  # the engine's CheckpointError at load (a failure too: every draw is valid)
     cached_tokens: int = 0  # prompt tokens the follow-ups took from the prefix cache
+    drafted: int = 0  # draft tokens verified (a speculating case), and those accepted
+    accepted: int = 0
 
     @property
     def ok(self) -> bool:
@@ -75,6 +77,8 @@ def run_case(case: Case) -> Result:
             result.refusal = str(e)
             result.failures.append(f"refused a valid checkpoint: {result.refusal!r}")
             return result
+        if case.fixed_drafts:
+            engine.speculation.adaptive = False
         kv_dtype = engine.config.kv_dtype  # "auto" resolved: float16 on CPU (config.cpu_kv_dtype)
         int8_layers = swapped_layers(engine.runner.model)  # empty but under --activation-dtype int8
         prompts = [random_ids(case, i, r.prompt_len) for i, r in enumerate(case.batch)]
@@ -86,6 +90,8 @@ def run_case(case: Case) -> Result:
             out = run_all(engine, [(ids, params(r))])
             check_outputs(result, ref, f"follow-up {j} (shares {r.shared_prefix})", [ids], out, kv_dtype, int8_layers)
             result.cached_tokens += out[0][-1].cached_tokens if out[0] else 0
+        if engine.speculation is not None:
+            result.drafted, result.accepted = engine.speculation.drafted_total, engine.speculation.accepted_total
         del engine
     return result
 
