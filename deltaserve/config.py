@@ -146,7 +146,8 @@ class EngineConfig:
     prefix_cache: bool = True  # reuse the KV pages (and GDN checkpoints) of prompts seen before
     checkpoint_slots: int = 8  # GDN state checkpoints the prefix cache keeps (hybrid models; its own ledger line)
     checkpoint_interval_tokens: int = 2048  # a GDN checkpoint every this many prompt tokens
-    # auto (mtp where the checkpoint has a head and its ledger fits, else off: budget/ledger.py plan_budget) | off |
+    # auto (mtp where the checkpoint has a head that leaves the KV pool 3/4 of its tokens, else off: budget/advice.py
+    # auto_speculation) | off |
     # ngram (prompt lookup) | mtp (the checkpoint's own multi-token-prediction head)
     speculative: str = "auto"
     speculative_tokens: int = 3  # draft tokens a decode step verifies at most, per request
@@ -381,8 +382,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--checkpoint-interval-tokens", type=int,
                    help="store a GDN checkpoint every this many prompt tokens (2048)")
     g.add_argument("--speculative", choices=SPECULATIVE_METHODS, help="speculative decoding: auto (default: mtp "
-                   "where the checkpoint has a multi-token-prediction head and the ledger fits with it, else off; "
-                   "`plan` says which), off, ngram (prompt lookup: "
+                   "where the checkpoint has a multi-token-prediction head and the KV pool keeps 3/4 of its tokens "
+                   "with it, else off; `plan` says which, and the price), off, ngram (prompt lookup: "
                    "draft tokens copied from where the request's last tokens occurred earlier in its prompt or "
                    "output, verified as extra rows of the same step; greedy output is unchanged, sampled output "
                    "keeps its distribution), mtp (drafts from the checkpoint's multi-token-prediction head, mtp.*, "

@@ -328,27 +328,39 @@ def test_auto_drafts_with_the_head_where_there_is_one(mtp_folder, tmp_path):
     assert plain.budget.line("speculative_states").bytes == 0
 
 
-def test_auto_leaves_the_head_off_where_the_ledger_has_no_room_for_it():
-    """The field's 27B (a W4A16 header fixture with an 811 MiB MTP head) on a 24 GiB card: with its 16 running
-    requests the head's weights, its K/V layer and 48 draft states do not fit, so auto plans without it and says
-    what would make room; with fewer running requests auto takes it. Decided on the card's size alone, never on
-    what is free at start."""
-    from deltaserve.budget import load_spec, plan_budget
+def test_auto_takes_the_head_only_where_the_context_keeps_most_of_its_room():
+    """The field's 27B (a W4A16 header fixture with an 811 MiB MTP head) on a 24 GiB card: with 16 running requests
+    the head's weights, its K/V layer and 48 draft states do not fit, so auto plans without it and names what would
+    make room; with 4 they fit but leave under AUTO_MTP_MIN_KV_SHARE of the KV pool, so auto still plans without it
+    and says the price; on 48 GiB auto takes it, the same ledger as --speculative mtp. Decided on the card's size
+    alone, never on what is free at start."""
+    from deltaserve.budget import load_spec, option_costs, plan_budget
+    from deltaserve.budget.advice import AUTO_MTP_MIN_KV_SHARE
     from deltaserve.config import EngineConfig, GiB
 
     spec = load_spec(str(Path(__file__).parent / "data" / "qwen3_5_27b_w4a16" / "config.json"), None, "int8", "int4")
     field = dict(device="cuda", language_model_only=True)
 
-    def plan(**settings):
-        return plan_budget(spec, EngineConfig(**field, **settings), device_total_bytes=24 * GiB, device_kind="cuda")
+    def plan(gib: int = 24, **settings):
+        return plan_budget(spec, EngineConfig(**field, **settings), device_total_bytes=gib * GiB, device_kind="cuda")
+
+    def note(budget):
+        return next(n for n in budget.notes if n.startswith("--speculative auto is off"))
 
     crowded = plan()
     assert crowded.speculative == "off" and crowded.line("speculative_states").bytes == 0
-    note = next(n for n in crowded.notes if n.startswith("--speculative auto is off"))
-    assert "MTP head" in note and "short by" in note and "--max-running-requests" in note
-    roomy = plan(max_running_requests=8)
+    assert "short by" in note(crowded) and "--max-running-requests" in note(crowded)
+    tight, priced = plan(max_running_requests=4), plan(max_running_requests=4, speculative="mtp")
+    assert tight.speculative == "off" and priced.speculative == "mtp"
+    assert priced.kv_tokens < AUTO_MTP_MIN_KV_SHARE * tight.kv_tokens
+    assert f"would leave {priced.kv_tokens:,} of {tight.kv_tokens:,} KV tokens" in note(tight)
+    costs = {c.option.split(" (")[0]: c.delta_kv_tokens
+             for c in option_costs(spec, EngineConfig(**field, max_running_requests=4), 24 * GiB, device_kind="cuda")}
+    assert costs["--speculative mtp"] == priced.kv_tokens - tight.kv_tokens  # `plan` lists the price too
+    roomy = plan(48)
     assert roomy.speculative == "mtp" and roomy.line("speculative_states").bytes > 0
-    assert roomy.to_json() == plan(max_running_requests=8, speculative="mtp").to_json()
+    assert roomy.kv_tokens >= AUTO_MTP_MIN_KV_SHARE * plan(48, speculative="off").kv_tokens
+    assert roomy.to_json() == plan(48, speculative="mtp").to_json()
     with pytest.raises(SpecError, match="no multi-token-prediction head"):  # explicit mtp still refuses no head
         plan_budget(spec_without_head(spec), EngineConfig(**field, speculative="mtp"), device_total_bytes=24 * GiB,
                     device_kind="cuda")

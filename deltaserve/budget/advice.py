@@ -94,11 +94,19 @@ class OptionCost(NamedTuple):
     note: str
 
 
+# --speculative auto takes the checkpoint's MTP head only where the KV pool keeps at least this share of the tokens
+# it holds without the head: its weights, its K/V layer and the per-draft GDN states come out of the context (the
+# field's 27B on a 24 GiB card: 62,688 tokens without, 27,408 with one draft, none with three), and an agent's
+# context is what a memory-tight user runs out of first
+AUTO_MTP_MIN_KV_SHARE = 0.75
+
+
 def auto_speculation(spec: ModelMemorySpec, config: EngineConfig, total: int,
                      kind: str) -> tuple[EngineConfig, str | None]:
-    """--speculative auto: mtp where the checkpoint has a head and the ledger fits with its weights, its K/V layer
-    and the draft states; otherwise off, with a note of what the head would need (and the settings that make room).
-    Decided on the device's size, never on what happens to be free at start: one config, one ledger, every boot."""
+    """--speculative auto: mtp where the checkpoint has a head and the ledger with its weights, its K/V layer and the
+    draft states keeps AUTO_MTP_MIN_KV_SHARE of the KV pool it has without them; otherwise off, with a note of what
+    the head would cost (and, where it does not fit at all, the settings that make room). Decided on the device's
+    size, never on what happens to be free at start: one config, one ledger, every boot."""
     if config.speculative != "auto":
         return config, None
     off = dataclasses.replace(config, speculative="off")
@@ -106,13 +114,20 @@ def auto_speculation(spec: ModelMemorySpec, config: EngineConfig, total: int,
         return off, None
     mtp = dataclasses.replace(config, speculative="mtp")
     d = draft_ledger(spec, mtp, total, kind)
-    if d.shortfall <= 0:
-        return mtp, None
-    fixes = fixes_for(spec, d, kind, lambda x: x.shortfall <= 0)
-    how = (f"--speculative mtp fits with one of: {fixes.removeprefix('Fix: ')}" if fixes.startswith("Fix: ")
-           else "no single setting makes room for it")
-    return off, (f"--speculative auto is off: with the checkpoint's MTP head {d.problem}: short by "
-                 f"{mib(d.shortfall)} MiB; {how}")
+    if d.shortfall > 0:
+        fixes = fixes_for(spec, d, kind, lambda x: x.shortfall <= 0)
+        how = (f"--speculative mtp fits with one of: {fixes.removeprefix('Fix: ')}" if fixes.startswith("Fix: ")
+               else "no single setting makes room for it")
+        return off, (f"--speculative auto is off: with the checkpoint's MTP head {d.problem}: short by "
+                     f"{mib(d.shortfall)} MiB; {how}")
+    without = draft_ledger(spec, off, total, kind)
+    if without.shortfall <= 0 and d.kv_pages < AUTO_MTP_MIN_KV_SHARE * without.kv_pages:
+        tokens, base = d.kv_pages * d.c.page_size, without.kv_pages * without.c.page_size
+        k = config.speculative_tokens
+        return off, (f"--speculative auto is off: the checkpoint's MTP head (its weights, its K/V and {k} GDN draft "
+                     f"state{'s' if k != 1 else ''} per running request) would leave {tokens:,} of {base:,} KV "
+                     f"tokens; --speculative mtp takes it at that price")
+    return mtp, None
 
 
 def option_costs(spec: ModelMemorySpec, config: EngineConfig, device_total: int, *, device_kind: str | None = None,
@@ -165,6 +180,10 @@ def option_costs(spec: ModelMemorySpec, config: EngineConfig, device_total: int,
             costs.append(OptionCost("--no-prefix-cache", n, "no checkpoints: every turn of a conversation is read "
                                                             "again from its first token"))
     if spec.gdn_layers and c.speculative == "off":
+        if has_mtp_head(spec) and (n := delta(speculative="mtp")) is not None:
+            costs.append(OptionCost(f"--speculative mtp (--speculative-tokens {c.speculative_tokens})", n,
+                                    f"the checkpoint's MTP head: its weights, one more K/V layer and "
+                                    f"{c.speculative_tokens} GDN states per running request"))
         if (n := delta(speculative="ngram")) is not None:
             costs.append(OptionCost(f"--speculative ngram (--speculative-tokens {c.speculative_tokens})", n,
                                     f"{c.speculative_tokens} GDN states per running request, to roll back "
