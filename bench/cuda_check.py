@@ -3,7 +3,8 @@ forward against the CPU float32 path, the engine on the GPU (greedy output, ledg
 checkpoints on the GPU (llama-quantize's Q4_K fixture, and compressed-tensors folders given by --int4-checkpoints) in
 float32 (packed layout) and bfloat16 (torch's int4 layout) against the same file packed on the CPU, 27B-shaped 4-bit
 linears timed four ways (our packed layout, TorchInt4Linear's path, bf16 dense, torch's int4 kernel with its operand
-prebuilt), and a prefix-cache hit on the GPU (cached tokens, output equal to an engine without the cache).
+prebuilt), a prefix-cache hit on the GPU (cached tokens, output equal to an engine without the cache), and MTP
+speculation on the GPU (the fitted tiny hybrid: output equal to speculation off).
 
 Nothing here runs in CI (CI has no GPU). The oracles are independent of the fast path: the portable chunked
 gated delta rule in float32 on the same GPU (itself checked against a float64 token loop in the CPU tests), and
@@ -281,6 +282,38 @@ def prefix_hit(folder: Path, prompt: list[int], dtype: str) -> dict:
             "first_divergence": next((i for i, (a, b) in enumerate(zip(second_tokens, want)) if a != b), None)}
 
 
+def mtp_speculation(dtype: str) -> dict:
+    """The checkpoint's MTP head on the GPU (tests/data/mtp_fitted, the fitted tiny hybrid): greedy output with
+    --speculative mtp (every draft verified: the adaptive policy off) equal to speculation off on the same GPU, the
+    drafts mostly accepted (the CPU suite sees > 0.5), and every page and state slot back. --speculative auto drafts
+    with a head on CUDA only once this has passed on a GPU (budget/advice.py AUTO_MTP_DEVICES)."""
+    from deltaserve.config import EngineConfig
+    from deltaserve.engine.engine import Engine
+    from deltaserve.engine.request import SamplingParams
+
+    folder = Path(__file__).resolve().parent.parent / "tests" / "data" / "mtp_fitted"
+    params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 160, (16,), generator=gen).tolist() for _ in range(6)]
+    cfg = dict(model=str(folder), device=DEVICE, dtype=dtype, max_total_tokens=4096, max_running_requests=8,
+               prefix_cache=False)  # every page back at the end
+
+    def run(eng):
+        streams = [eng.submit(p, params) for p in prompts]
+        while not all(s.finished for s in streams):
+            eng.step()
+        return [[t for o in s.drain() for t in o.token_ids] for s in streams]
+
+    want = run(Engine(EngineConfig(**cfg, speculative="off"), log=lambda _: None))
+    on = Engine(EngineConfig(**cfg, speculative="mtp", speculative_tokens=3), log=lambda _: None)
+    on.speculation.adaptive = False
+    got = run(on)
+    spec = on.speculation
+    return {"dtype": dtype, "tokens_equal_to_off": [a == b for a, b in zip(got, want)],
+            "drafted": spec.drafted_total, "accepted": spec.accepted_total,
+            "pools_back": on.kv_pool.used_pages == 0 and on.state_pool.used_slots == 0}
+
+
 def section(fn):
     """fn()'s result, or its error and traceback: one failing part does not hide the others' results."""
     try:
@@ -354,6 +387,7 @@ def main(argv=None) -> int:
                 run["first_divergence"] = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
                                            for a, b in zip(run["tokens"], cpu)]
             report[f"prefix_{dtype}"] = section(lambda: prefix_hit(folder, prompts[3], dtype))
+            report[f"mtp_{dtype}"] = section(lambda: mtp_speculation(dtype))
     print(json.dumps(report, indent=1))
     record.note(f"The report (the output below, and {out.name} beside this record) on {report['device']}: copy this "
                 f"file into bench/results/ on the machine that keeps the repository.")

@@ -383,7 +383,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                    help="store a GDN checkpoint every this many prompt tokens (2048)")
     g.add_argument("--speculative", choices=SPECULATIVE_METHODS, help="speculative decoding: auto (default: mtp "
                    "where the checkpoint has a multi-token-prediction head and the KV pool keeps 3/4 of its tokens "
-                   "with it, else off; `plan` says which, and the price), off, ngram (prompt lookup: "
+                   "with it, on CPU for now, else off; `plan` says which, and the price), off, ngram (prompt lookup: "
                    "draft tokens copied from where the request's last tokens occurred earlier in its prompt or "
                    "output, verified as extra rows of the same step; greedy output is unchanged, sampled output "
                    "keeps its distribution), mtp (drafts from the checkpoint's multi-token-prediction head, mtp.*, "

@@ -328,13 +328,14 @@ def test_auto_drafts_with_the_head_where_there_is_one(mtp_folder, tmp_path):
     assert plain.budget.line("speculative_states").bytes == 0
 
 
-def test_auto_takes_the_head_only_where_the_context_keeps_most_of_its_room():
+def test_auto_takes_the_head_only_where_the_context_keeps_most_of_its_room(monkeypatch):
     """The field's 27B (a W4A16 header fixture with an 811 MiB MTP head) on a 24 GiB card: with 16 running requests
     the head's weights, its K/V layer and 48 draft states do not fit, so auto plans without it and names what would
     make room; with 4 they fit but leave under AUTO_MTP_MIN_KV_SHARE of the KV pool, so auto still plans without it
     and says the price; on 48 GiB auto takes it, the same ledger as --speculative mtp. Decided on the card's size
-    alone, never on what is free at start."""
-    from deltaserve.budget import load_spec, option_costs, plan_budget
+    alone, never on what is free at start. CUDA is not among AUTO_MTP_DEVICES until bench/cuda_check.py's mtp
+    section has passed on a GPU: auto is off there and says so (the rest of this test lets it in, to price it)."""
+    from deltaserve.budget import advice, load_spec, option_costs, plan_budget
     from deltaserve.budget.advice import AUTO_MTP_MIN_KV_SHARE
     from deltaserve.config import EngineConfig, GiB
 
@@ -347,6 +348,10 @@ def test_auto_takes_the_head_only_where_the_context_keeps_most_of_its_room():
     def note(budget):
         return next(n for n in budget.notes if n.startswith("--speculative auto is off"))
 
+    unchecked = plan(48)
+    assert "cuda" not in advice.AUTO_MTP_DEVICES and unchecked.speculative == "off"
+    assert "not yet been checked" in note(unchecked)
+    monkeypatch.setattr(advice, "AUTO_MTP_DEVICES", ("cpu", "cuda"))
     crowded = plan()
     assert crowded.speculative == "off" and crowded.line("speculative_states").bytes == 0
     assert "short by" in note(crowded) and "--max-running-requests" in note(crowded)

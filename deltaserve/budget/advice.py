@@ -99,19 +99,27 @@ class OptionCost(NamedTuple):
 # field's 27B on a 24 GiB card: 62,688 tokens without, 27,408 with one draft, none with three), and an agent's
 # context is what a memory-tight user runs out of first
 AUTO_MTP_MIN_KV_SHARE = 0.75
+# Where --speculative auto may draft with the head. Not CUDA yet: the head's passes and the verifying rows have run
+# on CPUs only (no GPU has been lent to this project's sessions); bench/cuda_check.py's mtp section checks them on a
+# GPU, and CUDA joins here once it has passed there. `--speculative mtp` runs them on CUDA meanwhile.
+AUTO_MTP_DEVICES = ("cpu",)
 
 
 def auto_speculation(spec: ModelMemorySpec, config: EngineConfig, total: int,
                      kind: str) -> tuple[EngineConfig, str | None]:
-    """--speculative auto: mtp where the checkpoint has a head and the ledger with its weights, its K/V layer and the
-    draft states keeps AUTO_MTP_MIN_KV_SHARE of the KV pool it has without them; otherwise off, with a note of what
-    the head would cost (and, where it does not fit at all, the settings that make room). Decided on the device's
-    size, never on what happens to be free at start: one config, one ledger, every boot."""
+    """--speculative auto: mtp where the checkpoint has a head, the device is one of AUTO_MTP_DEVICES and the ledger
+    with the head's weights, its K/V layer and the draft states keeps AUTO_MTP_MIN_KV_SHARE of the KV pool it has
+    without them; otherwise off, with a note of why (what the head would cost, and where it does not fit at all
+    the settings that make room). Decided on the device's size, never on what happens to be free at start: one
+    config, one ledger, every boot."""
     if config.speculative != "auto":
         return config, None
     off = dataclasses.replace(config, speculative="off")
     if not has_mtp_head(spec):
         return off, None
+    if kind not in AUTO_MTP_DEVICES:
+        return off, (f"--speculative auto is off on {kind}: MTP drafting has not yet been checked on this device "
+                     f"(bench/cuda_check.py); --speculative mtp turns it on")
     mtp = dataclasses.replace(config, speculative="mtp")
     d = draft_ledger(spec, mtp, total, kind)
     if d.shortfall > 0:
