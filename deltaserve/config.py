@@ -146,9 +146,8 @@ class EngineConfig:
     prefix_cache: bool = True  # reuse the KV pages (and GDN checkpoints) of prompts seen before
     checkpoint_slots: int = 8  # GDN state checkpoints the prefix cache keeps (hybrid models; its own ledger line)
     checkpoint_interval_tokens: int = 2048  # a GDN checkpoint every this many prompt tokens
-    # auto (mtp where the checkpoint has a head that leaves the KV pool 3/4 of its tokens, else off: budget/advice.py
-    # auto_speculation) | off |
-    # ngram (prompt lookup) | mtp (the checkpoint's own multi-token-prediction head)
+    # auto (mtp where the checkpoint has a head that leaves the KV pool 3/4 of its tokens, on CPU for now, else off:
+    # budget/advice.py auto_speculation) | off | ngram (prompt lookup) | mtp (the checkpoint's own MTP head)
     speculative: str = "auto"
     speculative_tokens: int = 3  # draft tokens a decode step verifies at most, per request
     language_model_only: bool = False  # skip a multimodal checkpoint's vision tower: its memory becomes context
