@@ -65,18 +65,20 @@ class MtpDrafter:
         return int(self.model.lm_head(hidden[None]).float().argmax(-1))
 
     def _rows(self, tokens: torch.Tensor, hidden: torch.Tensor, start: int, slots: torch.Tensor,
-              chain: list | None = None) -> torch.Tensor:
+              chain: list | None = None, native: bool = True) -> torch.Tensor:
         """The head over positions start .. start + n - 1 of one request whose page slots are `slots`, the rows'
-        K/V written at their positions' slots: as decode rows of the native blocks where they serve, else op by
-        op (models/mtp.py forward)."""
+        K/V written at their positions' slots: as decode rows of the native blocks where they serve (`native` and
+        at most MAX_ROWS rows: a prompt chunk's rows are not decode rows, nor worth their [n, start + n] slot
+        table), else op by op (models/mtp.py forward)."""
         n = tokens.shape[0]
         embeds = self.model.model.embed_tokens(tokens)
         if chain is None:
-            out = self.head.decode_rows(tokens, embeds, hidden, start,
-                                        slots[start:start + n], slots[:start + n].expand(n, -1).contiguous(),
-                                        self.caches, self.paged_kernel)
-            if out is not None:
-                return out
+            if native and n <= decode_cpu.MAX_ROWS:
+                out = self.head.decode_rows(tokens, embeds, hidden, start,
+                                            slots[start:start + n], slots[:start + n].expand(n, -1).contiguous(),
+                                            self.caches, self.paged_kernel)
+                if out is not None:
+                    return out
             return self.head(embeds, hidden, start, self.k_cache, self.v_cache, slots[:start].to(self.device),
                              write_slots=slots[start:start + n].to(self.device))
         return self.head(embeds, hidden, start, self.k_cache, self.v_cache, slots[:start - len(chain)].to(self.device),
@@ -120,21 +122,22 @@ class MtpDrafter:
                 n += work[j][2]
                 j += 1
             chunk = work[i:j]
-            tokens = torch.tensor([t for ts in per_request[i:j] for t in ts], dtype=torch.long, device=self.device)
-            positions = [before + m for _, before, kept, _ in chunk for m in range(kept)]
-            write = torch.cat([slots[r][before:before + kept] for r, (_, before, kept, _) in enumerate(chunk, i)])
-            contexts = [slots[r][:before + m + 1] for r, (_, before, kept, _) in enumerate(chunk, i)
-                        for m in range(kept)]
-            context = torch.nn.utils.rnn.pad_sequence(contexts, batch_first=True)
             out = None
-            if n <= decode_cpu.MAX_ROWS:
+            if n <= decode_cpu.MAX_ROWS:  # the slot tables only where the native blocks can take the rows
+                tokens = torch.tensor([t for ts in per_request[i:j] for t in ts], dtype=torch.long,
+                                      device=self.device)
+                positions = [before + m for _, before, kept, _ in chunk for m in range(kept)]
+                write = torch.cat([slots[r][before:before + kept] for r, (_, before, kept, _) in enumerate(chunk, i)])
+                context = torch.nn.utils.rnn.pad_sequence([slots[r][:before + m + 1] for r, (_, before, kept, _)
+                                                           in enumerate(chunk, i) for m in range(kept)],
+                                                          batch_first=True)
                 out = self.head.rows(tokens, self.model.model.embed_tokens(tokens),
                                      torch.cat([h for _, _, _, h in chunk]), positions, write, context,
                                      self.caches, self.paged_kernel)
-            if out is None:  # not the native blocks (another device, a mixture of experts): one request at a time
+            if out is None:  # a prompt chunk, another device, a mixture of experts: op by op, one request at a time
                 for r, (_, before, _, h) in enumerate(chunk, i):
                     ids = torch.tensor(per_request[r], dtype=torch.long, device=self.device)
-                    outs.append(self._rows(ids, h, before, slots[r]))
+                    outs.append(self._rows(ids, h, before, slots[r], native=False))
             else:
                 outs += list(out.split([kept for _, _, kept, _ in chunk]))
             i = j
