@@ -379,7 +379,7 @@ def test_an_observing_drafter_pays_alone_not_in_a_crowd():
 
     from deltaserve.engine.speculative import Speculation, StepRows
 
-    spec = Speculation(SimpleNamespace(propose=lambda request, k: [1] * k), 3)
+    spec = Speculation(SimpleNamespace(propose=lambda request, k: [1] * k, observes=True), 3)
     for rows, ms in {1: 19, 2: 25, 4: 32, 8: 59, 16: 104}.items():
         for _ in range(3):
             spec.observe(SimpleNamespace(decode=[object()] * rows, verify=[], drafts={}, prefill=[]), ms / 1000)

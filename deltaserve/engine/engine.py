@@ -100,7 +100,7 @@ class Engine:
         total, free = device_memory_bytes(kind)
         self.budget: Budget = plan_budget(spec_from_checkpoint(path), config, device_total_bytes=total,
                                           device_kind=kind, device_free_bytes=free)
-        # --speculative auto is decided by the ledger (the checkpoint's MTP head where it fits)
+        # --speculative auto is decided by the ledger (budget/advice.py auto_speculation)
         self.config = dataclasses.replace(self.config, speculative=self.budget.speculative)
         self._log(self.budget.to_table())
         for note in self.budget.notes:  # e.g. --max-total-tokens rounded down to whole pages

@@ -175,7 +175,7 @@ class Scheduler:
         decode = [r for r in self.running if r.prefilled]
         prefill = []
         budget = self.prefill_chunk_tokens
-        drafts = self._drafts(decode, budget)
+        drafts, observe = self._drafts(decode, budget)
         decode = [r for r in decode if not r.finished]  # a drafter's pages could not be had (_drafts)
         budget -= sum(map(len, drafts.values()))
         # The ledger prices a step of a chunk beside one decode row per state slot. A prompt whose rest fits in the
@@ -209,17 +209,17 @@ class Scheduler:
         if verify and self.speculation.snapshot_pool is not None:
             plan.draft_snapshots = [(r, j, self.speculation.snapshot_slot(self.state_pool.slot(r), j))
                                     for r in verify for j in range(1, len(drafts[r]) + 1)]
-        plan.observe = self._observe or bool(plan.prefill)
+        plan.observe = observe or bool(plan.prefill)
         return plan if plan.decode or plan.prefill or plan.verify else None
 
-    def _drafts(self, decode: list[Request], budget: int) -> dict[Request, list[int]]:
+    def _drafts(self, decode: list[Request], budget: int) -> tuple[dict[Request, list[int]], bool]:
         """Each decode request's drafts this step, within the chunk's rows and its own token budget (its last
         token and k drafts yield at most k + 1 tokens, so its KV never passes its reservation), each priced on this
-        step: its decode rows so far, and whether a prompt chunk will ride in it."""
+        step: its decode rows so far, and whether a prompt chunk will ride in it. And whether an observing drafter
+        (the MTP head) reads the step's rows (Speculation.observing_pays)."""
         drafts: dict[Request, list[int]] = {}
-        self._observe = True
         if self.speculation is None:
-            return drafts
+            return drafts, True
         step = StepRows(len(decode), len(decode), any(not r.prefilled for r in self.running))
         self.speculation.step_gain = 0.0
         for request in decode:
@@ -229,8 +229,7 @@ class Scheduler:
                 drafts[request] = proposed
                 budget -= len(proposed)
                 step.rows += len(proposed)
-        self._observe = self.speculation.observing_pays(step)
-        return drafts
+        return drafts, self.speculation.observing_pays(step)
 
     def _scores_fit(self, cached: int, rows: int) -> bool:
         """Whether `rows` prompt rows after `cached` stay within the attention workspace the ledger prices: the

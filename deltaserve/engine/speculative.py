@@ -228,7 +228,8 @@ class Speculation:
             return []
         k_max = min(self.max_tokens, limit)
         costs = self.draft_costs(step or StepRows(), k_max)
-        self.step_gain += draft_choice(PROBE_RATE, costs)[1] - 1  # what drafts could gain here: observing_pays
+        if getattr(self.drafter, "observes", False):  # what drafts could gain here: observing_pays
+            self.step_gain += draft_choice(PROBE_RATE, costs)[1] - 1
         k = draft_len(state.rate, costs) if self.adaptive else k_max
         if k == 0:
             state.idle_steps += 1
