@@ -1,11 +1,15 @@
-"""The one door from the server into the engine: what the server may read of an engine, and how it hands one over.
+"""The one door from the server into the engine: what the server may read of an engine, the messages it hands over,
+and the checks that are pure arithmetic on a request.
 
 `Engine.info` is an EngineInfo: the engine described once it has loaded (names, context length, vocabulary, image
-marker and limits, the ledger), read-only. `Engine.submit_all(Submission)` takes one API request's work (prompts, one
-SamplingParams per choice, images, message boundaries) and answers every choice's stream, or raises Refused: the
-HTTP status, the request field at fault and a message naming what was wrong and the limit. It owns everything that
-decides whether the work may run: the number of choices, logit_bias against the vocabulary, image limits, and
-admission (engine/scheduler.py + engine/admission.py); a refusal leaves nothing running.
+marker and limits, the ledger and the admission policy's numbers), read-only. The engine owns its thread and its
+state: the server never calls into the scheduler or the pools. It hands the engine messages through one queue
+(`Work`: one API request's prompts × n choices; `Abort`; `Query`: stats or a cache flush) and each answer comes back
+by one route: a Work's future holds every choice's RequestStream, or `Refused` (engine/errors.py: the HTTP status,
+the request field at fault and a message naming what was wrong and the limit), and a stream carries its request's
+outputs. `check` runs on the caller's thread before a Work is queued: the number of choices and logit_bias against
+the vocabulary. Admission (engine/scheduler.py + engine/admission.py) runs on the engine's thread; a refusal part-way
+through a Work leaves nothing running.
 
 `prepare_images` reads and preprocesses a request's images before its prompt is templated (blocking: the server
 runs it in a worker thread), refusing a request over the image limits before any image is read.
@@ -16,12 +20,14 @@ Besides these the server uses an engine's tokenizer (text/'s Tokenizer: encode, 
 
 from __future__ import annotations
 
-import uuid
+from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 from deltaserve.budget import Budget
-from deltaserve.engine.request import RequestStream, SamplingParams
-from deltaserve.engine.scheduler import QueueFull, RequestRefused
+from deltaserve.engine.admission import AdmissionPolicy
+from deltaserve.engine.errors import Refused
+from deltaserve.engine.request import SamplingParams
 from deltaserve.images import ImageError, ImageLimits, ImageSource, PreparedImage, PreprocessorSettings, preprocess, \
     read_source
 
@@ -47,6 +53,7 @@ class EngineInfo:
     image_marker: str  # the text of the chat template's image placeholder ("" without images)
     image_limits: ImageLimits
     image_settings: PreprocessorSettings | None  # the checkpoint's preprocessing (None without a vision tower)
+    admission: AdmissionPolicy  # the ledger's numbers admission decides by: pure arithmetic, read on any thread
 
 
 @dataclass(frozen=True)
@@ -63,64 +70,55 @@ class Submission:
     prompt_param: str = "prompt"
 
 
-class Refused(Exception):
-    """Work the engine will not take: `status` (400, or 429 with `retry_after_s` when the queue is full), the request
-    field at fault (`param`, or None) and `code`; `message` names what was wrong and the limit."""
+@dataclass(frozen=True)
+class Work:
+    """A Submission for the engine's thread; `reply` gets every choice's stream, or Refused."""
 
-    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
-                 retry_after_s: float | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
-        self.retry_after_s = retry_after_s
+    submission: Submission
+    reply: Future
 
 
-def submit_all(engine, submission: Submission) -> list[RequestStream]:
-    """Engine.submit_all: every choice of every prompt queued (prompt-major order), or Refused and none of them."""
-    prompts, choices = submission.prompts, len(submission.params)
-    _check_choices(engine, prompts, choices, submission.params[0].max_tokens)
-    vocab = engine.info.vocab_size
+@dataclass(frozen=True)
+class Abort:
+    """Stop a request wherever it is; applied between steps (never inside one)."""
+
+    request_id: str
+
+
+@dataclass(frozen=True)
+class Query:
+    """Run `ask(engine)` on the engine's thread between steps (a stats snapshot, a cache flush); `reply` gets its
+    answer."""
+
+    ask: Callable
+    reply: Future
+
+
+def check(info: EngineInfo, submission: Submission) -> None:
+    """The checks that are pure arithmetic on a request (the caller's thread): the number of choices, and logit_bias
+    against the vocabulary; Refused naming the field."""
+    _check_choices(info.admission, submission.prompts, len(submission.params), submission.params[0].max_tokens)
+    vocab = info.vocab_size
     for params in submission.params:
         outside = next((token for token, _ in params.logit_bias if token >= vocab), None)
         if outside is not None:
             raise Refused(400, f"logit_bias: token id {outside} is outside the vocabulary (0..{vocab - 1})",
                           param="logit_bias")
-    base_id = uuid.uuid4().hex
-    streams: list[RequestStream] = []
-    try:
-        for prompt_ids in prompts:
-            for params in submission.params:
-                streams.append(engine.submit(prompt_ids, params, request_id=f"{base_id}-{len(streams)}",
-                                             images=submission.images, boundaries=submission.boundaries))
-    except RequestRefused as e:
-        abort_all(engine, streams)
-        raise Refused(e.status, e.message, param=submission.prompt_param, code=e.reason) from None
-    except QueueFull as e:
-        abort_all(engine, streams)
-        raise Refused(429, f"the server is busy: {e.message}", code="queue_full",
-                      retry_after_s=e.retry_after_s) from None
-    return streams
 
 
-def _check_choices(engine, prompts: list[list[int]], choices: int, max_tokens: int | None) -> None:
+def _check_choices(policy: AdmissionPolicy, prompts: list[list[int]], choices: int, max_tokens: int | None) -> None:
     """More choices than the limit, or than the engine can ever hold at once, is a 400 naming `n`."""
     total = len(prompts) * choices
     if total > MAX_CHOICES:
         raise Refused(400, f"n × prompts = {choices} × {len(prompts)} exceeds the limit of {MAX_CHOICES} choices per "
                            f"request", param="n")
     shortest = min(len(p) for p in prompts)
-    policy = engine.scheduler.policy
     if total > 1 and policy.refusal(shortest, max_tokens) is None:
         most = policy.most_at_once(shortest, max_tokens)
         if total > most:  # its own copies would fill the queue: 429 forever, so say it can never run as sent
             raise Refused(400, f"n × prompts = {choices} × {len(prompts)} = {total} choices, but this server holds "
                                f"at most {most} requests of this size at once (running beside each other, plus "
                                f"--max-queue {policy.max_queue} waiting): lower n or max_tokens", param="n")
-
-
-def abort_all(engine, streams: list[RequestStream]) -> None:
-    """Abort every stream's request (a refusal part-way through a submission leaves nothing running)."""
-    for stream in streams:
-        engine.abort(stream.request_id)
 
 
 def image_refusal(info: EngineInfo, count: int, where: str | None = None) -> Refused | None:
@@ -163,7 +161,8 @@ def describe(engine) -> EngineInfo:
         vocab_size=engine.vocab_size, eos_token_ids=engine.eos_token_ids, prefix_cache=engine.prefix_cache is not None,
         max_prefill_tokens=engine.config.prefill_chunk_tokens, budget=engine.budget,
         accepts_images=engine.accepts_images, images_refusal=engine.images_refusal(),
-        image_marker=_image_marker(engine), image_limits=engine.image_limits, image_settings=engine.image_settings)
+        image_marker=_image_marker(engine), image_limits=engine.image_limits, image_settings=engine.image_settings,
+        admission=engine.scheduler.policy)
 
 
 def _image_marker(engine) -> str:

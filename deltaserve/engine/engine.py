@@ -1,16 +1,18 @@
 """The engine: one model on one device, its pools sized by the ledger, and the step loop; plus the offline `LLM`.
 
 `Engine(config)` plans the budget before anything is allocated, loads the model, allocates the KV and state pools
-once at the granted size, and logs predicted vs measured bytes. `submit` is thread-safe and answers at once:
-a RequestStream, RequestRefused (400: never fits) or QueueFull (429). The server enters through `submit_all` and
-reads `info` (engine/door.py: one API request's choices, their limits, and a typed refusal). `start()` runs the step
-loop on a background thread; an exception inside a step fails that step's requests with finish_reason "error",
-never the loop.
+once at the granted size, and logs predicted vs measured bytes. `start()` runs the step loop on the engine's own
+thread, which from then on alone admits, schedules, runs, samples, completes and aborts: other threads hand it
+messages through one queue (engine/door.py: Work, Abort, Query) and never touch its state, so no lock is shared with
+the server's event loop and no KV or state copy runs there. The server enters through `submit_all` (a future of
+every choice's stream, or Refused) and reads `info`; `submit`, `stats` and `flush_cache` called from another thread
+wait for the engine's answer. Without `start()`, the calling thread owns the engine and drives it with `step()`.
+An exception inside a step fails that step's requests with finish_reason "error", never the loop.
 
-A step holds its requests' pages and state slots from `schedule` to `complete`, the forward running outside the
-lock; so `abort` only queues while a step is in flight, and the step applies the queued aborts once it completes.
-Freeing under a running forward would let the next submit take the same slot mid-step (PoolCorruption, and every
-co-batched request failed). Error text reaching a client never carries a request's content: see engine/errors.py.
+A step holds its requests' pages and state slots from `schedule` to `complete`, so an abort raised from inside a
+step (a hook) is queued and applied as that step ends: freeing under a running forward would let the next admission
+take the same slot mid-step (PoolCorruption, and every co-batched request failed). Error text reaching a client
+never carries a request's content: see engine/errors.py.
 
 One file over 500 lines on purpose: the pools and the step loop that owns them are one concern; the door's checks
 live in door.py, speculation in speculative.py, admission in admission.py and scheduler.py.
@@ -21,12 +23,14 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import functools
+import queue
 import random
 import threading
 import time
 import uuid
 from collections import Counter, deque
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
@@ -39,8 +43,8 @@ from deltaserve.config import EngineConfig, device_memory_bytes
 from deltaserve.images import ImageLimits, PreparedImage, PreprocessorSettings
 from deltaserve.engine import door
 from deltaserve.engine.admission import AdmissionPolicy
-from deltaserve.engine.door import EngineInfo, Submission
-from deltaserve.engine.errors import internal_error
+from deltaserve.engine.door import Abort, EngineInfo, Query, Submission, Work
+from deltaserve.engine.errors import Refused, internal_error
 from deltaserve.engine.grammar import GrammarError, Grammars
 from deltaserve.engine.loader import LoadedModel, load_model, return_freed_memory
 from deltaserve.engine.multimodal import ImagePromptError, PromptImages, expand_prompt
@@ -54,9 +58,9 @@ from deltaserve.models.arena import pack_weights
 
 __all__ = ["Completion", "Engine", "EngineStats", "LLM", "QueueFull", "RequestRefused"]
 
-IDLE_WAIT_S = 0.5  # the loop re-checks for shutdown this often when there is no work
+IDLE_WAIT_S = 0.5  # the idle loop waits this long for a message before it re-checks for shutdown
 STEP_TIME_SMOOTHING = 0.2  # weight of the newest step in the running step-time estimate
-# Where `Engine.step_hook` is called, in order, each outside the lock (so the hook may call abort or submit).
+# Where `Engine.step_hook` is called, in order, on the engine's thread (the hook may call abort or submit).
 STEP_POINTS = ("before_schedule", "after_schedule", "during_forward", "after_sampling", "before_complete")
 
 
@@ -177,7 +181,7 @@ class Engine:
         self.vocab_size = int(loaded.model.lm_head.out_features)
         self._setup_images(loaded)
         self.grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_token_ids)
-        self._cond = threading.Condition()
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # door messages from other threads, in order
         self._live: dict[str, Request] = {}
         self._seeds = random.Random(c.seed)  # seeds of requests that name none: reproducible per engine start
         self._thread: threading.Thread | None = None
@@ -276,18 +280,29 @@ class Engine:
         """What the server may read of this engine (engine/door.py)."""
         return door.describe(self)
 
-    def submit_all(self, submission: Submission) -> list[RequestStream]:
-        """The server's one door (thread-safe): every choice of every prompt queued, or Refused and none of them;
-        it checks the number of choices, logit_bias and images, then admits each as `submit` does. See door.py."""
-        return door.submit_all(self, submission)
+    def submit_all(self, submission: Submission) -> Future:
+        """The server's one door (any thread; never blocks): the door's arithmetic checks here (Refused at once),
+        then a future of every choice's stream, or of Refused and none of them running, answered by the engine's
+        thread. See door.py."""
+        door.check(self.info, submission)
+        work = Work(submission, Future())
+        self._deliver(work)
+        return work.reply
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
                images: list[PreparedImage] | None = None, boundaries: tuple[int, ...] = ()) -> RequestStream:
-        """Queue a request (thread-safe): its stream, or RequestRefused / QueueFull at once.
+        """Queue one request: its stream, or RequestRefused / QueueFull. From another thread than the engine's it
+        waits for the engine's answer.
 
         With `images` (deltaserve/images.py), the prompt holds one image token per image, in order: each is widened
-        into the image's tokens here, so admission counts them. `boundaries`: prompt positions where chat messages
-        end, where the prefix cache keeps GDN checkpoints (counted before the images are widened)."""
+        into the image's tokens, so admission counts them. `boundaries`: prompt positions where chat messages end,
+        where the prefix cache keeps GDN checkpoints (counted before the images are widened)."""
+        if self._owns():
+            return self._admit(prompt_ids, params, request_id, images, boundaries)
+        return self._ask(lambda engine: engine._admit(prompt_ids, params, request_id, images, boundaries))
+
+    def _admit(self, prompt_ids, params: SamplingParams, request_id: str | None, images, boundaries) -> RequestStream:
+        """Admission of one request, on the owning thread."""
         prompt_ids = list(map(int, prompt_ids))  # C loops here and below: an 11K-token prompt took 4 ms in Python
         prompt_images = None
         if images or (self.vision is not None and self.image_token_id in prompt_ids):  # no image tokens alone
@@ -305,23 +320,38 @@ class Engine:
                 grammar = (self.grammars, self.grammars.matcher(params.grammar))
             except GrammarError as e:
                 raise RequestRefused(str(e), 400, "invalid_grammar") from None
-        with self._cond:
-            if request_id in self._live and not self._live[request_id].finished:
-                raise RequestRefused(f"request id {request_id!r} is already in use", 400, "duplicate_request_id")
-            reservation = self.scheduler.admit(len(prompt_ids), params.max_tokens)
-            seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
-            request = Request(
-                request_id, prompt_ids, params,
-                max_new_tokens=min(reservation.max_new_tokens, self.context_length - len(prompt_ids)),
-                reserved_pages=reservation.kv_pages, stream=RequestStream(request_id, len(prompt_ids)),
-                tokenizer=self.tokenizer,
-                eos_token_ids=self.eos_token_ids, generator=torch.Generator(self.device).manual_seed(seed),
-                arrival_s=time.monotonic(), reservation=reservation, grammar=grammar, images=prompt_images,
-                boundaries=_widened(boundaries, prompt_images, len(prompt_ids)))
-            self._live[request_id] = request
-            self.scheduler.add(request)
-            self._cond.notify_all()
+        if request_id in self._live and not self._live[request_id].finished:
+            raise RequestRefused(f"request id {request_id!r} is already in use", 400, "duplicate_request_id")
+        reservation = self.scheduler.admit(len(prompt_ids), params.max_tokens)
+        seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
+        request = Request(
+            request_id, prompt_ids, params,
+            max_new_tokens=min(reservation.max_new_tokens, self.context_length - len(prompt_ids)),
+            reserved_pages=reservation.kv_pages, stream=RequestStream(request_id, len(prompt_ids)),
+            tokenizer=self.tokenizer,
+            eos_token_ids=self.eos_token_ids, generator=torch.Generator(self.device).manual_seed(seed),
+            arrival_s=time.monotonic(), reservation=reservation, grammar=grammar, images=prompt_images,
+            boundaries=_widened(boundaries, prompt_images, len(prompt_ids)))
+        self._live[request_id] = request
+        self.scheduler.add(request)
         return request.stream
+
+    def _admit_work(self, submission: Submission) -> list[RequestStream]:
+        """Every choice of every prompt admitted (prompt-major order), or Refused and none of them left running."""
+        base_id = uuid.uuid4().hex
+        streams: list[RequestStream] = []
+        try:
+            for prompt_ids in submission.prompts:
+                for params in submission.params:
+                    streams.append(self._admit(prompt_ids, params, f"{base_id}-{len(streams)}", submission.images,
+                                               submission.boundaries))
+        except Refused as e:
+            for stream in streams:
+                self._abort_now(stream.request_id)
+            if e.status == 400 and e.param is None:
+                e.param = submission.prompt_param
+            raise
+        return streams
 
     def _expand_images(self, prompt_ids: list[int], images: list[PreparedImage]):
         refusal = door.image_refusal(self.info, len(images))  # the same limits the server's image reading holds
@@ -333,13 +363,14 @@ class Engine:
             raise RequestRefused(str(e), 400, "invalid_prompt") from None
 
     def abort(self, request_id: str) -> None:
-        """Stop a request wherever it is (thread-safe). Between steps its pages and slot are free when this
-        returns; while a step runs the abort is queued and applied as that step ends."""
-        with self._cond:
-            if self._in_step:
-                self._pending_aborts.append(request_id)
-                return
+        """Stop a request wherever it is (any thread; never blocks). On the owning thread between steps its pages
+        and slot are free when this returns; otherwise the abort is applied as the step in flight ends."""
+        if self._owns() and not self._in_step:
             self._abort_now(request_id)
+        elif self._owns():
+            self._pending_aborts.append(request_id)
+        else:
+            self._deliver(Abort(request_id))
 
     def _abort_now(self, request_id: str) -> None:
         request = self._live.pop(request_id, None)
@@ -352,21 +383,75 @@ class Engine:
             self._abort_now(request_id)
 
     def flush_cache(self) -> int:
-        """Drop every cached page and checkpoint no running request uses (thread-safe); returns pages freed."""
-        with self._cond:
-            return self.prefix_cache.flush() if self.prefix_cache is not None else 0
+        """Drop every cached page and checkpoint no running request uses; returns pages freed. From another thread
+        than the engine's it waits for the engine's answer."""
+        if not self._owns():
+            return self._ask(Engine.flush_cache)
+        return self.prefix_cache.flush() if self.prefix_cache is not None else 0
 
     def stats(self) -> EngineStats:
-        with self._cond:
-            s = self.scheduler
-            return EngineStats(
-                waiting=len(s.waiting), running=len(s.running), kv_pages_used=self.kv_pool.used_pages - (
-                    self.prefix_cache.evictable_pages() if self.prefix_cache is not None else 0),
-                kv_pages_reserved=s.ledger.in_use_kv_pages, kv_pages_total=self.kv_pool.num_pages,
-                state_slots_used=self.state_pool.used_slots, state_slots_total=self.state_pool.num_slots,
-                prompt_tokens_total=s.prompt_tokens_total, generation_tokens_total=s.generation_tokens_total,
-                finished=dict(s.finished_by_reason), refused=dict(s.refused_by_reason), **self._cache_stats(),
-                **self._speculative_stats())
+        """A snapshot of the queues, pools and counters. From another thread than the engine's it waits for the
+        engine's answer (taken between steps)."""
+        if not self._owns():
+            return self._ask(Engine.stats)
+        s = self.scheduler
+        return EngineStats(
+            waiting=len(s.waiting), running=len(s.running), kv_pages_used=self.kv_pool.used_pages - (
+                self.prefix_cache.evictable_pages() if self.prefix_cache is not None else 0),
+            kv_pages_reserved=s.ledger.in_use_kv_pages, kv_pages_total=self.kv_pool.num_pages,
+            state_slots_used=self.state_pool.used_slots, state_slots_total=self.state_pool.num_slots,
+            prompt_tokens_total=s.prompt_tokens_total, generation_tokens_total=s.generation_tokens_total,
+            finished=dict(s.finished_by_reason), refused=dict(s.refused_by_reason), **self._cache_stats(),
+            **self._speculative_stats())
+
+    # -- the engine's thread and its messages -----------------------------------------------------------------
+
+    def _owns(self) -> bool:
+        """The calling thread owns the engine's state: the engine's thread once started, else whoever drives it."""
+        thread = self._thread
+        return thread is None or thread is threading.current_thread()
+
+    def _deliver(self, message) -> None:
+        """Hand a message to the owning thread: queued from another thread, handled at once on the owning one."""
+        if not self._owns():
+            self._inbox.put(message)
+        elif isinstance(message, Abort):
+            self.abort(message.request_id)
+        else:
+            self._handle(message)
+
+    def _ask(self, ask: Callable):
+        """Run `ask(self)` on the engine's thread and wait for its answer (or its exception)."""
+        query = Query(ask, Future())
+        self._deliver(query)
+        return query.reply.result()
+
+    def _handle(self, message) -> None:
+        """One door message, on the owning thread between steps; its answer goes to its future."""
+        if isinstance(message, Abort):
+            self._abort_now(message.request_id)
+            return
+        if not message.reply.set_running_or_notify_cancel():
+            return  # the caller gave up waiting (its client left before the engine read this)
+        try:
+            answer = (self._admit_work(message.submission) if isinstance(message, Work) else message.ask(self))
+        except BaseException as e:  # Refused, or a bug: the caller learns of it, the loop goes on
+            message.reply.set_exception(e)
+        else:
+            message.reply.set_result(answer)
+
+    def _handle_inbox(self, wait_s: float = 0.0) -> None:
+        """Every message queued so far, in order (waiting up to `wait_s` for the first when there is none)."""
+        try:
+            message = self._inbox.get(timeout=wait_s) if wait_s > 0 else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._handle(message)
+            try:
+                message = self._inbox.get_nowait()
+            except queue.Empty:
+                return
 
     def _speculative_stats(self) -> dict[str, int]:
         spec = self.speculation
@@ -386,39 +471,36 @@ class Engine:
     # -- the step loop ----------------------------------------------------------------------------------------
 
     def step(self) -> bool:
-        """Run one step in the calling thread (when the background loop is not started); False when idle."""
-        if self._thread is not None and threading.current_thread() is not self._thread:
+        """Run one step on the owning thread (the caller's when the background loop is not started); False when
+        idle."""
+        if not self._owns():
             raise RuntimeError("Engine.step() called while the background loop runs; use one or the other")
         self._hook("before_schedule")
         encoded = self._encode_one_image()
         started = time.perf_counter()  # the step's time includes its planning: an MTP head drafts there
-        with self._cond:
-            try:
-                plan = self.scheduler.schedule()
-            except Exception as e:  # a bug in scheduling: fail what is running, keep serving
-                self._fail(list(self.scheduler.running), e)
-                return True
-            if plan is None:
-                return encoded
-            self._in_step = True
+        try:
+            plan = self.scheduler.schedule()
+        except Exception as e:  # a bug in scheduling: fail what is running, keep serving
+            self._fail(list(self.scheduler.running), e)
+            return True
+        if plan is None:
+            return encoded
+        self._in_step = True
         try:
             with fused_cpu.denormals_flushed(self.device.type == "cpu"):  # for the step only: csrc/fused.cpp
                 self._run(plan, started)
         finally:
-            with self._cond:
-                self._in_step = False
-                self._apply_pending_aborts()
+            self._in_step = False
+            self._apply_pending_aborts()
         return True
 
     def _encode_one_image(self) -> bool:
-        """Run the vision tower on one image a running request needs next, outside the lock: between two steps, so
-        the decode of the others waits for at most one image (bounded by --max-image-pixels), never a whole batch."""
-        with self._cond:
-            found = next(((r, k) for r in self.scheduler.running if r.images is not None and not r.finished
-                          for k in [r.images.next_to_encode(r.num_cached)] if k is not None), None)
-            if found is None:
-                return False
-            self._in_step = True  # an abort now waits for this to end (the request's pages stay put either way)
+        """Run the vision tower on one image a running request needs next: between two steps, so the decode of the
+        others waits for at most one image (bounded by --max-image-pixels), never a whole batch."""
+        found = next(((r, k) for r in self.scheduler.running if r.images is not None and not r.finished
+                      for k in [r.images.next_to_encode(r.num_cached)] if k is not None), None)
+        if found is None:
+            return False
         request, k = found
         try:
             image = request.images.prepared[k]
@@ -426,12 +508,7 @@ class Engine:
                 embeds = self.loaded.model.encode_images(image.patches.to(self.device), [image.grid])
             request.images.embeds[k] = embeds
         except Exception as e:  # torch.OutOfMemoryError included: this request fails, the others go on
-            with self._cond:
-                self._fail([request], e)
-        finally:
-            with self._cond:
-                self._in_step = False
-                self._apply_pending_aborts()
+            self._fail([request], e)
         return True
 
     def _run(self, plan, started: float) -> None:
@@ -446,35 +523,33 @@ class Engine:
             self._hook("after_sampling")
             self._hook("before_complete")
         except Exception as e:  # includes torch.OutOfMemoryError: this step's requests fail, not the process
-            with self._cond:
-                self._fail(plan.requests, e)
+            self._fail(plan.requests, e)
             return
-        with self._cond:
+        try:
+            for request, error in self.scheduler.complete(plan, sampled):
+                self.scheduler.finish(request, "error", internal_error(
+                    self._log, f"request {request.request_id} failed while completing a step", error))
+        except Exception as e:
+            self._fail(plan.requests, e)
+        if self.mtp_drafter is not None:
             try:
-                for request, error in self.scheduler.complete(plan, sampled):
-                    self.scheduler.finish(request, "error", internal_error(
-                        self._log, f"request {request.request_id} failed while completing a step", error))
+                if plan.observe:
+                    observing = time.perf_counter()
+                    self.mtp_drafter.observe(fed)
+                    if not plan.prefill:
+                        self.speculation.observed(time.perf_counter() - observing)
+                else:  # a crowded step: its requests are not read by the head, nor drafted for again
+                    self.mtp_drafter.retire(plan.requests)
             except Exception as e:
-                self._fail(plan.requests, e)
-            if self.mtp_drafter is not None:
-                try:
-                    if plan.observe:
-                        observing = time.perf_counter()
-                        self.mtp_drafter.observe(fed)
-                        if not plan.prefill:
-                            self.speculation.observed(time.perf_counter() - observing)
-                    else:  # a crowded step: its requests are not read by the head, nor drafted for again
-                        self.mtp_drafter.retire(plan.requests)
-                except Exception as e:
-                    self._fail([r for r in plan.requests if not r.finished], e)
-            for request in plan.requests:
-                if request.finished and self._live.get(request.request_id) is request:
-                    del self._live[request.request_id]
-            elapsed = time.perf_counter() - started
-            s = self.scheduler
-            s.seconds_per_token += STEP_TIME_SMOOTHING * (elapsed - s.seconds_per_token)
-            if self.speculation is not None:
-                self.speculation.observe(plan, elapsed)
+                self._fail([r for r in plan.requests if not r.finished], e)
+        for request in plan.requests:
+            if request.finished and self._live.get(request.request_id) is request:
+                del self._live[request.request_id]
+        elapsed = time.perf_counter() - started
+        s = self.scheduler
+        s.seconds_per_token += STEP_TIME_SMOOTHING * (elapsed - s.seconds_per_token)
+        if self.speculation is not None:
+            self.speculation.observe(plan, elapsed)
 
     def _hook(self, point: str) -> None:
         if self.step_hook is not None:
@@ -488,7 +563,7 @@ class Engine:
             self._live.pop(request.request_id, None)
 
     def start(self) -> None:
-        """Run the step loop on a background thread."""
+        """Run the step loop on the engine's own thread, which owns the engine's state from now on."""
         if self._thread is not None:
             return
         self._stopping = False
@@ -496,27 +571,34 @@ class Engine:
         self._thread.start()
 
     def _loop(self) -> None:
-        while True:
-            with self._cond:
-                while not self._stopping and not self.scheduler.has_work and not self._pending_aborts:
-                    self._cond.wait(IDLE_WAIT_S)
-                if self._stopping:
-                    return
-            self.step()
+        """Between steps, every queued message; when idle, wait for one."""
+        while not self._stopping:
+            self._handle_inbox(wait_s=0.0 if self.scheduler.has_work else IDLE_WAIT_S)
+            if self._stopping:
+                return
+            if self.scheduler.has_work:
+                self.step()
 
     def shutdown(self) -> None:
-        """Stop the loop and abort whatever is still queued or running."""
-        with self._cond:
-            self._stopping = True
-            self._cond.notify_all()
+        """Stop the loop, refuse the work still queued (503), and abort whatever is waiting or running."""
+        self._stopping = True
         if self._thread is not None:
+            self._inbox.put(Abort(""))  # wakes an idle loop: it aborts nothing, then sees _stopping
             self._thread.join()
             self._thread = None
-        with self._cond:
-            self._pending_aborts.clear()
-            for request in list(self.scheduler.running) + list(self.scheduler.waiting):
-                self.scheduler.abort(request)
-            self._live.clear()
+        while True:  # the caller owns the engine now: what reached the queue too late is answered here
+            try:
+                message = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(message, Work) and message.reply.set_running_or_notify_cancel():
+                message.reply.set_exception(Refused(503, "the engine is shutting down", code="shutting_down"))
+            elif not isinstance(message, Work):
+                self._handle(message)
+        self._pending_aborts.clear()
+        for request in list(self.scheduler.running) + list(self.scheduler.waiting):
+            self.scheduler.abort(request)
+        self._live.clear()
 
 
 # glibc's mallopt parameters (malloc.h)

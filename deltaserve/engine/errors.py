@@ -1,5 +1,5 @@
 """Internal errors as clients see them: a short id and the component that failed, never a request's content; the log
-carries the detail.
+carries the detail. A request the engine will not take is `Refused`, one type from admission to the HTTP body.
 
 A failure's exception text can hold any request's repr (its prompt token ids), so it never leaves the server:
 the client gets "internal error, id 3f9c0a1b2d4e: gdn_block (kernels/decode_cpu.py, run_with) failed; see the
@@ -50,3 +50,15 @@ def internal_error(log: Callable[[str], None], context: str, error: BaseExceptio
     component = None if error is None else failed_component(error)
     where = f"{component} failed; " if component else ""
     return f"{kind}, id {error_id}: {where}see the server log"
+
+
+class Refused(Exception):
+    """Work the engine will not take: `status` (400, or 429 with `retry_after_s` when the queue is full), the request
+    field at fault (`param`, or None) and `code`; `message` names what was wrong and the limit. Admission raises it
+    (engine/scheduler.py), the door's checks raise it (engine/door.py), and the server renders it as it is."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 retry_after_s: float | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.retry_after_s = retry_after_s

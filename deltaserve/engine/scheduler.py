@@ -30,28 +30,25 @@ from deltaserve.cache.kv_pool import KVPool, PoolCorruption, PoolExhausted
 from deltaserve.cache.prefix import PrefixCache
 from deltaserve.cache.state_pool import StatePool
 from deltaserve.engine.admission import AdmissionLedger, AdmissionPolicy, Reservation
+from deltaserve.engine.errors import Refused
 from deltaserve.engine.request import Request, TokenLogprob
 from deltaserve.engine.sampler import Sampled
 from deltaserve.engine.speculative import Speculation, SpecState, StepRows
 
 
-class RequestRefused(Exception):
-    """A request that can never run (longer than the context or the pool): the server answers 400."""
+class RequestRefused(Refused):
+    """A request that can never run (longer than the context or the pool): 400."""
 
     def __init__(self, message: str, status: int = 400, reason: str = "invalid_request"):
-        super().__init__(message)
-        self.message = message
-        self.status = status
+        super().__init__(status, message, code=reason)
         self.reason = reason
 
 
-class QueueFull(Exception):
-    """The waiting queue is full: the server answers 429 with Retry-After."""
+class QueueFull(Refused):
+    """The waiting queue is full: 429 with Retry-After."""
 
     def __init__(self, message: str, retry_after_s: float):
-        super().__init__(message)
-        self.message = message
-        self.retry_after_s = retry_after_s
+        super().__init__(429, f"the server is busy: {message}", code="queue_full", retry_after_s=retry_after_s)
 
 
 @dataclass

@@ -30,7 +30,7 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.get("/metrics")
     async def metrics():
-        body, content_type = state.metrics.render()
+        body, content_type = await asyncio.to_thread(state.metrics.render)  # stats: the engine's answer
         return Response(body, media_type=content_type)
 
     @app.get("/v1/budget")
@@ -38,7 +38,7 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
         engine = state.ready_engine()
         budget_json = engine.info.budget.to_json()
         body = json.loads(budget_json) if isinstance(budget_json, str) else budget_json
-        s = engine.stats()
+        s = await asyncio.to_thread(engine.stats)  # answered by the engine's thread between steps
         body["prefix_cache"] = {"enabled": engine.info.prefix_cache, "pages": s.prefix_cache_pages,
                                 "hit_tokens_total": s.prefix_cache_hit_tokens_total,
                                 "checkpoints_used": s.checkpoints_used, "checkpoints_total": s.checkpoints_total}
@@ -47,7 +47,7 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/flush_cache")
     async def flush_cache():
         """Drop every cached page and checkpoint that no running request uses."""
-        return {"freed_pages": state.ready_engine().flush_cache()}
+        return {"freed_pages": await asyncio.to_thread(state.ready_engine().flush_cache)}
 
     # What a router (sglang-router) asks of a worker: its served model name, its model, its load.
     @app.get("/server_info")
@@ -63,7 +63,7 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/get_load")
     async def get_load():
         engine = state.ready_engine()
-        return [router_info.load(engine.stats(), engine.info)]
+        return [router_info.load(await asyncio.to_thread(engine.stats), engine.info)]
 
     @app.post("/tokenize", openapi_extra=body_schema("TokenizeRequest"))
     async def tokenize(request: Request):

@@ -29,7 +29,7 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
     async def messages(request: Request):
         received_s, engine, req = await receive(state, request, "messages", anthropic_translate.parse, MessagesRequest)
         chat = await prepare_chat(state, engine, anthropic_translate.to_chat(req, engine.info.image_marker))
-        gen = submit(state, engine, [chat.prompt_ids], [anthropic_translate.sampling_params(req, chat.grammar)],
+        gen = await submit(state, engine, [chat.prompt_ids], [anthropic_translate.sampling_params(req, chat.grammar)],
                      received_s, images=chat.images, boundaries=chat.boundaries, prompt_param="messages")
         msg_id, model = f"msg_{uuid.uuid4().hex}", state.served_name()
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Future
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
@@ -46,6 +47,7 @@ class Generation:
         self.finish_reasons: list[str | None] = [None] * count
         self.completion_tokens = [0] * count
         self.token_ids: list[list[int]] = [[] for _ in range(count)]  # each choice's output ids (stop reasons)
+        self.stops: list[str | int | None] = [None] * count  # what ended each "stop": a stop string or token id
         self.cached_tokens = [0] * count  # prompt tokens each choice took from the prefix cache
         self.speculative: list[dict[str, int] | None] = [None] * count  # each choice's draft counts (--speculative)
         # each choice's prompt as the engine counts it (an image's placeholder widened into its tokens)
@@ -113,7 +115,7 @@ class Generation:
             self.speculative[i] = out.speculative
         if not out.finished:
             return
-        self.finish_reasons[i] = out.finish_reason
+        self.finish_reasons[i], self.stops[i] = out.finish_reason, out.stop
         self.metrics.request_duration.observe(now_s - self.received_s)
         self.failed = self.failed or out.finish_reason in ("error", "abort")
         if out.finish_reason == "error":
@@ -162,21 +164,38 @@ class Generation:
                 self.engine.abort(stream.request_id)
 
 
-def submit(state: ServerState, engine: Engine, prompts: list[list[int]], params: list[SamplingParams],
-           received_s: float, *, images=None, boundaries=(), prompt_param: str = "prompt") -> Generation:
-    """One API request through the engine's door (engine/door.py): each prompt once per entry of `params` (the n
-    choices), all queued or none; a refusal is the error response it names. `images` and `boundaries` belong to a
-    chat's one prompt; `prompt_param` is the field a refused prompt is named by."""
+async def submit(state: ServerState, engine: Engine, prompts: list[list[int]], params: list[SamplingParams],
+                 received_s: float, *, images=None, boundaries=(), prompt_param: str = "prompt") -> Generation:
+    """One API request handed to the engine's thread (engine/door.py), awaited without blocking the event loop: each
+    prompt once per entry of `params` (the n choices), all queued or none; a refusal is the error response it names.
+    `images` and `boundaries` belong to a chat's one prompt; `prompt_param` is the field a refused prompt is named
+    by."""
     if state.drain.cut:  # admitted before the drain, but reached the engine after its deadline
         raise ApiError(503, REFUSED, code="shutting_down", headers={"Retry-After": str(RETRY_AFTER_S)})
     try:
-        streams = engine.submit_all(Submission(prompts, params, images, tuple(boundaries), prompt_param))
+        reply = engine.submit_all(Submission(prompts, params, images, tuple(boundaries), prompt_param))
+        streams = await _answer(engine, reply)
     except Refused as e:
         raise refused_error(e) from None
     choice_prompt = [i // len(params) for i in range(len(streams))]
     gen = Generation(engine, state.metrics, prompts, choice_prompt, streams, received_s, state.log)
     state.drain.track(gen)
     return gen
+
+
+async def _answer(engine: Engine, reply: Future) -> list[RequestStream]:
+    """The engine's answer to a submission; if this handler is cancelled first (its client left), the choices the
+    engine admits meanwhile are aborted as soon as they exist."""
+    try:
+        return await asyncio.wrap_future(reply)
+    except asyncio.CancelledError:
+        def abort_admitted(done: Future) -> None:
+            if not done.cancelled() and done.exception() is None:
+                for stream in done.result():
+                    engine.abort(stream.request_id)
+
+        reply.add_done_callback(abort_admitted)
+        raise
 
 
 async def collect(request: Request, gen: Generation, state: ServerState) -> None:

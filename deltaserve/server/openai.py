@@ -36,7 +36,7 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
     async def chat_completions(request: Request):
         received_s, engine, req = await receive(state, request, "chat", openai_translate.parse_request, ChatCompletionRequest)
         chat = await prepare_chat(state, engine, openai_translate.to_chat(req, engine.info.image_marker))
-        gen = submit(state, engine, [chat.prompt_ids], _choice_params(req, chat.grammar), received_s,
+        gen = await submit(state, engine, [chat.prompt_ids], _choice_params(req, chat.grammar), received_s,
                      images=chat.images, boundaries=chat.boundaries, prompt_param="messages")
         meta = openai_translate.ResponseMeta(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), state.served_name())
         token_bytes = engine.tokenizer.token_bytes
@@ -54,7 +54,7 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
     async def completions(request: Request):
         received_s, engine, req = await receive(state, request, "completions", openai_translate.parse_request, CompletionRequest)
         prompts = await asyncio.to_thread(_completion_prompts, engine, req.prompt)
-        gen = submit(state, engine, prompts, _choice_params(req), received_s)
+        gen = await submit(state, engine, prompts, _choice_params(req), received_s)
         meta = openai_translate.ResponseMeta(f"cmpl-{uuid.uuid4().hex}", int(time.time()), state.served_name())
         echoes = [_echo_text(engine, req.prompt, prompts, p) if req.echo else "" for p in gen.choice_prompt]
         if req.stream:

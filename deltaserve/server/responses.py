@@ -50,7 +50,7 @@ def add_routes(app: FastAPI, state: ServerState) -> ResponseStore:
                                     top_p=1.0 if req.top_p is None else req.top_p)
         except ValueError as e:
             raise ApiError(400, str(e)) from None
-        gen = submit(state, engine, [chat.prompt_ids], [params], received_s, images=chat.images,
+        gen = await submit(state, engine, [chat.prompt_ids], [params], received_s, images=chat.images,
                      boundaries=chat.boundaries, prompt_param="input")
         meta = translate.Meta(translate.new_id("resp"), int(time.time()), state.served_name(), req)
 
