@@ -19,7 +19,6 @@ OUTPUT = ('<think>\nList the files.\n</think>\n\nLet me look.\n<tool_call>\n{"na
           '{"command": "ls -la", "timeout_s": 5}}\n</tool_call>\n<tool_call>\n{"name": "run", "arguments": '
           '{"command": "pwd"}}\n</tool_call>')
 SETTINGS = ChatOutputSettings(reasoning=True, tool_parser="hermes", tools=tuple(TOOLS))
-REQ = wire.MessagesRequest(max_tokens=100, messages=[{"role": "user", "content": "hi"}])
 
 
 def stream_bytes(text: str, piece_chars: int) -> list[bytes]:
@@ -31,8 +30,7 @@ def stream_bytes(text: str, piece_chars: int) -> list[bytes]:
             yield RequestOutput("r", piece, [n], None, last, "stop" if last else None, 3, n + 1)
 
     async def collect():
-        events = wire.stream_events(outputs(), ChatOutputParser(SETTINGS), "msg_1", "m", 3,
-                                    lambda: ("stop", True, ""), REQ)
+        events = wire.stream_events(outputs(), ChatOutputParser(SETTINGS), "msg_1", "m", 3)
         return [e async for e in events]
 
     return asyncio.run(collect())

@@ -8,7 +8,6 @@ from deltaserve.engine.request import RequestOutput
 from deltaserve.server import anthropic_translate as wire
 from deltaserve.text.chat_output import ChatOutputParser, ChatOutputSettings
 
-REQ = wire.MessagesRequest(max_tokens=100, messages=[{"role": "user", "content": "hi"}])
 
 
 def final_usage(counts: list[dict | None]) -> dict:
@@ -20,7 +19,7 @@ def final_usage(counts: list[dict | None]) -> dict:
 
     async def collect():
         return [e async for e in wire.stream_events(outputs(), ChatOutputParser(ChatOutputSettings()), "msg_1", "m",
-                                                    3, lambda: ("stop", True, ""), REQ)]
+                                                    3)]
 
     events = [json.loads(e.split(b"data: ", 1)[1]) for e in asyncio.run(collect())]
     return next(e for e in events if e["type"] == "message_delta")["usage"]

@@ -272,9 +272,12 @@ def test_stop_matcher_property(text, cuts, stops):
         out += piece
     out += matcher.flush()
     # the stop that completes first wins (ties: the one that starts first), however the text was split
-    hits = sorted((i + len(s), i) for s in stops if (i := text.find(s)) >= 0)
+    hits = sorted((i + len(s), i, s) for s in stops if (i := text.find(s)) >= 0)
     assert out == (text[:hits[0][1]] if hits else text)
     assert stopped == bool(hits) or len(bounds) == 1
+    # the stop it names is one that completes there and starts there (the server reports it as stop_sequence)
+    assert matcher.matched is None if not hits else (
+        text.find(matcher.matched) + len(matcher.matched), text.find(matcher.matched)) == hits[0][:2]
 
 
 def test_stop_that_completes_first_wins_split_or_not():

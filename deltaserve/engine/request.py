@@ -98,6 +98,7 @@ class RequestOutput:
     error: str | None = None
     cached_tokens: int = 0  # of prompt_tokens, how many came from the prefix cache
     speculative: dict[str, int] | None = None  # {"drafted", "accepted"} so far, when the engine speculates
+    stop: str | int | None = None  # what ended a "stop": the stop string matched, or the stop / EOS token id
 
 
 class RequestStream:
@@ -221,11 +222,12 @@ class Request:
         return self.finish_reason is not None
 
     def output(self, text: str = "", token_ids: list[int] | None = None, logprobs=None,
-               finish_reason: str | None = None, error: str | None = None) -> RequestOutput:
+               finish_reason: str | None = None, error: str | None = None,
+               stop: str | int | None = None) -> RequestOutput:
         spec = self.speculative
         return RequestOutput(self.request_id, text, token_ids or [], logprobs, finish_reason is not None,
                              finish_reason, self.prompt_len, len(self.output_ids), error, self.cached_tokens,
-                             None if spec is None else {"drafted": spec.drafted, "accepted": spec.accepted})
+                             None if spec is None else {"drafted": spec.drafted, "accepted": spec.accepted}, stop)
 
     def append_token(self, token_id: int, logprob: TokenLogprob | None) -> RequestOutput:
         """Add a sampled token; decide whether the request stops; return the stream's delta.
@@ -234,17 +236,17 @@ class Request:
         until it is clear, and released when the request ends.
         """
         self.output_ids.append(token_id)
-        reason = None
+        reason = stop = None
         text = ""
         if token_id in self._stop_ids:
-            reason = "stop"
+            reason, stop = "stop", token_id
         else:
             text, hit = self.stop_matcher.push(self.detokenizer.push(token_id))
-            reason = "stop" if hit else None
+            reason, stop = ("stop", self.stop_matcher.matched) if hit else (None, None)
         if reason is None and len(self.output_ids) >= self.max_new_tokens:
             reason = "length"
         if reason is not None:
             tail, _ = self.stop_matcher.push(self.detokenizer.flush())
             text += tail + self.stop_matcher.flush()
             self.finish_reason = reason
-        return self.output(text, [token_id], [logprob] if logprob is not None else None, reason)
+        return self.output(text, [token_id], [logprob] if logprob is not None else None, reason, stop=stop)

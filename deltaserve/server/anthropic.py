@@ -19,8 +19,6 @@ from deltaserve.server.generation import EventStream, collect, submit
 from deltaserve.server.state import ANTHROPIC_PATH, ServerState, read_json, receive
 from deltaserve.text.chat_output import ChatOutputParser, parse_whole
 
-STOP_TAIL_TOKENS = 16  # decoded end of an output, where a stop sequence that ended it is found
-
 
 def add_routes(app: FastAPI, state: ServerState) -> None:
     """The Messages API and its token count."""
@@ -33,21 +31,16 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
                      received_s, images=chat.images, boundaries=chat.boundaries, prompt_param="messages")
         msg_id, model = f"msg_{uuid.uuid4().hex}", state.served_name()
 
-        def finish_info() -> tuple[str | None, bool, str]:
-            ids = gen.token_ids[0]
-            return (gen.finish_reasons[0], bool(ids) and ids[-1] in engine.info.eos_token_ids,
-                    engine.tokenizer.decode(ids[-STOP_TAIL_TOKENS:]))
-
         if req.stream:
             outputs = (out async for _, out in gen.events())
             return EventStream(anthropic_translate.stream_events(outputs, ChatOutputParser(chat.settings), msg_id,
-                                                                 model, gen.prompt_len(0), finish_info, req), gen)
+                                                                 model, gen.prompt_len(0)), gen)
         await collect(request, gen, state)
         reasoning, text, calls = parse_whole(chat.settings, gen.results()[0].text)
-        finish, eos, tail = finish_info()
-        stop = anthropic_translate.matched_stop(req, finish, eos, tail)
+        stop = anthropic_translate.stop_sequence(gen.stops[0])
         return anthropic_translate.message_body(msg_id, model, reasoning, text, calls,
-                                                anthropic_translate.stop_reason(finish, bool(calls), stop), stop,
+                                                anthropic_translate.stop_reason(gen.finish_reasons[0], bool(calls),
+                                                                                stop), stop,
                                                 gen.prompt_len(0), gen.usage().completion_tokens,
                                                 gen.cached_tokens[0], gen.speculative[0])
 

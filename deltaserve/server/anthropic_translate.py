@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 from pydantic import ValidationError
@@ -195,12 +195,9 @@ def stop_reason(finish: str | None, called: bool, stop_sequence: str | None) -> 
     return "stop_sequence" if stop_sequence else "end_turn"
 
 
-def matched_stop(req: MessagesRequest, finish: str | None, last_token_was_eos: bool, tail: str) -> str | None:
-    """Which stop sequence ended the output (`tail`: the decoded end of the output, stop text included)."""
-    if finish != "stop" or last_token_was_eos or not req.stop_sequences:
-        return None
-    found = [(tail.rfind(s), s) for s in req.stop_sequences if s and s in tail]
-    return max(found)[1] if found else None
+def stop_sequence(stop: str | int | None) -> str | None:
+    """The stop sequence that ended the output, as the engine matched it (a stop token id is no sequence)."""
+    return stop if isinstance(stop, str) else None
 
 
 def usage(prompt_tokens: int, cached_tokens: int, speculative: dict | None = None) -> dict:
@@ -287,12 +284,11 @@ class BlockStream:
 
 
 async def stream_events(outputs: AsyncIterator, parser: ChatOutputParser, msg_id: str, model: str,
-                        input_tokens: int, finish_info: Callable[[], tuple[str | None, bool, str]],
-                        req: MessagesRequest) -> AsyncIterator[bytes]:
+                        input_tokens: int) -> AsyncIterator[bytes]:
     """The Messages stream: message_start, ping, content blocks, message_delta, message_stop.
 
     `outputs` yields engine RequestOutputs and raises on failure (sent as an `error` event);
-    `finish_info()` gives (finish reason, last token was EOS, decoded output tail) once it ends. The prefix
+    the last output's finish reason and stop (the stop sequence the engine matched) end it. The prefix
     cache's part of the prompt is known once the request starts: message_start counts the whole prompt as read,
     message_delta's cumulative usage says what the cache supplied.
     """
@@ -301,6 +297,7 @@ async def stream_events(outputs: AsyncIterator, parser: ChatOutputParser, msg_id
     yield event("message_start", {"type": "message_start", "message": start})
     yield event("ping", {"type": "ping"})
     blocks, output_tokens, cached_tokens, speculative = BlockStream(), 0, 0, None
+    finish, stop = None, None
     try:
         async for out in outputs:
             output_tokens = max(output_tokens, out.completion_tokens)
@@ -311,6 +308,7 @@ async def stream_events(outputs: AsyncIterator, parser: ChatOutputParser, msg_id
             for piece in blocks.events(delta):
                 yield piece
             if out.finished:
+                finish, stop = out.finish_reason, out.stop
                 for piece in blocks.events(parser.flush()):
                     yield piece
     except Exception as e:  # the status line has gone out: the failure is an error event
@@ -319,11 +317,10 @@ async def stream_events(outputs: AsyncIterator, parser: ChatOutputParser, msg_id
         return
     for piece in blocks.close():
         yield piece
-    finish, eos, tail = finish_info()
-    stop_sequence = matched_stop(req, finish, eos, tail)
-    reason = stop_reason(finish, parser.called, stop_sequence)
+    sequence = stop_sequence(stop)
+    reason = stop_reason(finish, parser.called, sequence)
     yield event("message_delta", {"type": "message_delta", "delta": {"stop_reason": reason,
-                                                                     "stop_sequence": stop_sequence},
+                                                                     "stop_sequence": sequence},
                                   "usage": {**usage(input_tokens, cached_tokens, speculative),
                                             "output_tokens": output_tokens}})
     yield event("message_stop", {"type": "message_stop"})

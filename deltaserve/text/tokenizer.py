@@ -218,15 +218,16 @@ class StopStringMatcher:
         self.stops = [s for s in stops if s]
         self.pending = ""
         self.stopped = False
+        self.matched: str | None = None  # the stop string that ended the stream
 
     def push(self, text: str) -> tuple[str, bool]:
         """Add text; return (text safe to emit, whether a stop string was reached)."""
         if self.stopped:
             return "", True
         self.pending += text
-        found = [(i + len(s), i) for s in self.stops if (i := self.pending.find(s)) >= 0]
+        found = [(i + len(s), i, s) for s in self.stops if (i := self.pending.find(s)) >= 0]
         if found:
-            _, start = min(found)
+            _, start, self.matched = min(found)
             out, self.pending, self.stopped = self.pending[:start], "", True
             return out, True
         held = max((n for s in self.stops for n in range(min(len(s) - 1, len(self.pending)), 0, -1)
