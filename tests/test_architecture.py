@@ -1,10 +1,10 @@
-"""The import graph keeps DESIGN's arrows: no circle, leaves that stay leaves, arrows that point down.
+"""The import graph keeps the arrows of docs/architecture.md: no circle, leaves that stay leaves, arrows that point down.
 
 Every module under deltaserve/ is parsed with ast (an import inside a function counts as much as one at the top)
 and its imports of deltaserve resolved to modules. A "unit" is a top-level module (config, cli, plan, images) or
 package (budget, text, engine, ...) directly under deltaserve/.
 
-The rules, in DESIGN.md's words:
+The rules, in docs/architecture.md's words:
   (a) no import circle: not between modules (a module and the __init__ of its own package aside: importing
       a submodule runs its package's __init__, and the __init__ re-exports it), and not between units;
   (b) text/ is a leaf: it imports nothing of ours but config;
@@ -32,7 +32,7 @@ LEAVES = {
     "text": {"config"},
     "budget": {"config", "weights"},
 }
-# (d): DESIGN's arrows; an import may point at its own tier or a lower one. Units not named here (budget, config,
+# (d): the arrows of docs/architecture.md; an import may point at its own tier or a lower one. Units not named here (budget, config,
 # weights, images, stress, cli, plan) are bound by the other rules only.
 TIERS = {"deploy": 4, "server": 3, "engine": 2, "cache": 1, "models": 1, "text": 1, "kernels": 0}
 # (d): the only units that may import these

@@ -10,7 +10,7 @@ ledger that turns spec, settings and device into named lines, and the advice whe
   advice.py   the fixes a refusal names; option_costs
   ledger.py   Budget, plan_budget, measure_vs_predicted
 
-It imports nothing of deltaserve but config and, inside the header readers, weights/ (DESIGN.md: a leaf that
+It imports nothing of deltaserve but config and, inside the header readers, weights/ (docs/architecture.md: a leaf that
 everyone may import).
 """
 

@@ -6,10 +6,9 @@ the first token whose cumulative probability passes it (inverse transform sampli
 tokens whatever else is in the batch.
 
 On CPU the top-k and top-p thresholds come from numpy's partition and sort of the row's values (top-p first looks at
-the 256 largest): torch's CPU sort of one 49,152-wide row took ~4 ms, where a decode step of SmolLM2 takes ~7, and
-the exponential race this sampler drew before (V exponentials a row a step) ~1.1 ms. One row of SmolLM2's width,
-2 threads (ad-hoc, 2026-12-05): temperature 0.7 alone ~0.3 ms a step (was ~1.4), with top-p 0.95 ~0.6 (was ~5.9),
-with top-k 40 ~0.55 (was ~1.7); greedy ~0.015 (its argmax, fused_cpu.argmax: ~0.007 where torch.argmax took ~0.05).
+the 256 largest), not from torch's CPU sort of a whole vocabulary-wide row, and one uniform draw replaces V
+exponentials a row; greedy rows take the fused argmax (fused_cpu.argmax). Why, in numbers: the lab notes in
+bench/results/2026-12-05T0000Z-lab-notes-sampler.json.
 
 A request with a grammar (tool_choice required / named, response_format) has its row masked by its own matcher
 before the choice; the other rows of the batch are not touched.

@@ -7,7 +7,7 @@ output is a plain-weight RMSNorm gated by silu(z). Parameter names are the Huggi
 files qwen3_next.py and qwen3_5.py only choose the GDN in-projection layout and the MLP of each layer.
 
 One file over 500 lines on purpose: a model file reads like the paper, the whole architecture top to bottom
-(DESIGN.md); the layers it shares with llama.py are in layers.py.
+(docs/architecture.md); the layers it shares with llama.py (SwiGLU among them) are in layers.py.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from deltaserve.kernels import (conv_decode, conv_prefill, decode_cpu, fused_cpu
 from deltaserve.kernels.attention import paged_attention, write_kv
 from deltaserve.models.batch import (ATTENTION, GDN, CacheGeometry, ForwardBatch, ModelCaches, as_decode_rows,
                                      rows_as_decode)
-from deltaserve.models.layers import (FusedHead, FusedParts, Rotary, add_then_norm, announce_refusals,
-                                     apply_rotary, attention_parts, attention_refusals, by_row_blocks, current_parts,
+from deltaserve.models.layers import (FusedHead, FusedParts, Rotary, SwiGLU, add_then_norm, announce_refusals,
+                                     apply_rotary, attention_parts, attention_refusals, current_parts,
                                      embedding, linear, mlp_parts, mlp_refusals, projection_parts, refusal,
                                      rope_parameters)
 
@@ -310,22 +310,6 @@ class GatedDeltaNet(nn.Module):
                 done = end
             finals.append(state)
         return torch.cat(outs), torch.cat(finals)
-
-
-class SwiGLU(nn.Module):
-    """down_proj(silu(gate_proj(x)) * up_proj(x)), in place on the fresh projections (no extra temporaries)."""
-
-    def __init__(self, hidden: int, intermediate: int):
-        super().__init__()
-        self.gate_proj = linear(hidden, intermediate)
-        self.up_proj = linear(hidden, intermediate)
-        self.down_proj = linear(intermediate, hidden)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return by_row_blocks(self._rows, x)
-
-    def _rows(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(fused_cpu.silu_mul(self.gate_proj(x), self.up_proj(x)))
 
 
 class SparseMoeBlock(nn.Module):

@@ -9,13 +9,13 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from deltaserve.kernels import decode_cpu, fused_cpu
+from deltaserve.kernels import decode_cpu
 from deltaserve.kernels.attention import paged_attention, write_kv
 from deltaserve.models.batch import (ATTENTION, CacheGeometry, ForwardBatch, ModelCaches, as_decode_rows,
                                      rows_as_decode)
 from deltaserve.models.layers import (FusedHead, FusedParts, Int8DotLinear, Int4Linear, Int8Linear, RMSNorm, Rotary,
-                                     TorchInt4Linear, announce_refusals, apply_rotary, attention_parts,
-                                     attention_refusals, by_row_blocks, current_parts, embedding, linear, mlp_parts,
+                                     SwiGLU, TorchInt4Linear, announce_refusals, apply_rotary, attention_parts,
+                                     attention_refusals, current_parts, embedding, linear, mlp_parts,
                                      mlp_refusals, rope_parameters)
 
 
@@ -62,20 +62,6 @@ class LlamaAttention(nn.Module):
         return self.o_proj(o.reshape(x.shape[0], self.num_heads * self.head_dim))
 
 
-class LlamaMLP(nn.Module):
-    def __init__(self, hidden: int, intermediate: int):
-        super().__init__()
-        self.gate_proj = linear(hidden, intermediate)
-        self.up_proj = linear(hidden, intermediate)
-        self.down_proj = linear(intermediate, hidden)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return by_row_blocks(self._rows, x)
-
-    def _rows(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(fused_cpu.silu_mul(self.gate_proj(x), self.up_proj(x)))
-
-
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: dict, layer_idx: int, rotary: Rotary):
         super().__init__()
@@ -83,7 +69,7 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config["hidden_size"], eps)
         self.self_attn = LlamaAttention(config, layer_idx, rotary)
         self.post_attention_layernorm = RMSNorm(config["hidden_size"], eps)
-        self.mlp = LlamaMLP(config["hidden_size"], config["intermediate_size"])
+        self.mlp = SwiGLU(config["hidden_size"], config["intermediate_size"])
         self.eps = eps
         self.fused = FusedParts(self._fused_parts)
 
