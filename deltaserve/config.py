@@ -27,7 +27,7 @@ DTYPE_ALIASES = {
 }
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
 SIZE_FLAGS = {"headroom": "--headroom", "device_memory": "--device-memory", "max_body_bytes": "--max-body-bytes",
-              "cuda_graph_reserve": "--cuda-graph-reserve", "max_image_bytes": "--max-image-bytes",
+              "max_image_bytes": "--max-image-bytes",
               "responses_store_bytes": "--responses-store-bytes"}
 STATE_DTYPES = ("float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "portable", "paged")
@@ -139,7 +139,6 @@ class EngineConfig:
     dequantize_weights: bool | None = None  # None: packed (on CPU the float32 kernel of kernels/int4.py)
     prefill_dtype: str = "float32"  # bfloat16: packed 4-bit GEMMs (prefill) on bf16 dot products, opt-in
     activation_dtype: str = "int8"  # packed 4-bit linears on int8 activations and integer dot products (CPU)
-    cuda_graph_reserve: int | None = None  # bytes; None: estimated from the decode batch
     tool_call_parser: str = "auto"  # auto: picked from the chat template's own tool-call format
     reasoning_parser: str = "auto"  # auto: "think" when the chat template writes <think> blocks
     chat_template: str | None = None  # a jinja file used instead of the model's own chat template
@@ -268,8 +267,6 @@ def _validate(c: EngineConfig) -> None:
     if c.responses_store_bytes < 0:
         raise ConfigError(f"--responses-store-bytes {c.responses_store_bytes} is negative: it must be >= 0 bytes "
                           f"(0 keeps no responses)")
-    if c.cuda_graph_reserve is not None and c.cuda_graph_reserve < 0:
-        raise ConfigError(f"--cuda-graph-reserve {c.cuda_graph_reserve} is negative: it must be >= 0 bytes")
     if c.max_new_tokens_cap is not None and c.context_length is not None and c.max_new_tokens_cap > c.context_length:
         raise ConfigError(f"--max-new-tokens-cap {c.max_new_tokens_cap} exceeds --context-length {c.context_length}: "
                           f"the cap must be at most the context length")
@@ -359,8 +356,6 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         "packed, 8-bit as int8 on CPU; on CPU multiplied by "
                         "int8 activations, or under --activation-dtype float32 in float32 with the dequantized "
                         "model's result to float32 rounding)")
-    g.add_argument("--cuda-graph-reserve", help="bytes reserved for CUDA graphs, GPU only (default: estimated "
-                   "from the decode batch)")
     g.add_argument("--tool-call-parser", help=f"how tool calls are read from the output: "
                    f"{', '.join(TOOL_CALL_PARSERS)} (auto: from the chat template)")
     g.add_argument("--reasoning-parser", help=f"{', '.join(REASONING_PARSERS)}: split <think> reasoning from "

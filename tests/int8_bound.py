@@ -138,7 +138,8 @@ def differences(logits: torch.Tensor, tokens: list[int], logprobs: list, bound: 
             off = abs(value - expected[step, tid].item())
             if off > 2 * logit_error + extra:
                 problems.append(f"step {step}: logprob of {tid} off by {off:.3g} > bound "
-                                f"{2 * logit_error + extra:.3g} (rtol {bound:.3g}, int8 rounding {extra:.3g})")
+                                f"{2 * logit_error + extra:.3g} (rtol {bound:.3g}, int8 and KV midpoint rounding "
+                                f"{extra:.3g})")
                 break
     return problems
 

@@ -115,8 +115,7 @@ def test_broken_streams_are_failures_that_say_what_broke(peer, scenario, kind, n
 
 def test_a_server_that_never_answers_is_cut_at_the_deadline(peer):
     r = run_scenario(peer, "hang", deadline_s=0.5)
-    assert r.kind == "timeout" and "duration limit" in r.error
-    assert r.e2e_s < 10
+    assert r.kind == "timeout" and "duration limit" in r.error  # cut by the deadline, not by the server
 
 
 def test_sse_and_chunk_parsing_cover_chat_and_completions():
@@ -151,7 +150,8 @@ def test_metrics_give_the_start_time_and_the_waiting_requests():
 
 def test_health_bodies_give_a_start_time_from_a_timestamp_or_an_uptime():
     assert start_time_from_health(httpx.Response(200, json={"status": "ok", "start_time": 1234.5})) == 1234.5
+    before = time.time()
     from_uptime = start_time_from_health(httpx.Response(200, json={"uptime_s": 100}))
-    assert abs(from_uptime - (time.time() - 100)) < 5
+    assert before - 100 <= from_uptime <= time.time() - 100  # now less the uptime, read between the two clocks
     assert start_time_from_health(httpx.Response(200, json={"status": "ok", "uptime": True})) is None
     assert start_time_from_health(httpx.Response(200, text="OK")) is None

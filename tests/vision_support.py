@@ -18,6 +18,7 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLIm
 
 from deltaserve.images import ImageLimits, PreparedImage, preprocess
 from deltaserve.models.vision import ImageGrid
+from random_parameters import draw_constant_parameters_
 from tolerance import logits_rtol
 
 VOCAB = 160
@@ -70,6 +71,7 @@ def make_multimodal_checkpoint(folder, vision: dict = VISION, text: dict = TEXT)
                 p.add_(torch.randn_like(p) * 0.2)
             if "pos_embed" in name or "patch_embed" in name:
                 p.normal_(0, 0.5)  # the init leaves them small: make a wrong position or patch order show
+    draw_constant_parameters_(ref)  # the tower's and merger's biases start at zero
     ref.save_pretrained(folder)
     save_vl_tokenizer(folder)
     return ref

@@ -130,7 +130,7 @@ def _finish(spec: ModelMemorySpec, d: Draft, kind: str) -> Budget:
     c = d.c
     order = ("weights", "vision_weights", "kv_pool", "state_pool", "checkpoint_pool", "speculative_states",
              "prefill_activations", "gdn_workspace", "attention_workspace", "vision_workspace", "sampler",
-             "cuda_graphs", "runtime", "headroom", "free", "outside_fraction")
+             "runtime", "headroom", "free", "outside_fraction")
     kv_tokens = d.kv_pages * c.page_size
     max_context = min(d.context, kv_tokens)
     notes = []

@@ -16,11 +16,8 @@ GDN_CHUNK = 64  # chunk length of the chunked gated delta rule (intra-chunk [64,
 PAGED_ATTENTION_WORKSPACE_BYTES = 256 * MiB  # split-KV partial outputs of a paged kernel (flashinfer-sized)
 CPU_RUNTIME_BYTES = 512 * MiB  # Python + torch + tokenizer + HTTP server, resident before any pool
 CUDA_CONTEXT_BYTES = 512 * MiB  # CUDA context and kernel images, outside torch's allocator
-CUDA_GRAPH_BASE_BYTES = 256 * MiB  # graph memory pool segments and per-stream cuBLAS workspaces
-CUDA_GRAPH_PER_SIZE_BYTES = 16 * MiB  # per captured decode batch size (1, 2, 4, ... max_running_requests)
 CONSUMER_LINES = ("weights", "vision_weights", "kv_pool", "state_pool", "checkpoint_pool", "speculative_states",
-                  "prefill_activations", "gdn_workspace", "attention_workspace", "vision_workspace", "sampler",
-                  "cuda_graphs")
+                  "prefill_activations", "gdn_workspace", "attention_workspace", "vision_workspace", "sampler")
 POOL_LINES = ("weights", "vision_weights", "kv_pool", "state_pool", "checkpoint_pool", "speculative_states")
 
 
@@ -139,7 +136,6 @@ def _fixed_lines(spec: ModelMemorySpec, c: EngineConfig, context: int, kind: str
                     f"vocab {spec.vocab_size:,} x {logits_rows} logits rows x 4 bytes x {SAMPLER_PASSES} passes"
                     + (f" ({c.max_running_requests} requests x (1 + {c.speculative_tokens} drafts))"
                        if c.speculative != "off" else "")),
-        "cuda_graphs": _cuda_graph_line(spec, c, kind),
         "runtime": runtime,
     }
 
@@ -285,18 +281,6 @@ def _attention_line(spec: ModelMemorySpec, c: EngineConfig, context: int) -> tup
 def cuda_paged(c: EngineConfig) -> bool:
     """The CUDA paged kernel: a fixed scratch. Otherwise attention gathers a context, which grows with it."""
     return c.attention_backend == "paged" and c.device.startswith("cuda")
-
-
-def _cuda_graph_line(spec: ModelMemorySpec, c: EngineConfig, kind: str) -> tuple[int, str]:
-    if kind != "cuda":
-        return 0, "no CUDA graphs on CPU"
-    if c.cuda_graph_reserve is not None:
-        return c.cuda_graph_reserve, "--cuda-graph-reserve"
-    sizes = 1 + int(math.log2(c.max_running_requests))
-    rows = c.max_running_requests
-    activations = rows * _activation_elements_per_row(spec) * DTYPE_BYTES[c.dtype]
-    return (CUDA_GRAPH_BASE_BYTES + sizes * CUDA_GRAPH_PER_SIZE_BYTES + activations,
-            f"estimate: pool base + {sizes} captured decode sizes up to {rows}; measure and set --cuda-graph-reserve")
 
 
 def mib(nbytes: int | float) -> str:

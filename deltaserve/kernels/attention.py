@@ -32,6 +32,10 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     models.batch.ForwardBatch. Hq must be a multiple of Hkv (grouped-query attention).
     """
     write_kv(k_cache, v_cache, batch.slot_mapping, k, v)
+    if k_cache.dtype != k.dtype:
+        # a fresh prompt reads its own rows as the cache stores them, as every later chunk and decode step does: one
+        # rounding at one point, so a 16-bit cache's answer does not depend on where the chunks fell
+        k, v = k.to(k_cache.dtype).to(k.dtype), v.to(v_cache.dtype).to(v.dtype)
     out = torch.empty_like(q)
     cu = batch.cu_q.tolist()
     nd = batch.num_decode

@@ -2,6 +2,7 @@
 
     .venv/bin/python -m tests.fuzz --seed 1234          # replay one case, every difference printed
     .venv/bin/python -m tests.fuzz -n 500 --start 0     # seeds 0..499 (what `make fuzz N=500` runs)
+    .venv/bin/python -m tests.fuzz --seed 18 --explain  # each generated position's bound and its parts
 
 Prints each failing case with the command that replays it, then a summary: cases run, failures, refusals, and the
 counts per family and per format."""
@@ -29,6 +30,8 @@ def main() -> int:
     parser.add_argument("--seed", type=int, action="append", help="run this seed (repeatable)")
     parser.add_argument("-n", type=int, default=50, help="cases to run from --start (default 50)")
     parser.add_argument("--start", type=int, default=0, help="first seed of a long run")
+    parser.add_argument("--explain", action="store_true",
+                        help="print each generated position's bound, its parts and the worst difference's share of it")
     args = parser.parse_args()
     seeds = args.seed or range(args.start, args.start + args.n)
     counts = {"family": collections.Counter(), "format": collections.Counter(), "activation": collections.Counter(),
@@ -46,7 +49,9 @@ def main() -> int:
         method = case.engine.get("speculative", "off")
         counts["speculative"][method] += 1
         try:
-            result = run_case(case)
+            result = run_case(case, explain=args.explain)
+            for line in result.explained or ():
+                print(f"  {line}")
             problems, refusal = result.failures, result.refusal
             cache_hits += result.cached_tokens > 0
             drafts[f"{method} drafted"] += result.drafted

@@ -23,6 +23,7 @@ import transformers
 from safetensors.torch import save_file
 
 from .draw import Case, Format
+from tests.random_parameters import draw_constant_parameters_
 from tests.test_models_hybrid import randomize_, save_tiny_tokenizer
 
 MODEL_CLASSES = {
@@ -35,13 +36,15 @@ MODEL_CLASSES = {
 
 
 def random_model(case: Case) -> torch.nn.Module:
-    """The case's tiny random model (norms and dt_bias moved off their 0 / 1 initial values)."""
+    """The case's tiny random model: norms and dt_bias moved off their 0 / 1 initial values, and every other parameter
+    the config initialises to a constant (attention biases) drawn (DESIGN.md: a bias left at zero proves nothing)."""
     config_cls, model_cls = MODEL_CLASSES[case.family]
     torch.manual_seed(case.seed)
     config = config_cls(**case.config)
     config._attn_implementation = "sdpa"
     model = model_cls(config).eval()
     randomize_(model)
+    draw_constant_parameters_(model)
     return model
 
 
