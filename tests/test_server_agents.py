@@ -4,8 +4,9 @@
 (tool_choice required / named, enforced by the grammar); the parsers of free calls are proven on the families'
 template texts in test_text_parsers.py. Arguments are checked with `jsonschema`, never against fixed strings.
 
-One file over 500 lines on purpose: opencode, Codex CLI and Claude Code share one module-scoped server and the
-recording proxy (tests/agent_proxy.py).
+One file over 500 lines on purpose: opencode and Claude Code share one module-scoped server, and all the agents the
+recording proxy (tests/agent_proxy.py); Codex CLI, whose default prompt is longer than the model's 8K context, has a
+server of its own.
 """
 
 import json
@@ -513,17 +514,30 @@ def one_value(field: str, value: str) -> dict:
 ANSWER = {"type": "string", "enum": ["It prints hello."]}  # the forced answer: one that ends (a cut one fails a turn)
 
 
+NAMESPACE_CALL = ("multi_agent_v1", "close_agent")  # a sub-agent tool of Codex's default namespace: one that starts
+# no second agent session (spawn_agent would, with its own long prompt), answered by Codex all the same
+
+
 def force_codex(path: str, body: dict) -> dict:
-    """The model is too small to call a tool of its own accord: until a call's output comes back, the proxy forces
-    exec_command (tool_choice), then the answer (tool_choice none and a JSON schema of one string). The tool's
-    schema is narrowed on every turn alike, so the prompt's prefix stays the same from turn to turn."""
+    """The model is too small to call a tool of its own accord: the proxy forces exec_command (tool_choice) until a
+    call's output comes back, then the namespace's close_agent, then the answer (tool_choice none and a JSON schema
+    of one string). The tools' schemas are narrowed on every turn alike, so the prompt's prefix stays the same from
+    turn to turn; the tool list is otherwise Codex's own."""
     if path.split("?")[0] != "/v1/responses":
         return body
     for tool in body.get("tools", []):
         if tool.get("name") == "exec_command":
             tool["parameters"] = one_value("cmd", "cat hello.py")
-    if not any(isinstance(item, dict) and item.get("type") == "function_call_output" for item in body["input"]):
+        for member in tool.get("tools", []) if tool.get("name") == NAMESPACE_CALL[0] else []:
+            if member.get("name") == NAMESPACE_CALL[1]:
+                member["parameters"] = one_value("target", "agent-1")
+    answered = sum(isinstance(item, dict) and item.get("type") == "function_call_output" for item in body["input"])
+    if answered == 0:
         return {**body, "tool_choice": {"type": "function", "name": "exec_command"}, "max_output_tokens": 24}
+    if answered == 1:
+        namespace, name = NAMESPACE_CALL
+        return {**body, "tool_choice": {"type": "function", "name": name, "namespace": namespace},
+                "max_output_tokens": 24}
     return {**body, "tool_choice": "none", "max_output_tokens": 24,
             "text": {"format": {"type": "json_schema", "name": "answer", "schema": ANSWER}}}
 
@@ -559,31 +573,10 @@ def streamed_events(exchange: dict, adapter) -> list:
     return [adapter.validate_python(data) for _, data in sse_events(exchange["response"]) if data["type"] != "ping"]
 
 
-# Codex, offline: a custom provider on the Responses API, no login, no update check, no analytics, no web search
-# (a built-in tool this server does not run), no sub-agent, goal or app tools, short instructions.
+# Codex as a user sets it up: its provider, nothing else (its default tools, instructions and sandbox); no retries.
 CODEX_CONFIG = """
 model = "{model}"
 model_provider = "deltaserve"
-model_instructions_file = "{instructions}"
-approval_policy = "never"
-sandbox_mode = "read-only"
-web_search = "disabled"
-check_for_update_on_startup = false
-include_apps_instructions = false
-include_environment_context = false
-include_permissions_instructions = false
-project_doc_max_bytes = 0
-
-[features]
-goals = false
-apps = false
-plugins = false
-
-[agents]
-enabled = false
-
-[analytics]
-enabled = false
 
 [model_providers.deltaserve]
 name = "deltaserve"
@@ -593,29 +586,39 @@ wire_api = "responses"
 request_max_retries = 0
 stream_max_retries = 0
 """
+# Codex's default prompt (its instructions and tool list) is ~9K tokens of this model's tokenizer: more than the
+# built-in model's 8K context, so its server reads a longer one (RoPE past its training: the calls are forced).
+CODEX_CONTEXT = ("--max-total-tokens", "16384", "--context-length", "16384", "--max-running-requests", "2")
+
+
+@pytest.fixture(scope="module")
+def codex_server(tmp_path_factory):
+    with running_server(tmp_path_factory.mktemp("codex"), *CODEX_CONTEXT, "--chat-template", str(TEMPLATE)) as s:
+        yield s
 
 
 @pytest.mark.skipif(CODEX is None, reason="Codex CLI is not installed: `make test` puts npm's @openai/codex under "
                     ".venv/node/codex when npm is on PATH (or set CODEX_BIN)")
-def test_codex_runs_a_tool_call_session(server, tmp_path):
-    """`codex exec` with deltaserve as a Responses API provider, through the recording proxy: a forced
-    exec_command call, which Codex runs (`cat hello.py`, read-only sandbox) and sends back as a
-    function_call_output, then the answer. Every event streamed parses as the openai package's own
-    ResponseStreamEvent, the second turn's prompt came partly from the prefix cache, and what Codex shows is what the
-    server streamed."""
+def test_codex_runs_a_tool_call_session(codex_server, tmp_path):
+    """`codex exec` in its default configuration (a provider block only) with deltaserve as its Responses API
+    provider, through the recording proxy: every request carries Codex's default tool list (functions, the
+    multi_agent_v1 namespace, the built-in web_search, which the server leaves out and names in its header). A forced
+    exec_command call, which Codex runs (`cat hello.py`) and sends back as a function_call_output; a forced call of
+    the namespace's close_agent, which comes back as a function_call item carrying the namespace and which Codex
+    answers; then the answer. Every event streamed parses as the openai package's own ResponseStreamEvent, the later
+    turns' prompts came partly from the prefix cache, and what Codex shows is what the server streamed."""
     from openai.types.responses import ResponseStreamEvent
     from pydantic import TypeAdapter
 
+    server = codex_server
     model = server.get("/v1/models").json()["data"][0]["id"]
     project, home = agent_project(tmp_path)
-    (home / "instructions.md").write_text(AGENT_PROMPT + "\n")
     with RecordingProxy(server.url, force_codex) as proxy:
-        (home / "config.toml").write_text(CODEX_CONFIG.format(model=model, url=proxy.url,
-                                                              instructions=home / "instructions.md"))
+        (home / "config.toml").write_text(CODEX_CONFIG.format(model=model, url=proxy.url))
         env = {"HOME": str(home), "CODEX_HOME": str(home), "PATH": "/usr/bin:/bin", "DELTASERVE_API_KEY": "unused"}
         done = subprocess.run([CODEX, "exec", "--strict-config", "--skip-git-repo-check", "--ephemeral", "--json",
                                "What does hello.py print?"], cwd=project, env=env, stdin=subprocess.DEVNULL,
-                              capture_output=True, text=True, timeout=600)
+                              capture_output=True, text=True, timeout=900)
     print("the exchange:\n" + proxy.log() + "\ncodex stdout:\n" + done.stdout + "\nstderr:\n" + done.stderr[-3000:])
     assert done.returncode == 0
     events = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
@@ -626,20 +629,31 @@ def test_codex_runs_a_tool_call_session(server, tmp_path):
     assert [e["type"] for e in events if e["type"].startswith("turn.")] == ["turn.started", "turn.completed"]
 
     turns = proxy.posts("/v1/responses")
-    assert len(turns) == 2 and all(x["status"] == 200 for x in proxy.exchanges), proxy.log()
+    assert len(turns) == 3 and all(x["status"] == 200 for x in proxy.exchanges), proxy.log()
+    for x in turns:  # Codex's default tool list, whole; the built-in tool named as left out
+        kinds = [t["type"] for t in json.loads(x["original"])["tools"]]
+        assert {"function", "namespace", "web_search"} <= set(kinds), kinds
+        assert x["headers"]["x-deltaserve-dropped-tools"] == "web_search"
     adapter = TypeAdapter(ResponseStreamEvent)
-    first, second = (streamed_events(x, adapter) for x in turns)
+    first, second, third = (streamed_events(x, adapter) for x in turns)
     assert first[0].type == "response.created" and first[-1].type == "response.completed"
     call = [i for i in first[-1].response.output if i.type == "function_call"][0]
     assert call.name == "exec_command" and json.loads(call.arguments) == {"cmd": "cat hello.py"}
     sent = json.loads(turns[1]["original"])["input"]  # what Codex itself sent back
     assert [i["call_id"] for i in sent if i.get("type") == "function_call_output"] == [call.call_id]
-    final = second[-1].response
-    assert second[-1].type == "response.completed" and final.usage.input_tokens_details.cached_tokens > 0
+    [agent_call] = [i for i in second[-1].response.output if i.type == "function_call"]
+    assert (agent_call.namespace, agent_call.name) == NAMESPACE_CALL
+    assert json.loads(agent_call.arguments) == {"target": "agent-1"}
+    sent = json.loads(turns[2]["original"])["input"]
+    back = [i for i in sent if i.get("call_id") == agent_call.call_id]
+    assert [(i["type"], i.get("namespace")) for i in back] == [("function_call", NAMESPACE_CALL[0]),
+                                                               ("function_call_output", None)], back
+    final = third[-1].response
+    assert third[-1].type == "response.completed" and final.usage.input_tokens_details.cached_tokens > 0
     assert said == [final.output_text]
-    cached = [t[-1].response.usage.input_tokens_details.cached_tokens for t in (first, second)]
+    cached = [t[-1].response.usage for t in (first, second, third)]
     print("Codex prefix cache, cached/prompt tokens per turn:",
-          [f"{c}/{t[-1].response.usage.input_tokens}" for c, t in zip(cached, (first, second))])
+          [f"{u.input_tokens_details.cached_tokens}/{u.input_tokens}" for u in cached])
 
 
 def claude_env(home: Path, url: str, model: str) -> dict:
