@@ -432,19 +432,56 @@ OPENCODE_OFFLINE = {"OPENCODE_DISABLE_AUTOUPDATE": "1", "OPENCODE_DISABLE_MODELS
                     "OPENCODE_DISABLE_EXTERNAL_SKILLS": "1"}
 
 
-@pytest.mark.skipif(opencode_binary() is None, reason="opencode is not installed: `make install` puts npm's "
-                    "opencode-ai under .venv/node when npm is on PATH (or set OPENCODE_BIN)")
+UNDER_CI = os.environ.get("CI", "").lower() in ("true", "1")
+
+
+def agent_or_fail(binary: str | None, missing: str) -> str:
+    """The agent's binary; a missing one skips its test, and fails it under CI (CI=true), where a green run must
+    mean that every agent ran."""
+    if binary is None:
+        if UNDER_CI:
+            pytest.fail(f"{missing} (CI is set: a missing agent fails the run)")
+        pytest.skip(missing)
+    return binary
+
+
+def force_opencode(target: str):
+    """As force_codex, for opencode's read tool on chat completions: a forced read of `target` until a tool result
+    comes back, then the answer."""
+    def rewrite(path: str, body: dict) -> dict:
+        if path.split("?")[0] != "/v1/chat/completions":
+            return body
+        for tool in body.get("tools", []):
+            if tool["function"]["name"] == "read":
+                tool["function"]["parameters"] = one_value("filePath", target)
+        body.pop("max_completion_tokens", None)
+        if not any(m.get("role") == "tool" for m in body["messages"]):
+            return {**body, "tool_choice": {"type": "function", "function": {"name": "read"}}, "max_tokens": 120}
+        return {**body, "tool_choice": "none", "max_tokens": 24, "response_format": {
+            "type": "json_schema", "json_schema": {"name": "answer", "schema": ANSWER}}}
+    return rewrite
+
+
+def text_of(content) -> str:
+    """A tool result's text: a string, or the text of its parts."""
+    return content if isinstance(content, str) else "".join(part.get("text", "") for part in content)
+
+
 def test_opencode_runs_a_task_against_the_server(server, tmp_path):
     """opencode, with deltaserve as its OpenAI-compatible provider, runs one task non-interactively (`opencode
-    run`) through a recording proxy: every request it sends is accepted (200, no error counted by the server),
-    every stream it gets parses as OpenAI chunks ending in [DONE], opencode reports the step's token usage (it
-    parsed the stream too), and the whole exchange is printed."""
+    run`) through a recording proxy that forces a read of hello.py, then the answer: opencode runs the tool and
+    sends its result back as a tool message answering the call; every request it sends is accepted (200, no error
+    counted by the server), every stream it gets parses as OpenAI chunks ending in [DONE], opencode reports the
+    step's token usage (it parsed the stream too), and the whole exchange is printed."""
+    binary = agent_or_fail(opencode_binary(), "opencode is not installed: `make test` puts npm's opencode-ai under "
+                           ".venv/node when npm is on PATH (or set OPENCODE_BIN)")
     model = server.get("/v1/models").json()["data"][0]["id"]
     project, home = tmp_path / "project", tmp_path / "home"
     project.mkdir()
     (project / "hello.py").write_text('print("hello")\n')
+    target = str(project / "hello.py")
     errors_before = error_count(server)
-    with RecordingProxy(server.url) as proxy:
+    with RecordingProxy(server.url, force_opencode(target)) as proxy:
         config = {"$schema": "https://opencode.ai/config.json", "model": f"deltaserve/{model}",
                   "small_model": f"deltaserve/{model}", "share": "disabled", "autoupdate": False,
                   "provider": {"deltaserve": {"npm": "@ai-sdk/openai-compatible", "name": "deltaserve",
@@ -459,7 +496,7 @@ def test_opencode_runs_a_task_against_the_server(server, tmp_path):
                "XDG_DATA_HOME": str(home / ".local/share"), "XDG_CACHE_HOME": str(home / ".cache"),
                "XDG_STATE_HOME": str(home / ".local/state"), **OPENCODE_OFFLINE}
         # --title: no extra request for a session title; --pure: no external plugins.
-        done = subprocess.run([opencode_binary(), "run", "--format", "json", "--pure", "--title", "hello",
+        done = subprocess.run([binary, "run", "--format", "json", "--pure", "--title", "hello",
                                "What does hello.py print?"], cwd=project, env=env, capture_output=True, text=True,
                               timeout=600)
     print("the exchange, as the proxy relayed it:\n" + proxy.log())
@@ -470,7 +507,16 @@ def test_opencode_runs_a_task_against_the_server(server, tmp_path):
     finishes = [e["part"] for e in events if e["type"] == "step_finish"]
     assert finishes and finishes[-1]["tokens"]["input"] > 0 and finishes[-1]["tokens"]["output"] > 0
     chats = [x for x in proxy.exchanges if x["path"] == "/v1/chat/completions"]
-    assert chats and all(x["status"] == 200 for x in proxy.exchanges), proxy.log()
+    assert len(chats) == 2 and all(x["status"] == 200 for x in proxy.exchanges), proxy.log()
+    runs = [e["part"] for e in events if e["type"] == "tool_use"]
+    assert [(r["tool"], r["state"]["status"], r["state"]["input"]) for r in runs] == [
+        ("read", "completed", {"filePath": target})]
+    assert 'print("hello")' in runs[0]["state"]["output"]
+    [call] = [tc for c in sse_chunks(chats[0]["response"]) for ch in c["choices"] for tc in ch["delta"].get(
+        "tool_calls") or [] if tc.get("id")]
+    results = [m for m in json.loads(chats[1]["original"])["messages"] if m["role"] == "tool"]
+    assert [m["tool_call_id"] for m in results] == [call["id"]]  # the tool's result went back, answering the call
+    assert 'print("hello")' in text_of(results[0]["content"])
     for x in chats:
         assert json.loads(x["request"])["model"] == model
         chunks = sse_chunks(x["response"])
@@ -501,6 +547,7 @@ def agent_binary(variable: str, package_dir: str, name: str) -> str | None:
 
 CODEX = agent_binary("CODEX_BIN", "codex", "codex")
 CLAUDE = agent_binary("CLAUDE_BIN", "claude-code", "claude")
+QWEN = agent_binary("QWEN_BIN", "qwen-code", "qwen")
 AGENT_PROMPT = "You are a coding agent. Answer briefly."
 
 
@@ -586,20 +633,19 @@ wire_api = "responses"
 request_max_retries = 0
 stream_max_retries = 0
 """
-# Codex's default prompt (its instructions and tool list) is ~9K tokens of this model's tokenizer: more than the
-# built-in model's 8K context, so its server reads a longer one (RoPE past its training: the calls are forced).
+# Codex's default prompt (its instructions and tool list) is ~9K tokens of this model's tokenizer, Qwen Code's ~10K
+# with a short system prompt: more than the built-in model's 8K context, so their server reads a longer one (RoPE
+# past its training: the calls are forced).
 CODEX_CONTEXT = ("--max-total-tokens", "16384", "--context-length", "16384", "--max-running-requests", "2")
 
 
 @pytest.fixture(scope="module")
-def codex_server(tmp_path_factory):
-    with running_server(tmp_path_factory.mktemp("codex"), *CODEX_CONTEXT, "--chat-template", str(TEMPLATE)) as s:
+def long_server(tmp_path_factory):
+    with running_server(tmp_path_factory.mktemp("long"), *CODEX_CONTEXT, "--chat-template", str(TEMPLATE)) as s:
         yield s
 
 
-@pytest.mark.skipif(CODEX is None, reason="Codex CLI is not installed: `make test` puts npm's @openai/codex under "
-                    ".venv/node/codex when npm is on PATH (or set CODEX_BIN)")
-def test_codex_runs_a_tool_call_session(codex_server, tmp_path):
+def test_codex_runs_a_tool_call_session(long_server, tmp_path):
     """`codex exec` in its default configuration (a provider block only) with deltaserve as its Responses API
     provider, through the recording proxy: every request carries Codex's default tool list (functions, the
     multi_agent_v1 namespace, the built-in web_search, which the server leaves out and names in its header). A forced
@@ -610,13 +656,15 @@ def test_codex_runs_a_tool_call_session(codex_server, tmp_path):
     from openai.types.responses import ResponseStreamEvent
     from pydantic import TypeAdapter
 
-    server = codex_server
+    codex = agent_or_fail(CODEX, "Codex CLI is not installed: `make test` puts npm's @openai/codex under "
+                          ".venv/node/codex when npm is on PATH (or set CODEX_BIN)")
+    server = long_server
     model = server.get("/v1/models").json()["data"][0]["id"]
     project, home = agent_project(tmp_path)
     with RecordingProxy(server.url, force_codex) as proxy:
         (home / "config.toml").write_text(CODEX_CONFIG.format(model=model, url=proxy.url))
         env = {"HOME": str(home), "CODEX_HOME": str(home), "PATH": "/usr/bin:/bin", "DELTASERVE_API_KEY": "unused"}
-        done = subprocess.run([CODEX, "exec", "--strict-config", "--skip-git-repo-check", "--ephemeral", "--json",
+        done = subprocess.run([codex, "exec", "--strict-config", "--skip-git-repo-check", "--ephemeral", "--json",
                                "What does hello.py print?"], cwd=project, env=env, stdin=subprocess.DEVNULL,
                               capture_output=True, text=True, timeout=900)
     print("the exchange:\n" + proxy.log() + "\ncodex stdout:\n" + done.stdout + "\nstderr:\n" + done.stderr[-3000:])
@@ -669,8 +717,6 @@ def claude_env(home: Path, url: str, model: str) -> dict:
             "CLAUDE_CODE_MAX_OUTPUT_TOKENS": "1024"}  # its default (32000) is more than this model's context
 
 
-@pytest.mark.skipif(CLAUDE is None, reason="Claude Code is not installed: `make test` puts npm's "
-                    "@anthropic-ai/claude-code under .venv/node/claude-code when npm is on PATH (or set CLAUDE_BIN)")
 def test_claude_code_runs_a_tool_call_session(server, tmp_path):
     """`claude -p` with deltaserve as its Anthropic endpoint, through the recording proxy: a forced Read call, which
     Claude Code runs and answers with a tool_result, then the answer. Its requests carry what it sends Anthropic
@@ -681,12 +727,15 @@ def test_claude_code_runs_a_tool_call_session(server, tmp_path):
     from anthropic.types import RawMessageStreamEvent
     from pydantic import TypeAdapter
 
+    claude = agent_or_fail(CLAUDE, "Claude Code is not installed: `make test` puts npm's @anthropic-ai/claude-code "
+                           "under .venv/node/claude-code when npm is on PATH (or set CLAUDE_BIN)")
+
     model = server.get("/v1/models").json()["data"][0]["id"]
     project, home = agent_project(tmp_path)
     target = str(project / "hello.py")
     with RecordingProxy(server.url, force_claude(target)) as proxy:
         done = subprocess.run(
-            [CLAUDE, "-p", "--output-format", "stream-json", "--verbose", "--no-session-persistence",
+            [claude, "-p", "--output-format", "stream-json", "--verbose", "--no-session-persistence",
              "--tools", "Read", "--allowed-tools", "Read", "--permission-mode", "dontAsk", "--strict-mcp-config",
              "--setting-sources", "", "--system-prompt", AGENT_PROMPT, "What does hello.py print?"],
             cwd=project, env=claude_env(home, proxy.url, model), stdin=subprocess.DEVNULL, capture_output=True,
@@ -719,3 +768,66 @@ def test_claude_code_runs_a_tool_call_session(server, tmp_path):
     assert usage[1].cache_read_input_tokens > 0
     print("Claude Code prefix cache, cached/prompt tokens per turn:",
           [f"{u.cache_read_input_tokens}/{u.input_tokens + u.cache_read_input_tokens}" for u in usage])
+
+
+def force_qwen(read: str, written: str):
+    """As force_codex, for Qwen Code on either API: a forced read_file of `read`, then a forced write_file of
+    `written` (one line), then the answer."""
+    def rewrite(path: str, body: dict) -> dict:
+        route = path.split("?")[0]
+        if route not in ("/v1/chat/completions", "/v1/responses"):
+            return body
+        chat = route == "/v1/chat/completions"
+        for tool in body.get("tools", []):
+            function = tool["function"] if chat else tool
+            if function["name"] == "read_file":
+                function["parameters"] = one_value("file_path", read)
+            elif function["name"] == "write_file":
+                function["parameters"] = {**one_value("file_path", written), "required": ["file_path", "content"]}
+                function["parameters"]["properties"]["content"] = {"enum": ["hello\n"]}
+        answered = sum(m.get("role") == "tool" for m in body["messages"]) if chat else sum(
+            isinstance(i, dict) and i.get("type") == "function_call_output" for i in body["input"])
+        limit = {"max_tokens" if chat else "max_output_tokens": 120}
+        if answered < 2:
+            name = ("read_file", "write_file")[answered]
+            return {**body, **limit, "tool_choice": {"type": "function", "function": {"name": name}} if chat
+                    else {"type": "function", "name": name}}
+        schema = {"name": "answer", "schema": ANSWER}
+        return {**body, **limit, "tool_choice": "none", **(
+            {"response_format": {"type": "json_schema", "json_schema": schema}} if chat
+            else {"text": {"format": {"type": "json_schema", **schema}}})}
+    return rewrite
+
+
+@pytest.mark.parametrize("auth_type", ["openai", "openai-responses"])
+def test_qwen_code_reads_and_writes_a_file(long_server, tmp_path, auth_type):
+    """Qwen Code (`qwen`, one-shot) against deltaserve in each of its OpenAI modes (chat completions, and the
+    Responses API), set up as docs/api.md says (OPENAI_BASE_URL, OPENAI_API_KEY, OPENAI_MODEL and --auth-type),
+    through the recording proxy: a forced read_file of hello.py, whose content goes back to the model, a forced
+    write_file, which Qwen Code carries out (auto-edit approval, so it runs unattended), then the answer; every
+    request is answered 2xx and the session ends by itself."""
+    qwen = agent_or_fail(QWEN, "Qwen Code is not installed: `make test` puts npm's @qwen-code/qwen-code under "
+                         ".venv/node/qwen-code when npm is on PATH (or set QWEN_BIN)")
+    server = long_server
+    model = server.get("/v1/models").json()["data"][0]["id"]
+    project, home = agent_project(tmp_path)
+    written = project / "out.txt"
+    route = "/v1/chat/completions" if auth_type == "openai" else "/v1/responses"
+    with RecordingProxy(server.url, force_qwen(str(project / "hello.py"), str(written))) as proxy:
+        env = {"HOME": str(home), "PATH": "/usr/bin:/bin", "OPENAI_BASE_URL": proxy.url + "/v1",
+               "OPENAI_API_KEY": "unused", "OPENAI_MODEL": model}
+        # A short system prompt and the two file tools among the core ones: the rest of its default prompt is long.
+        done = subprocess.run([qwen, "--auth-type", auth_type, "--approval-mode", "auto-edit", "--core-tools",
+                               "read_file,write_file", "--system-prompt", AGENT_PROMPT,
+                               "What does hello.py print? Write hello to out.txt."], cwd=project, env=env,
+                              stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=900)
+    print("the exchange:\n" + proxy.log() + "\nqwen stdout:\n" + done.stdout + "\nstderr:\n" + done.stderr[-3000:])
+    assert done.returncode == 0
+    turns = proxy.posts(route)
+    assert len(turns) == 3 and all(200 <= x["status"] < 300 for x in proxy.exchanges), proxy.log()
+    sent = json.loads(turns[1]["original"])  # what Qwen Code itself sent back after the read
+    results = [m["content"] for m in sent["messages"] if m["role"] == "tool"] if auth_type == "openai" else [
+        i["output"] for i in sent["input"] if i.get("type") == "function_call_output"]
+    assert len(results) == 1 and 'print("hello")' in text_of(results[0])
+    assert written.read_text() == "hello\n"
+    assert "It prints hello." in done.stdout
