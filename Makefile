@@ -6,12 +6,15 @@ PIP := $(PY) -m pip
 # beside the venv (<venv>/node), not installed globally.
 OPENCODE_VERSION := 1.18.33
 OPENCODE := $(VENV)/node/.opencode-$(OPENCODE_VERSION)
-# Codex CLI (npm @openai/codex, the Responses API) and Claude Code (npm @anthropic-ai/claude-code, the Messages API),
-# driven by the same tests; each in its own npm prefix under <venv>/node, so that one install never prunes another.
+# Codex CLI (npm @openai/codex, the Responses API), Claude Code (npm @anthropic-ai/claude-code, the Messages API) and
+# Qwen Code (npm @qwen-code/qwen-code, chat completions and the Responses API), driven by the same tests; each in its
+# own npm prefix under <venv>/node, so that one install never prunes another.
 CODEX_VERSION := 0.171.0
 CODEX := $(VENV)/node/codex/.codex-$(CODEX_VERSION)
 CLAUDE_CODE_VERSION := 2.1.332
 CLAUDE_CODE := $(VENV)/node/claude-code/.claude-code-$(CLAUDE_CODE_VERSION)
+QWEN_CODE_VERSION := 0.24.4
+QWEN_CODE := $(VENV)/node/qwen-code/.qwen-code-$(QWEN_CODE_VERSION)
 
 .PHONY: install serve generate test fuzz bench clean
 
@@ -28,27 +31,27 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PY) -m deltaserve.kernels.build  # the C++ CPU kernels, once, so the first start does not compile (never fails)
 	touch $@
 
-# Without npm the opencode test skips and says why; the platform binary comes as an npm optional dependency.
-$(OPENCODE): | $(VENV)/.installed
+# One agent from npm into its own prefix (the platform binary comes as an npm optional dependency). Without npm, or
+# when npm fails, its test skips and says why; under CI (CI=true or 1) that fails the run instead.
+define npm_agent
 	@if command -v npm >/dev/null 2>&1; then \
-		npm install --prefix $(VENV)/node --no-save --no-audit --no-fund --loglevel=error \
-			opencode-ai@$(OPENCODE_VERSION) && touch $@ \
-		|| echo "npm install opencode-ai failed: its test will skip"; \
-	else echo "npm not found: opencode is not installed and its test will skip"; fi
+		npm install --prefix $(1) --no-save --no-audit --no-fund --loglevel=error $(2) && touch $@ \
+		|| { echo "npm install $(2) failed: its test will skip (under CI: fails)"; $(NOT_CI); }; \
+	else echo "npm not found: $(2) is not installed and its test will skip (under CI: fails)"; $(NOT_CI); fi
+endef
+NOT_CI := [ "$$CI" != true ] && [ "$$CI" != 1 ]
+
+$(OPENCODE): | $(VENV)/.installed
+	$(call npm_agent,$(VENV)/node,opencode-ai@$(OPENCODE_VERSION))
 
 $(CODEX): | $(VENV)/.installed
-	@if command -v npm >/dev/null 2>&1; then \
-		npm install --prefix $(VENV)/node/codex --no-save --no-audit --no-fund --loglevel=error \
-			@openai/codex@$(CODEX_VERSION) && touch $@ \
-		|| echo "npm install @openai/codex failed: its test will skip"; \
-	else echo "npm not found: Codex CLI is not installed and its test will skip"; fi
+	$(call npm_agent,$(VENV)/node/codex,@openai/codex@$(CODEX_VERSION))
 
 $(CLAUDE_CODE): | $(VENV)/.installed
-	@if command -v npm >/dev/null 2>&1; then \
-		npm install --prefix $(VENV)/node/claude-code --no-save --no-audit --no-fund --loglevel=error \
-			@anthropic-ai/claude-code@$(CLAUDE_CODE_VERSION) && touch $@ \
-		|| echo "npm install @anthropic-ai/claude-code failed: its test will skip"; \
-	else echo "npm not found: Claude Code is not installed and its test will skip"; fi
+	$(call npm_agent,$(VENV)/node/claude-code,@anthropic-ai/claude-code@$(CLAUDE_CODE_VERSION))
+
+$(QWEN_CODE): | $(VENV)/.installed
+	$(call npm_agent,$(VENV)/node/qwen-code,@qwen-code/qwen-code@$(QWEN_CODE_VERSION))
 
 serve: install
 	$(VENV)/bin/deltaserve serve $(ARGS)
@@ -56,7 +59,7 @@ serve: install
 generate: install
 	$(VENV)/bin/deltaserve generate --chat "What is the capital of France?" $(ARGS)
 
-test: install $(OPENCODE) $(CODEX) $(CLAUDE_CODE)  # the agents only for their tests: `make serve` needs no npm
+test: install $(OPENCODE) $(CODEX) $(CLAUDE_CODE) $(QWEN_CODE)  # the agents only for their tests: `make serve` needs no npm
 	$(PY) -m pytest -q -p no:cacheprovider $(ARGS)
 
 # The differential fuzzer alone (tests/fuzz): N drawn cases from seed START against transformers, with a summary;

@@ -13,7 +13,7 @@ import httpx
 
 class RecordingProxy:
     """A pass-through HTTP proxy on 127.0.0.1 in front of the server that keeps every exchange: method, path,
-    request body (as relayed), status and response body. Responses are relayed chunk by chunk as they arrive
+    request body (as relayed), status, response headers and response body. Responses are relayed chunk by chunk as they arrive
     (streams stay streams) and the connection is closed after each (HTTP/1.0).
 
     `rewrite(path, body)`, where given, may change a JSON request body on its way (the agent tests force a tool
@@ -39,7 +39,7 @@ class RecordingProxy:
                 proxy.exchanges.append(record)
                 with httpx.stream(self.command, upstream + self.path, content=body, headers=headers,
                                   timeout=600, trust_env=False) as answer:
-                    record["status"] = answer.status_code
+                    record["status"], record["headers"] = answer.status_code, dict(answer.headers)
                     self.send_response(answer.status_code)
                     for key, value in answer.headers.items():
                         if key.lower() not in ("content-length", "transfer-encoding", "connection"):

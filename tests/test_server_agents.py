@@ -4,8 +4,9 @@
 (tool_choice required / named, enforced by the grammar); the parsers of free calls are proven on the families'
 template texts in test_text_parsers.py. Arguments are checked with `jsonschema`, never against fixed strings.
 
-One file over 500 lines on purpose: opencode, Codex CLI and Claude Code share one module-scoped server and the
-recording proxy (tests/agent_proxy.py).
+One file over 500 lines on purpose: opencode and Claude Code share one module-scoped server, and all the agents the
+recording proxy (tests/agent_proxy.py); Codex CLI, whose default prompt is longer than the model's 8K context, has a
+server of its own.
 """
 
 import json
@@ -431,19 +432,56 @@ OPENCODE_OFFLINE = {"OPENCODE_DISABLE_AUTOUPDATE": "1", "OPENCODE_DISABLE_MODELS
                     "OPENCODE_DISABLE_EXTERNAL_SKILLS": "1"}
 
 
-@pytest.mark.skipif(opencode_binary() is None, reason="opencode is not installed: `make install` puts npm's "
-                    "opencode-ai under .venv/node when npm is on PATH (or set OPENCODE_BIN)")
+UNDER_CI = os.environ.get("CI", "").lower() in ("true", "1")
+
+
+def agent_or_fail(binary: str | None, missing: str) -> str:
+    """The agent's binary; a missing one skips its test, and fails it under CI (CI=true), where a green run must
+    mean that every agent ran."""
+    if binary is None:
+        if UNDER_CI:
+            pytest.fail(f"{missing} (CI is set: a missing agent fails the run)")
+        pytest.skip(missing)
+    return binary
+
+
+def force_opencode(target: str):
+    """As force_codex, for opencode's read tool on chat completions: a forced read of `target` until a tool result
+    comes back, then the answer."""
+    def rewrite(path: str, body: dict) -> dict:
+        if path.split("?")[0] != "/v1/chat/completions":
+            return body
+        for tool in body.get("tools", []):
+            if tool["function"]["name"] == "read":
+                tool["function"]["parameters"] = one_value("filePath", target)
+        body.pop("max_completion_tokens", None)
+        if not any(m.get("role") == "tool" for m in body["messages"]):
+            return {**body, "tool_choice": {"type": "function", "function": {"name": "read"}}, "max_tokens": 120}
+        return {**body, "tool_choice": "none", "max_tokens": 24, "response_format": {
+            "type": "json_schema", "json_schema": {"name": "answer", "schema": ANSWER}}}
+    return rewrite
+
+
+def text_of(content) -> str:
+    """A tool result's text: a string, or the text of its parts."""
+    return content if isinstance(content, str) else "".join(part.get("text", "") for part in content)
+
+
 def test_opencode_runs_a_task_against_the_server(server, tmp_path):
     """opencode, with deltaserve as its OpenAI-compatible provider, runs one task non-interactively (`opencode
-    run`) through a recording proxy: every request it sends is accepted (200, no error counted by the server),
-    every stream it gets parses as OpenAI chunks ending in [DONE], opencode reports the step's token usage (it
-    parsed the stream too), and the whole exchange is printed."""
+    run`) through a recording proxy that forces a read of hello.py, then the answer: opencode runs the tool and
+    sends its result back as a tool message answering the call; every request it sends is accepted (200, no error
+    counted by the server), every stream it gets parses as OpenAI chunks ending in [DONE], opencode reports the
+    step's token usage (it parsed the stream too), and the whole exchange is printed."""
+    binary = agent_or_fail(opencode_binary(), "opencode is not installed: `make test` puts npm's opencode-ai under "
+                           ".venv/node when npm is on PATH (or set OPENCODE_BIN)")
     model = server.get("/v1/models").json()["data"][0]["id"]
     project, home = tmp_path / "project", tmp_path / "home"
     project.mkdir()
     (project / "hello.py").write_text('print("hello")\n')
+    target = str(project / "hello.py")
     errors_before = error_count(server)
-    with RecordingProxy(server.url) as proxy:
+    with RecordingProxy(server.url, force_opencode(target)) as proxy:
         config = {"$schema": "https://opencode.ai/config.json", "model": f"deltaserve/{model}",
                   "small_model": f"deltaserve/{model}", "share": "disabled", "autoupdate": False,
                   "provider": {"deltaserve": {"npm": "@ai-sdk/openai-compatible", "name": "deltaserve",
@@ -458,7 +496,7 @@ def test_opencode_runs_a_task_against_the_server(server, tmp_path):
                "XDG_DATA_HOME": str(home / ".local/share"), "XDG_CACHE_HOME": str(home / ".cache"),
                "XDG_STATE_HOME": str(home / ".local/state"), **OPENCODE_OFFLINE}
         # --title: no extra request for a session title; --pure: no external plugins.
-        done = subprocess.run([opencode_binary(), "run", "--format", "json", "--pure", "--title", "hello",
+        done = subprocess.run([binary, "run", "--format", "json", "--pure", "--title", "hello",
                                "What does hello.py print?"], cwd=project, env=env, capture_output=True, text=True,
                               timeout=600)
     print("the exchange, as the proxy relayed it:\n" + proxy.log())
@@ -469,7 +507,16 @@ def test_opencode_runs_a_task_against_the_server(server, tmp_path):
     finishes = [e["part"] for e in events if e["type"] == "step_finish"]
     assert finishes and finishes[-1]["tokens"]["input"] > 0 and finishes[-1]["tokens"]["output"] > 0
     chats = [x for x in proxy.exchanges if x["path"] == "/v1/chat/completions"]
-    assert chats and all(x["status"] == 200 for x in proxy.exchanges), proxy.log()
+    assert len(chats) == 2 and all(x["status"] == 200 for x in proxy.exchanges), proxy.log()
+    runs = [e["part"] for e in events if e["type"] == "tool_use"]
+    assert [(r["tool"], r["state"]["status"], r["state"]["input"]) for r in runs] == [
+        ("read", "completed", {"filePath": target})]
+    assert 'print("hello")' in runs[0]["state"]["output"]
+    [call] = [tc for c in sse_chunks(chats[0]["response"]) for ch in c["choices"] for tc in ch["delta"].get(
+        "tool_calls") or [] if tc.get("id")]
+    results = [m for m in json.loads(chats[1]["original"])["messages"] if m["role"] == "tool"]
+    assert [m["tool_call_id"] for m in results] == [call["id"]]  # the tool's result went back, answering the call
+    assert 'print("hello")' in text_of(results[0]["content"])
     for x in chats:
         assert json.loads(x["request"])["model"] == model
         chunks = sse_chunks(x["response"])
@@ -500,6 +547,7 @@ def agent_binary(variable: str, package_dir: str, name: str) -> str | None:
 
 CODEX = agent_binary("CODEX_BIN", "codex", "codex")
 CLAUDE = agent_binary("CLAUDE_BIN", "claude-code", "claude")
+QWEN = agent_binary("QWEN_BIN", "qwen-code", "qwen")
 AGENT_PROMPT = "You are a coding agent. Answer briefly."
 
 
@@ -513,17 +561,30 @@ def one_value(field: str, value: str) -> dict:
 ANSWER = {"type": "string", "enum": ["It prints hello."]}  # the forced answer: one that ends (a cut one fails a turn)
 
 
+NAMESPACE_CALL = ("multi_agent_v1", "close_agent")  # a sub-agent tool of Codex's default namespace: one that starts
+# no second agent session (spawn_agent would, with its own long prompt), answered by Codex all the same
+
+
 def force_codex(path: str, body: dict) -> dict:
-    """The model is too small to call a tool of its own accord: until a call's output comes back, the proxy forces
-    exec_command (tool_choice), then the answer (tool_choice none and a JSON schema of one string). The tool's
-    schema is narrowed on every turn alike, so the prompt's prefix stays the same from turn to turn."""
+    """The model is too small to call a tool of its own accord: the proxy forces exec_command (tool_choice) until a
+    call's output comes back, then the namespace's close_agent, then the answer (tool_choice none and a JSON schema
+    of one string). The tools' schemas are narrowed on every turn alike, so the prompt's prefix stays the same from
+    turn to turn; the tool list is otherwise Codex's own."""
     if path.split("?")[0] != "/v1/responses":
         return body
     for tool in body.get("tools", []):
         if tool.get("name") == "exec_command":
             tool["parameters"] = one_value("cmd", "cat hello.py")
-    if not any(isinstance(item, dict) and item.get("type") == "function_call_output" for item in body["input"]):
+        for member in tool.get("tools", []) if tool.get("name") == NAMESPACE_CALL[0] else []:
+            if member.get("name") == NAMESPACE_CALL[1]:
+                member["parameters"] = one_value("target", "agent-1")
+    answered = sum(isinstance(item, dict) and item.get("type") == "function_call_output" for item in body["input"])
+    if answered == 0:
         return {**body, "tool_choice": {"type": "function", "name": "exec_command"}, "max_output_tokens": 24}
+    if answered == 1:
+        namespace, name = NAMESPACE_CALL
+        return {**body, "tool_choice": {"type": "function", "name": name, "namespace": namespace},
+                "max_output_tokens": 24}
     return {**body, "tool_choice": "none", "max_output_tokens": 24,
             "text": {"format": {"type": "json_schema", "name": "answer", "schema": ANSWER}}}
 
@@ -559,31 +620,10 @@ def streamed_events(exchange: dict, adapter) -> list:
     return [adapter.validate_python(data) for _, data in sse_events(exchange["response"]) if data["type"] != "ping"]
 
 
-# Codex, offline: a custom provider on the Responses API, no login, no update check, no analytics, no web search
-# (a built-in tool this server does not run), no sub-agent, goal or app tools, short instructions.
+# Codex as a user sets it up: its provider, nothing else (its default tools, instructions and sandbox); no retries.
 CODEX_CONFIG = """
 model = "{model}"
 model_provider = "deltaserve"
-model_instructions_file = "{instructions}"
-approval_policy = "never"
-sandbox_mode = "read-only"
-web_search = "disabled"
-check_for_update_on_startup = false
-include_apps_instructions = false
-include_environment_context = false
-include_permissions_instructions = false
-project_doc_max_bytes = 0
-
-[features]
-goals = false
-apps = false
-plugins = false
-
-[agents]
-enabled = false
-
-[analytics]
-enabled = false
 
 [model_providers.deltaserve]
 name = "deltaserve"
@@ -593,29 +633,40 @@ wire_api = "responses"
 request_max_retries = 0
 stream_max_retries = 0
 """
+# Codex's default prompt (its instructions and tool list) is ~9K tokens of this model's tokenizer, Qwen Code's ~10K
+# with a short system prompt: more than the built-in model's 8K context, so their server reads a longer one (RoPE
+# past its training: the calls are forced).
+CODEX_CONTEXT = ("--max-total-tokens", "16384", "--context-length", "16384", "--max-running-requests", "2")
 
 
-@pytest.mark.skipif(CODEX is None, reason="Codex CLI is not installed: `make test` puts npm's @openai/codex under "
-                    ".venv/node/codex when npm is on PATH (or set CODEX_BIN)")
-def test_codex_runs_a_tool_call_session(server, tmp_path):
-    """`codex exec` with deltaserve as a Responses API provider, through the recording proxy: a forced
-    exec_command call, which Codex runs (`cat hello.py`, read-only sandbox) and sends back as a
-    function_call_output, then the answer. Every event streamed parses as the openai package's own
-    ResponseStreamEvent, the second turn's prompt came partly from the prefix cache, and what Codex shows is what the
-    server streamed."""
+@pytest.fixture(scope="module")
+def long_server(tmp_path_factory):
+    with running_server(tmp_path_factory.mktemp("long"), *CODEX_CONTEXT, "--chat-template", str(TEMPLATE)) as s:
+        yield s
+
+
+def test_codex_runs_a_tool_call_session(long_server, tmp_path):
+    """`codex exec` in its default configuration (a provider block only) with deltaserve as its Responses API
+    provider, through the recording proxy: every request carries Codex's default tool list (functions, the
+    multi_agent_v1 namespace, the built-in web_search, which the server leaves out and names in its header). A forced
+    exec_command call, which Codex runs (`cat hello.py`) and sends back as a function_call_output; a forced call of
+    the namespace's close_agent, which comes back as a function_call item carrying the namespace and which Codex
+    answers; then the answer. Every event streamed parses as the openai package's own ResponseStreamEvent, the later
+    turns' prompts came partly from the prefix cache, and what Codex shows is what the server streamed."""
     from openai.types.responses import ResponseStreamEvent
     from pydantic import TypeAdapter
 
+    codex = agent_or_fail(CODEX, "Codex CLI is not installed: `make test` puts npm's @openai/codex under "
+                          ".venv/node/codex when npm is on PATH (or set CODEX_BIN)")
+    server = long_server
     model = server.get("/v1/models").json()["data"][0]["id"]
     project, home = agent_project(tmp_path)
-    (home / "instructions.md").write_text(AGENT_PROMPT + "\n")
     with RecordingProxy(server.url, force_codex) as proxy:
-        (home / "config.toml").write_text(CODEX_CONFIG.format(model=model, url=proxy.url,
-                                                              instructions=home / "instructions.md"))
+        (home / "config.toml").write_text(CODEX_CONFIG.format(model=model, url=proxy.url))
         env = {"HOME": str(home), "CODEX_HOME": str(home), "PATH": "/usr/bin:/bin", "DELTASERVE_API_KEY": "unused"}
-        done = subprocess.run([CODEX, "exec", "--strict-config", "--skip-git-repo-check", "--ephemeral", "--json",
+        done = subprocess.run([codex, "exec", "--strict-config", "--skip-git-repo-check", "--ephemeral", "--json",
                                "What does hello.py print?"], cwd=project, env=env, stdin=subprocess.DEVNULL,
-                              capture_output=True, text=True, timeout=600)
+                              capture_output=True, text=True, timeout=900)
     print("the exchange:\n" + proxy.log() + "\ncodex stdout:\n" + done.stdout + "\nstderr:\n" + done.stderr[-3000:])
     assert done.returncode == 0
     events = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
@@ -626,20 +677,31 @@ def test_codex_runs_a_tool_call_session(server, tmp_path):
     assert [e["type"] for e in events if e["type"].startswith("turn.")] == ["turn.started", "turn.completed"]
 
     turns = proxy.posts("/v1/responses")
-    assert len(turns) == 2 and all(x["status"] == 200 for x in proxy.exchanges), proxy.log()
+    assert len(turns) == 3 and all(x["status"] == 200 for x in proxy.exchanges), proxy.log()
+    for x in turns:  # Codex's default tool list, whole; the built-in tool named as left out
+        kinds = [t["type"] for t in json.loads(x["original"])["tools"]]
+        assert {"function", "namespace", "web_search"} <= set(kinds), kinds
+        assert x["headers"]["x-deltaserve-dropped-tools"] == "web_search"
     adapter = TypeAdapter(ResponseStreamEvent)
-    first, second = (streamed_events(x, adapter) for x in turns)
+    first, second, third = (streamed_events(x, adapter) for x in turns)
     assert first[0].type == "response.created" and first[-1].type == "response.completed"
     call = [i for i in first[-1].response.output if i.type == "function_call"][0]
     assert call.name == "exec_command" and json.loads(call.arguments) == {"cmd": "cat hello.py"}
     sent = json.loads(turns[1]["original"])["input"]  # what Codex itself sent back
     assert [i["call_id"] for i in sent if i.get("type") == "function_call_output"] == [call.call_id]
-    final = second[-1].response
-    assert second[-1].type == "response.completed" and final.usage.input_tokens_details.cached_tokens > 0
+    [agent_call] = [i for i in second[-1].response.output if i.type == "function_call"]
+    assert (agent_call.namespace, agent_call.name) == NAMESPACE_CALL
+    assert json.loads(agent_call.arguments) == {"target": "agent-1"}
+    sent = json.loads(turns[2]["original"])["input"]
+    back = [i for i in sent if i.get("call_id") == agent_call.call_id]
+    assert [(i["type"], i.get("namespace")) for i in back] == [("function_call", NAMESPACE_CALL[0]),
+                                                               ("function_call_output", None)], back
+    final = third[-1].response
+    assert third[-1].type == "response.completed" and final.usage.input_tokens_details.cached_tokens > 0
     assert said == [final.output_text]
-    cached = [t[-1].response.usage.input_tokens_details.cached_tokens for t in (first, second)]
+    cached = [t[-1].response.usage for t in (first, second, third)]
     print("Codex prefix cache, cached/prompt tokens per turn:",
-          [f"{c}/{t[-1].response.usage.input_tokens}" for c, t in zip(cached, (first, second))])
+          [f"{u.input_tokens_details.cached_tokens}/{u.input_tokens}" for u in cached])
 
 
 def claude_env(home: Path, url: str, model: str) -> dict:
@@ -655,8 +717,6 @@ def claude_env(home: Path, url: str, model: str) -> dict:
             "CLAUDE_CODE_MAX_OUTPUT_TOKENS": "1024"}  # its default (32000) is more than this model's context
 
 
-@pytest.mark.skipif(CLAUDE is None, reason="Claude Code is not installed: `make test` puts npm's "
-                    "@anthropic-ai/claude-code under .venv/node/claude-code when npm is on PATH (or set CLAUDE_BIN)")
 def test_claude_code_runs_a_tool_call_session(server, tmp_path):
     """`claude -p` with deltaserve as its Anthropic endpoint, through the recording proxy: a forced Read call, which
     Claude Code runs and answers with a tool_result, then the answer. Its requests carry what it sends Anthropic
@@ -667,12 +727,15 @@ def test_claude_code_runs_a_tool_call_session(server, tmp_path):
     from anthropic.types import RawMessageStreamEvent
     from pydantic import TypeAdapter
 
+    claude = agent_or_fail(CLAUDE, "Claude Code is not installed: `make test` puts npm's @anthropic-ai/claude-code "
+                           "under .venv/node/claude-code when npm is on PATH (or set CLAUDE_BIN)")
+
     model = server.get("/v1/models").json()["data"][0]["id"]
     project, home = agent_project(tmp_path)
     target = str(project / "hello.py")
     with RecordingProxy(server.url, force_claude(target)) as proxy:
         done = subprocess.run(
-            [CLAUDE, "-p", "--output-format", "stream-json", "--verbose", "--no-session-persistence",
+            [claude, "-p", "--output-format", "stream-json", "--verbose", "--no-session-persistence",
              "--tools", "Read", "--allowed-tools", "Read", "--permission-mode", "dontAsk", "--strict-mcp-config",
              "--setting-sources", "", "--system-prompt", AGENT_PROMPT, "What does hello.py print?"],
             cwd=project, env=claude_env(home, proxy.url, model), stdin=subprocess.DEVNULL, capture_output=True,
@@ -705,3 +768,66 @@ def test_claude_code_runs_a_tool_call_session(server, tmp_path):
     assert usage[1].cache_read_input_tokens > 0
     print("Claude Code prefix cache, cached/prompt tokens per turn:",
           [f"{u.cache_read_input_tokens}/{u.input_tokens + u.cache_read_input_tokens}" for u in usage])
+
+
+def force_qwen(read: str, written: str):
+    """As force_codex, for Qwen Code on either API: a forced read_file of `read`, then a forced write_file of
+    `written` (one line), then the answer."""
+    def rewrite(path: str, body: dict) -> dict:
+        route = path.split("?")[0]
+        if route not in ("/v1/chat/completions", "/v1/responses"):
+            return body
+        chat = route == "/v1/chat/completions"
+        for tool in body.get("tools", []):
+            function = tool["function"] if chat else tool
+            if function["name"] == "read_file":
+                function["parameters"] = one_value("file_path", read)
+            elif function["name"] == "write_file":
+                function["parameters"] = {**one_value("file_path", written), "required": ["file_path", "content"]}
+                function["parameters"]["properties"]["content"] = {"enum": ["hello\n"]}
+        answered = sum(m.get("role") == "tool" for m in body["messages"]) if chat else sum(
+            isinstance(i, dict) and i.get("type") == "function_call_output" for i in body["input"])
+        limit = {"max_tokens" if chat else "max_output_tokens": 120}
+        if answered < 2:
+            name = ("read_file", "write_file")[answered]
+            return {**body, **limit, "tool_choice": {"type": "function", "function": {"name": name}} if chat
+                    else {"type": "function", "name": name}}
+        schema = {"name": "answer", "schema": ANSWER}
+        return {**body, **limit, "tool_choice": "none", **(
+            {"response_format": {"type": "json_schema", "json_schema": schema}} if chat
+            else {"text": {"format": {"type": "json_schema", **schema}}})}
+    return rewrite
+
+
+@pytest.mark.parametrize("auth_type", ["openai", "openai-responses"])
+def test_qwen_code_reads_and_writes_a_file(long_server, tmp_path, auth_type):
+    """Qwen Code (`qwen`, one-shot) against deltaserve in each of its OpenAI modes (chat completions, and the
+    Responses API), set up as docs/api.md says (OPENAI_BASE_URL, OPENAI_API_KEY, OPENAI_MODEL and --auth-type),
+    through the recording proxy: a forced read_file of hello.py, whose content goes back to the model, a forced
+    write_file, which Qwen Code carries out (auto-edit approval, so it runs unattended), then the answer; every
+    request is answered 2xx and the session ends by itself."""
+    qwen = agent_or_fail(QWEN, "Qwen Code is not installed: `make test` puts npm's @qwen-code/qwen-code under "
+                         ".venv/node/qwen-code when npm is on PATH (or set QWEN_BIN)")
+    server = long_server
+    model = server.get("/v1/models").json()["data"][0]["id"]
+    project, home = agent_project(tmp_path)
+    written = project / "out.txt"
+    route = "/v1/chat/completions" if auth_type == "openai" else "/v1/responses"
+    with RecordingProxy(server.url, force_qwen(str(project / "hello.py"), str(written))) as proxy:
+        env = {"HOME": str(home), "PATH": "/usr/bin:/bin", "OPENAI_BASE_URL": proxy.url + "/v1",
+               "OPENAI_API_KEY": "unused", "OPENAI_MODEL": model}
+        # A short system prompt and the two file tools among the core ones: the rest of its default prompt is long.
+        done = subprocess.run([qwen, "--auth-type", auth_type, "--approval-mode", "auto-edit", "--core-tools",
+                               "read_file,write_file", "--system-prompt", AGENT_PROMPT,
+                               "What does hello.py print? Write hello to out.txt."], cwd=project, env=env,
+                              stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=900)
+    print("the exchange:\n" + proxy.log() + "\nqwen stdout:\n" + done.stdout + "\nstderr:\n" + done.stderr[-3000:])
+    assert done.returncode == 0
+    turns = proxy.posts(route)
+    assert len(turns) == 3 and all(200 <= x["status"] < 300 for x in proxy.exchanges), proxy.log()
+    sent = json.loads(turns[1]["original"])  # what Qwen Code itself sent back after the read
+    results = [m["content"] for m in sent["messages"] if m["role"] == "tool"] if auth_type == "openai" else [
+        i["output"] for i in sent["input"] if i.get("type") == "function_call_output"]
+    assert len(results) == 1 and 'print("hello")' in text_of(results[0])
+    assert written.read_text() == "hello\n"
+    assert "It prints hello." in done.stdout

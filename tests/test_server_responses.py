@@ -28,6 +28,17 @@ TOOLS = [{"type": "function", "name": "read_file", "description": "Read a line o
 CHAT_TOOLS = [{"type": "function", "function": {"name": t["name"], "description": t["description"],
                                                 "parameters": t["parameters"]}} for t in TOOLS]
 EVENTS = TypeAdapter(ResponseStreamEvent)
+# A namespace as Codex sends its sub-agent tools; its `run` shares a name with a plain function, told apart.
+SPAWN_SCHEMA = {"type": "object", "additionalProperties": False, "required": ["message"],
+                "properties": {"message": {"type": "string", "maxLength": 20}}}
+NAMESPACE = {"type": "namespace", "name": "ns", "description": "Tools for sub-agents.", "tools": [
+    {"type": "function", "name": "spawn_agent", "description": "Start a sub-agent", "parameters": SPAWN_SCHEMA},
+    {"type": "function", "name": "run", "description": "Run in a sub-agent", "parameters": TOOLS[1]["parameters"]}]}
+PATCH = {"type": "custom", "name": "apply_patch", "description": "Apply a patch"}
+HOSTED = [{"type": "web_search", "external_web_access": False}, {"type": "file_search", "vector_store_ids": ["v"]},
+          {"type": "code_interpreter", "container": {"type": "auto"}}, {"type": "image_generation"},
+          {"type": "mcp", "server_label": "x", "server_url": "https://example.invalid"},
+          {"type": "computer_use_preview", "display_width": 8, "display_height": 8, "environment": "linux"}]
 
 
 @pytest.fixture(scope="module")
@@ -141,6 +152,73 @@ def test_forced_call_multi_turn_and_stored_conversation(client, server):
         client.responses.create(model="SmolLM2-135M-Instruct", previous_response_id=whole.id, input="again")
 
 
+def offered(name: str, description: str, parameters: dict) -> dict:
+    return {"type": "function", "function": {"name": name, "description": description, "parameters": parameters}}
+
+
+# What the model must be offered for TOOLS + [NAMESPACE, PATCH] + HOSTED, written out: the namespace's functions under
+# `ns.<name>`, the custom tool as a function of one string, no built-in tool.
+OFFERED = CHAT_TOOLS + [
+    offered("ns.spawn_agent", "(ns: Tools for sub-agents.) Start a sub-agent", SPAWN_SCHEMA),
+    offered("ns.run", "(ns: Tools for sub-agents.) Run in a sub-agent", TOOLS[1]["parameters"]),
+    offered("apply_patch", "Apply a patch\nIts 'input' is free-form text.", {
+        "type": "object", "additionalProperties": False, "required": ["input"],
+        "properties": {"input": {"type": "string"}}})]
+
+
+def test_namespace_custom_and_built_in_tools(client, server):
+    """Codex's tool list in miniature: function tools, a namespace, a custom tool and OpenAI's built-in tools. The
+    built-in ones are left out of the prompt and named in the header; a forced namespace call comes back (whole and
+    streamed alike) as a function_call item carrying `namespace`, its output goes back into the conversation, and
+    previous_response_id keeps it; a forced custom call comes back as a custom_tool_call with free-form input."""
+    ask = [{"role": "user", "content": "Start a helper."}]
+    body = {"model": "SmolLM2-135M-Instruct", "input": ask, "tools": TOOLS + [NAMESPACE, PATCH] + HOSTED,
+            "max_output_tokens": 60, "temperature": 0,
+            "tool_choice": {"type": "function", "name": "spawn_agent", "namespace": "ns"}}
+    answer = server.post("/v1/responses", json=body)
+    assert answer.status_code == 200, answer.text
+    assert answer.headers["x-deltaserve-dropped-tools"] == ", ".join(t["type"] for t in HOSTED)
+    first = Response.model_validate(answer.json())
+    [call] = first.output
+    assert (call.type, call.name, call.namespace) == ("function_call", "spawn_agent", "ns")
+    jsonschema.validate(json.loads(call.arguments), SPAWN_SCHEMA)
+    assert first.usage.input_tokens == prompt_tokens(server, ask, tools=OFFERED)
+
+    events = raw_events(server, body)
+    added = [e.item for e in events if e.type == "response.output_item.added"]
+    assert [(i.type, i.name, i.namespace) for i in added] == [("function_call", "spawn_agent", "ns")]
+    [streamed] = events[-1].response.output
+    assert (streamed.namespace, streamed.arguments) == ("ns", call.arguments)
+    assert [e.arguments for e in events if e.type == "response.function_call_arguments.done"] == [call.arguments]
+
+    result = {"type": "function_call_output", "call_id": call.call_id, "output": "agent 7 started"}
+    follow = client.responses.create(model="SmolLM2-135M-Instruct", previous_response_id=first.id, input=[result],
+                                     tools=TOOLS + [NAMESPACE, PATCH] + HOSTED, max_output_tokens=4, temperature=0)
+    chat = ask + [{"role": "assistant", "content": "", "tool_calls": [
+        {"id": call.call_id, "type": "function", "function": {"name": "ns.spawn_agent",
+                                                              "arguments": json.loads(call.arguments)}}]},
+                  {"role": "tool", "tool_call_id": call.call_id, "content": "agent 7 started"}]
+    assert follow.usage.input_tokens == prompt_tokens(server, chat, tools=OFFERED)
+    assert follow.usage.input_tokens_details.cached_tokens > 0
+
+    custom = {**body, "tool_choice": {"type": "custom", "name": "apply_patch"}}
+    whole = Response.model_validate(server.post("/v1/responses", json=custom).json())
+    [patch] = whole.output
+    assert patch.type == "custom_tool_call" and patch.name == "apply_patch" and isinstance(patch.input, str)
+    events = raw_events(server, custom)
+    done = [e.input for e in events if e.type == "response.custom_tool_call_input.done"]
+    assert done == [patch.input] == [events[-1].response.output[0].input]
+    sent = ask + [patch.model_dump(exclude_none=True),
+                  {"type": "custom_tool_call_output", "call_id": patch.call_id, "output": "applied"}]
+    again = client.responses.create(model="SmolLM2-135M-Instruct", input=sent, tools=TOOLS + [NAMESPACE, PATCH],
+                                    max_output_tokens=4, temperature=0)
+    chat = ask + [{"role": "assistant", "content": "", "tool_calls": [
+        {"id": patch.call_id, "type": "function", "function": {"name": "apply_patch",
+                                                               "arguments": {"input": patch.input}}}]},
+                  {"role": "tool", "tool_call_id": patch.call_id, "content": "applied"}]
+    assert again.usage.input_tokens == prompt_tokens(server, chat, tools=OFFERED)
+
+
 def test_reasoning_items_and_effort_reach_the_template(client, server):
     """A reasoning item sent back renders as the next assistant turn's thinking; effort 'none' turns the
     template's thinking off (Qwen3's template then writes an empty <think> block)."""
@@ -176,7 +254,18 @@ def test_text_format_json_schema(client):
 
 def test_refusals_name_the_field(server, client):
     base = {"input": "hi", "max_output_tokens": 4}
-    cases = [({"tools": [{"type": "web_search"}]}, "tools[0].type", "'web_search' is a built-in tool"),
+    cases = [({"tools": [{"type": "web_serach"}]}, "tools[0].type", "'web_serach' is not a tool type"),
+             ({"tools": [{"type": "web_search"}], "tool_choice": {"type": "web_search"}}, "tool_choice",
+              "'web_search' is a built-in tool"),
+             ({"tools": [{"type": "web_search"}], "tool_choice": "required"}, "tool_choice", "web_search"),
+             ({"tools": [TOOLS[0], {"type": "namespace", "name": "ns", "description": "d", "tools": []}]},
+              "tools[1].tools", "'ns' has no tools"),
+             ({"tools": [{"type": "function", "name": "ns.run"}, NAMESPACE]}, "tools[1].tools[1].name",
+              "'ns.run' is also the name of tools[0]"),
+             ({"tools": [{"type": "namespace", "name": "ns", "tools": [{"type": "web_search"}]}]},
+              "tools[0].tools[0].type", "function or custom"),
+             ({"tools": [{"type": "custom", "name": "patch", "format": {"type": "yaml"}}]}, "tools[0].format",
+              "grammar"),
              ({"tools": TOOLS, "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice.name",
               "read_file, run"),
              ({"tool_choice": "required"}, "tool_choice", "tools"),
@@ -195,7 +284,8 @@ def test_refusals_name_the_field(server, client):
     assert_openai_error(httpx.delete(server.url + "/v1/responses/resp_unknown", trust_env=False), 404,
                         "resp_unknown")
     with pytest.raises(openai.BadRequestError, match="web_search"):
-        client.responses.create(model="SmolLM2-135M-Instruct", input="hi", tools=[{"type": "web_search"}])
+        client.responses.create(model="SmolLM2-135M-Instruct", input="hi", tools=[{"type": "web_search"}],
+                                tool_choice={"type": "web_search"})
     assert server.get("/health").status_code == 200
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Request, Response
 
 from deltaserve.engine.request import SamplingParams
 from deltaserve.server import responses_translate as translate
@@ -17,6 +17,7 @@ from deltaserve.server.chat import prepare_chat
 from deltaserve.server.generation import EventStream, collect, submit
 from deltaserve.server.response_store import ResponseStore
 from deltaserve.server.responses_stream import stream_events
+from deltaserve.server.responses_tools import DROPPED_TOOLS_HEADER, ServedTools, served_tools
 from deltaserve.server.responses_wire import ResponsesRequest
 from deltaserve.server.state import ApiError, ServerState, read_json
 from deltaserve.text.chat_output import ChatOutputParser, parse_whole
@@ -25,6 +26,18 @@ from deltaserve.text.chat_output import ChatOutputParser, parse_whole
 def add_routes(app: FastAPI, state: ServerState) -> ResponseStore:
     """Register the routes on `app`; the store they share (--responses-store-bytes) is returned."""
     store = ResponseStore(state.config.responses_store_bytes)
+    logged_drops: set[str] = set()  # built-in tool types already named in the log
+
+    def name_dropped(tools: ServedTools, response: Response) -> None:
+        """The built-in tools left out: in this response's header, and in the log the first time each type comes."""
+        if not tools.dropped:
+            return
+        response.headers[DROPPED_TOOLS_HEADER] = ", ".join(tools.dropped)
+        new = sorted(set(tools.dropped) - logged_drops)
+        if new:
+            logged_drops.update(new)
+            state.log(f"responses: built-in tools this server does not run are left out of what the model sees: "
+                      f"{', '.join(new)} (each response names them in its {DROPPED_TOOLS_HEADER} header)")
 
     def stored(response_id: str, field: str):
         entry = store.get(response_id)
@@ -34,7 +47,7 @@ def add_routes(app: FastAPI, state: ServerState) -> ResponseStore:
         return entry
 
     @app.post("/v1/responses", openapi_extra=_body_schema())
-    async def create_response(request: Request):
+    async def create_response(request: Request, response: Response):
         received_s = time.monotonic()
         engine = state.ready_engine()
         state.metrics.requests.labels("responses").inc()
@@ -53,6 +66,7 @@ def add_routes(app: FastAPI, state: ServerState) -> ResponseStore:
         gen = await submit(state, engine, [chat.prompt_ids], [params], received_s, images=chat.images,
                      boundaries=chat.boundaries, prompt_param="input")
         meta = translate.Meta(translate.new_id("resp"), int(time.time()), state.served_name(), req)
+        tools = served_tools(req.tools)
 
         def usage_of(items: list[dict]) -> dict:
             thought = "".join(c["text"] for i in items if i["type"] == "reasoning" for c in i["content"])
@@ -66,14 +80,17 @@ def add_routes(app: FastAPI, state: ServerState) -> ResponseStore:
 
         if req.stream:
             outputs = (out async for _, out in gen.events())
-            return EventStream(stream_events(outputs, ChatOutputParser(chat.settings), meta,
-                                             lambda: gen.finish_reasons[0], usage_of, keep), gen)
+            stream = EventStream(stream_events(outputs, ChatOutputParser(chat.settings), meta, tools,
+                                               lambda: gen.finish_reasons[0], usage_of, keep), gen)
+            name_dropped(tools, stream)
+            return stream
         await collect(request, gen, state)
         reasoning, text, calls = parse_whole(chat.settings, gen.results()[0].text)
         status = translate.status_of(gen.finish_reasons[0])
-        items = translate.output_items(reasoning, text, calls, status)
+        items = translate.output_items(reasoning, text, calls, status, tools)
         body = translate.response_body(meta, items, status, usage_of(items))
         keep(body)
+        name_dropped(tools, response)
         return body
 
     @app.get("/v1/responses/{response_id}")

@@ -1,6 +1,7 @@
 """The Responses API's event stream: response.created, response.in_progress, then per output item
 output_item.added, its content (content_part.added, output_text.delta / reasoning_text.delta, ...done,
-content_part.done; or function_call_arguments.delta / .done), output_item.done, and response.completed
+content_part.done; or function_call_arguments.delta / .done; or custom_tool_call_input.delta / .done),
+output_item.done, and response.completed
 (response.incomplete at max_output_tokens, response.failed on an engine error). The shapes are the openai
 package's types under openai/types/responses/, which tests/test_server_responses.py validates every event against.
 """
@@ -10,16 +11,19 @@ from __future__ import annotations
 import json
 from collections.abc import AsyncIterator, Callable
 
-from deltaserve.server.responses_translate import (Meta, call_item, message_item, new_id, output_text_part, reasoning_item,
-                                         response_body, status_of)
+from deltaserve.server.responses_tools import ServedTools
+from deltaserve.server.responses_translate import (Meta, message_item, new_id, output_text_part, reasoning_item,
+                                                   response_body, status_of)
 from deltaserve.text.chat_output import ChatOutputParser, OutputDelta
 
 
 class ItemStream:
     """Turns OutputDeltas into item events, one item per kind in order (reasoning, message, each call), and keeps
-    the finished items for the final response."""
+    the finished items for the final response. A custom tool's input is sent whole when its call ends (the model
+    writes it inside JSON arguments)."""
 
-    def __init__(self):
+    def __init__(self, tools: ServedTools):
+        self.tools = tools
         self.sequence = 0
         self.items: list[dict] = []  # finished items, in output order
         self.open: dict | None = None  # the item being streamed: its kind, id, text so far
@@ -44,6 +48,8 @@ class ItemStream:
                 out += self._ensure(("call", piece.index), piece.id, piece.name)
             if piece.arguments:
                 self.open["text"] += piece.arguments
+                if self.open["custom"]:
+                    continue
                 out.append(self.event("response.function_call_arguments.delta", item_id=self.open["id"],
                                       output_index=self.open["index"], delta=piece.arguments))
         return out
@@ -55,9 +61,13 @@ class ItemStream:
         at = {"item_id": item["id"], "output_index": item["index"]}
         kind = item["kind"][0]
         if kind == "call":
-            done = call_item(item["id"], item["call_id"], item["name"], item["text"])
-            out.append(self.event("response.function_call_arguments.done", **at, name=item["name"],
-                                  arguments=item["text"]))
+            done = self.tools.call_item(item["id"], item["call_id"], item["name"], item["text"])
+            if item["custom"]:
+                out.append(self.event("response.custom_tool_call_input.delta", **at, delta=done["input"]))
+                out.append(self.event("response.custom_tool_call_input.done", **at, input=done["input"]))
+            else:
+                out.append(self.event("response.function_call_arguments.done", **at, name=done["name"],
+                                      arguments=item["text"]))
         elif kind == "reasoning":
             done = reasoning_item(item["id"], item["text"])
             part = {"type": "reasoning_text", "text": item["text"]}
@@ -80,9 +90,10 @@ class ItemStream:
         index = len(self.items)
         if kind[0] == "call":
             item_id = new_id("fc")
-            self.open = {"kind": kind, "id": item_id, "index": index, "text": "", "call_id": call_id, "name": name}
-            out.append(self.event("response.output_item.added", output_index=index,
-                                  item=call_item(item_id, call_id, name, "", "in_progress")))
+            added = self.tools.call_item(item_id, call_id, name, "", "in_progress")
+            self.open = {"kind": kind, "id": item_id, "index": index, "text": "", "call_id": call_id, "name": name,
+                         "custom": added["type"] == "custom_tool_call"}
+            out.append(self.event("response.output_item.added", output_index=index, item=added))
             return out
         item_id = new_id("rs" if kind[0] == "reasoning" else "msg")
         self.open = {"kind": kind, "id": item_id, "index": index, "text": ""}
@@ -103,13 +114,13 @@ class ItemStream:
                           delta=text, **extra)
 
 
-async def stream_events(outputs: AsyncIterator, parser: ChatOutputParser, meta: Meta,
+async def stream_events(outputs: AsyncIterator, parser: ChatOutputParser, meta: Meta, tools: ServedTools,
                         finish_reason: Callable[[], str | None], usage_of: Callable[[list[dict]], dict],
                         on_done: Callable[[dict], None]) -> AsyncIterator[bytes]:
     """The whole stream. `outputs` yields engine RequestOutputs and raises on failure (then response.failed);
-    `finish_reason()` is the engine's once it ends, `usage_of(items)` the usage of the output items;
-    `on_done(response)` gets the final response (for the store)."""
-    items = ItemStream()
+    `tools` names the calls as the client's tools do; `finish_reason()` is the engine's once it ends,
+    `usage_of(items)` the usage of the output items; `on_done(response)` gets the final response (for the store)."""
+    items = ItemStream(tools)
     start = response_body(meta, [], "in_progress")
     yield items.event("response.created", response=start)
     yield items.event("response.in_progress", response=start)

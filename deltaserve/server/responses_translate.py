@@ -19,6 +19,8 @@ from pydantic import ValidationError
 from deltaserve.images import ImageSource
 from deltaserve.server.chat import ChatRequest
 from deltaserve.server.protocol import ProtocolError, validation_message
+from deltaserve.server.responses_tools import (CUSTOM_INPUT, ServedTools, flat_name, forced_tool,
+                                               served_tools)
 from deltaserve.server.responses_wire import ResponsesRequest
 from deltaserve.text.tool_parsers import ToolCall
 
@@ -33,8 +35,7 @@ def parse(body: Any) -> ResponsesRequest:
         req = ResponsesRequest.model_validate(body)
     except ValidationError as e:
         raise ProtocolError(*validation_message(e)) from None
-    chat_tools(req)
-    forced_tool(req)
+    forced_tool(req.tool_choice, served_tools(req.tools))
     response_schema(req)
     return req
 
@@ -52,8 +53,9 @@ def to_chat(req: ResponsesRequest, items: list[dict], image_marker: str = "") ->
     images: list[ImageSource] = []
     messages = [{"role": "system", "content": req.instructions}] if req.instructions else []
     messages += input_messages(items, images, image_marker)
-    tools = chat_tools(req)
-    forced = forced_tool(req)
+    served = served_tools(req.tools)
+    tools = served.chat or None
+    forced = forced_tool(req.tool_choice, served)
     choice = forced[0] if forced else (req.tool_choice if isinstance(req.tool_choice, str) else "auto")
     kwargs = {k: v for k, v in (req.chat_template_kwargs or {}).items() if k not in ("messages",
                                                                                     "add_generation_prompt")}
@@ -83,25 +85,34 @@ def input_messages(items: list[dict], images: list[ImageSource] | None = None, i
                 out.append(message)
         elif kind == "reasoning":
             reasoning.append(_reasoning_text(item, where))
-        elif kind == "function_call":
-            name, arguments = item.get("name"), item.get("arguments", "{}")
-            if not isinstance(name, str) or not isinstance(arguments, str):
-                raise ProtocolError(f"{where}: a function_call item needs 'name' and 'arguments' (a JSON string)",
-                                    where)
-            try:
-                parsed = json.loads(arguments or "{}")
-            except ValueError as e:
-                raise ProtocolError(f"{where}.arguments: not valid JSON: {e}", f"{where}.arguments") from None
-            call_id = item.get("call_id") or item.get("id") or f"call_{uuid.uuid4().hex[:24]}"
-            _assistant(out, reasoning).setdefault("tool_calls", []).append(
-                {"id": call_id, "type": "function", "function": {"name": name, "arguments": parsed}})
-        elif kind == "function_call_output":
+        elif kind in ("function_call", "custom_tool_call"):
+            _assistant(out, reasoning).setdefault("tool_calls", []).append(_call(item, where, kind))
+        elif kind in ("function_call_output", "custom_tool_call_output"):
             out.append({"role": "tool", "tool_call_id": str(item.get("call_id") or ""),
                         "content": _output_text(item.get("output"), f"{where}.output")})
         else:
             raise ProtocolError(f"{where}.type: {kind!r} items are not served here: send message, function_call, "
-                                f"function_call_output and reasoning items", f"{where}.type")
+                                f"custom_tool_call, their outputs and reasoning items", f"{where}.type")
     return out
+
+
+def _call(item: dict, where: str, kind: str) -> dict:
+    """A function_call or custom_tool_call item as an assistant's tool call, under the name the model was offered."""
+    name, namespace = item.get("name"), item.get("namespace")
+    field_ = "input" if kind == "custom_tool_call" else "arguments"
+    text = item.get(field_, "" if kind == "custom_tool_call" else "{}")
+    if not isinstance(name, str) or not isinstance(text, str) or not isinstance(namespace, (str, type(None))):
+        raise ProtocolError(f"{where}: a {kind} item needs 'name' and '{field_}' (a string); 'namespace', where "
+                            f"given, is a string", where)
+    if kind == "custom_tool_call":
+        parsed = {CUSTOM_INPUT: text}
+    else:
+        try:
+            parsed = json.loads(text or "{}")
+        except ValueError as e:
+            raise ProtocolError(f"{where}.arguments: not valid JSON: {e}", f"{where}.arguments") from None
+    call_id = item.get("call_id") or item.get("id") or f"call_{uuid.uuid4().hex[:24]}"
+    return {"id": call_id, "type": "function", "function": {"name": flat_name(name, namespace), "arguments": parsed}}
 
 
 def _assistant(out: list[dict], reasoning: list[str]) -> dict:
@@ -163,45 +174,6 @@ def _output_text(output: Any, where: str) -> str:
     raise ProtocolError(f"{where}: must be a string or a list of input_text parts", where)
 
 
-def chat_tools(req: ResponsesRequest) -> list[dict] | None:
-    """Function tools in chat terms; a built-in tool of OpenAI's service (web_search, file_search, ...) is a 400
-    naming it: this server runs none of them."""
-    tools = []
-    for i, tool in enumerate(req.tools or []):
-        kind = tool.get("type")
-        if kind != "function":
-            raise ProtocolError(f"tools[{i}].type: {kind!r} is a built-in tool this server does not run: only "
-                                f"function tools (type 'function') are served", f"tools[{i}].type")
-        if not isinstance(tool.get("name"), str) or not tool["name"]:
-            raise ProtocolError(f"tools[{i}].name: a function tool needs a name", f"tools[{i}].name")
-        parameters = tool.get("parameters") or {"type": "object", "properties": {}}
-        if not isinstance(parameters, dict):
-            raise ProtocolError(f"tools[{i}].parameters: must be a JSON schema object", f"tools[{i}].parameters")
-        tools.append({"type": "function", "function": {"name": tool["name"],
-                                                       "description": tool.get("description") or "",
-                                                       "parameters": parameters}})
-    return tools or None
-
-
-def forced_tool(req: ResponsesRequest) -> tuple[str, str | None] | None:
-    """("required", None) or ("named", name) when tool_choice forces a call; None for auto / none."""
-    choice = req.tool_choice
-    if choice is None or choice in ("auto", "none"):
-        return None
-    names = [t.get("name") for t in req.tools or []]
-    if not names:
-        raise ProtocolError(f"tool_choice: {json.dumps(choice)} needs a non-empty 'tools' list", "tool_choice")
-    if choice == "required":
-        return "required", None
-    if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
-        raise ProtocolError("tool_choice: must be 'none', 'auto', 'required' or {'type': 'function', 'name': ...} "
-                            f"(got {json.dumps(choice)[:80]})", "tool_choice")
-    if choice["name"] not in names:
-        raise ProtocolError(f"tool_choice.name: function {choice['name']!r} is not among the tools "
-                            f"({', '.join(map(str, names))})", "tool_choice.name")
-    return "named", choice["name"]
-
-
 def response_schema(req: ResponsesRequest) -> dict | None:
     """The JSON schema `text.format` holds the output to (json_object: any object), None for text."""
     fmt = req.text.format if req.text else None
@@ -239,18 +211,13 @@ def output_text_part(text: str) -> dict:
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
 
 
-def call_item(item_id: str, call_id: str, name: str, arguments: str, status: str = "completed") -> dict:
-    return {"id": item_id, "type": "function_call", "call_id": call_id, "name": name, "arguments": arguments,
-            "status": status}
-
-
-def output_items(reasoning: str, text: str, calls: list[ToolCall], status: str) -> list[dict]:
+def output_items(reasoning: str, text: str, calls: list[ToolCall], status: str, tools: ServedTools) -> list[dict]:
     """A finished output as items: reasoning, then the message (when there is text, or nothing else), then the
-    calls."""
+    calls (as the client's tools name them)."""
     items = [reasoning_item(new_id("rs"), reasoning)] if reasoning else []
     if text or not calls:
         items.append(message_item(new_id("msg"), text, status))
-    items += [call_item(new_id("fc"), c.id, c.name, c.arguments) for c in calls]
+    items += [tools.call_item(new_id("fc"), c.id, c.name, c.arguments) for c in calls]
     return items
 
 
