@@ -112,7 +112,7 @@ def test_held_model_equals_the_dequantized_model(path):
     int8 = {n: m for n, m in held.named_modules() if type(m) in (Int8Linear, Int8Embedding)}
     assert int8["model.layers.0.mlp.down_proj"].group_size == 16
     assert int8["model.layers.1.self_attn.v_proj"].offsets is not None  # Q5_K's offsets kept
-    assert ("model.embed_tokens" in int8) == ("tied" in path.name)
+    assert ("model.embed_tokens" in int8) == path.name.endswith("-tied.gguf")
     ids = list(range(5, 40))
     config = transformers.Qwen3_5TextConfig(**{k: v for k, v in load_checkpoint(path).config.items()
                                                if k not in ("architectures", "model_type")})
@@ -150,13 +150,14 @@ def test_int8_activations_agree_with_transformers_within_the_int8_bound(path):
     ref = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**{k: v for k, v in loaded.config.items()
                                                   if k not in ("architectures", "model_type")})).eval()
     missing, unexpected = ref.load_state_dict({k: v.float() for k, v in loaded.tensors.items()}, strict=False)
-    assert not unexpected and not [m for m in missing if "rotary" not in m]
+    assert not unexpected and not [m for m in missing if "rotary" not in m and m != "lm_head.weight"]
+    assert torch.equal(ref.lm_head.weight, ref.model.embed_tokens.weight) == ("lm_head.weight" in missing)
     eng = Engine(EngineConfig(model=str(path), device="cpu", max_total_tokens=512, prefix_cache=False), log=None)
     model = eng.runner.model
     held = {n: m for n, m in model.named_modules() if type(m) is Int8DotLinear}
     assert swapped_layers(model) and held["model.layers.0.mlp.down_proj"].group_size == 16
-    tied_panels = "tied" in path.name and int4_int8.isa() != "avx2"
-    assert ("lm_head" in held) == (tied_panels or "untied" in path.name)
+    tied_panels = path.name.endswith("-tied.gguf") and int4_int8.isa() != "avx2"
+    assert ("lm_head" in held) == (tied_panels or path.name.endswith("-untied.gguf"))
     assert (type(model.model.embed_tokens) is PanelEmbedding) == tied_panels
     prompt, steps = list(range(3, 19)), 12
     problems, decided = engine_greedy_problems(eng, ref, prompt, steps,
