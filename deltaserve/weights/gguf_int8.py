@@ -53,13 +53,23 @@ def int8_rows(data, kind: Q, shape: tuple[int, int]) -> Int8Rows:
 
 
 def _q6_k(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(codes q - 32 int8 [blocks, 256], scales d * sc float32 [blocks, 16]) of Q6_K blocks."""
+    """(codes q - 32 int8 [blocks, 256], scales d * sc float32 [blocks, 16]) of Q6_K blocks. Each half block's 128
+    codes are 4 runs of 32: the low nibbles of its first and second 32 low bytes, then their high nibbles, each with
+    bits 2r, 2r + 1 of its 32 high bytes above (ggml's dequantize_row_q6_K); written run by run into one array (the
+    broadcast form gguf-py uses took 5x as long on a 248K-row embedding)."""
     count = blocks.shape[0]
     ql, qh, sc, d = blocks[:, :128], blocks[:, 128:192], blocks[:, 192:208], blocks[:, 208:210]
-    scales = d.copy().view(np.float16).astype(np.float32) * sc.copy().view(np.int8).astype(np.float32)
-    low = (ql.reshape(count, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)) & np.uint8(0x0F)
-    high = (qh.reshape(count, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)) & np.uint8(3)
-    codes = (low.reshape(count, SUPER) | (high.reshape(count, SUPER) << np.uint8(4))).view(np.int8) - np.int8(32)
+    scales = d.copy().view(np.float16).astype(np.float32) * sc.view(np.int8).astype(np.float32)
+    codes = np.empty((count, SUPER), dtype=np.uint8)
+    for half in range(2):
+        low, high = ql[:, 64 * half:64 * half + 64], qh[:, 32 * half:32 * half + 32]
+        for run in range(4):
+            nibbles = low[:, 32 * (run % 2):32 * (run % 2) + 32]
+            nibbles = nibbles & np.uint8(0x0F) if run < 2 else nibbles >> np.uint8(4)
+            np.bitwise_or(nibbles, ((high >> np.uint8(2 * run)) & np.uint8(3)) << np.uint8(4),
+                          out=codes[:, 128 * half + 32 * run:128 * half + 32 * run + 32])
+    codes = codes.view(np.int8)
+    codes -= np.int8(32)
     return codes, scales
 
 
