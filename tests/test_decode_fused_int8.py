@@ -102,13 +102,14 @@ def quantized_to_int4(model) -> int:
     return replace_linears(model, make)
 
 
-def quantized_to_int8(model, symmetric: bool = True) -> int:
-    """replace_linears with Int8Linears of the weights rounded to 8 bits per group of 32 (Q8_0's max / 127 scale; or
-    255 levels from the minimum)."""
+def quantized_to_int8(model, symmetric: bool = True, group: int = 32) -> int:
+    """replace_linears with Int8Linears of the weights rounded to 8 bits per group of `group` (32, or 16 as GGUF
+    Q6_K's; Q8_0's max / 127 scale, or 255 levels from the minimum)."""
     from deltaserve.kernels.int8 import Int8Rows
     from deltaserve.models.layers import Int8Linear
 
     def make(w, bias):
+        w = w.reshape(w.shape[0], -1, group)
         if symmetric:
             scales, low = (w.abs().amax(-1) / 127).clamp_min(1e-6), torch.zeros(w.shape[:2])
             q = torch.round(w / scales[..., None]).clamp(-127, 127)
@@ -117,7 +118,7 @@ def quantized_to_int8(model, symmetric: bool = True) -> int:
             scales = ((w.amax(-1) - low) / 255).clamp_min(1e-6)
             q = torch.round((w - low[..., None]) / scales[..., None]).clamp(0, 255) - 128
             low = low + 128 * scales  # w = s (q + 128) + low
-        return Int8Linear(Int8Rows(q.to(torch.int8).view(w.shape[0], -1), scales, low, 32), bias)
+        return Int8Linear(Int8Rows(q.to(torch.int8).view(w.shape[0], -1), scales, low, group), bias)
     return replace_linears(model, make)
 
 
@@ -188,16 +189,18 @@ def test_fused_int8_decode_equals_the_per_op_int8_path(kind, cache, int8_isa):
 
 SEED8 = 13  # prompts that meet no int8 rounding tie on any build (assert_fused_int8_equals_per_op's docstring)
 BYTE_FORMS = {"int8": lambda m: quantized_to_int8(m, True), "int8-asym": lambda m: quantized_to_int8(m, False),
-              "iq4": quantized_to_iq4}
+              "int8-g16": lambda m: quantized_to_int8(m, True, 16),
+              "int8-g16-asym": lambda m: quantized_to_int8(m, False, 16), "iq4": quantized_to_iq4}
 
 
 @pytest.mark.parametrize("kind,form", [("llama", "int8"), ("qwen3", "int8-asym"), ("llama", "int8-asym"),
-                                       ("qwen3", "int8"), ("llama", "iq4"), ("qwen3", "iq4")])
+                                       ("qwen3", "int8"), ("llama", "iq4"), ("qwen3", "iq4"), ("llama", "int8-g16"),
+                                       ("qwen3", "int8-g16-asym")])
 @torch.inference_mode()
 def test_fused_decode_of_byte_valued_weights_equals_the_per_op_int8_path(kind, form, int8_isa):
-    """8-bit weights (Q8_0's symmetric form, an asymmetric INT8's offsets) in 8-bit panels, and IQ4's 4-bit codes
-    naming integer levels (looked up in the panel's 16-byte table): the blocks take them as the per-op kernel does
-    (int4_int8_tile.h's BYTES and LEVELS), one decode_stack call a step."""
+    """8-bit weights (Q8_0's symmetric form, an asymmetric INT8's offsets; in groups of 16 too, as GGUF Q6_K's) in
+    8-bit panels, and IQ4's 4-bit codes naming integer levels (looked up in the panel's 16-byte table): the blocks take
+    them as the per-op kernel does (int4_int8_tile.h's BYTES, HALVES and LEVELS), one decode_stack call a step."""
     from deltaserve.models.layers import Int8Linear
 
     float_model = tiny_dense(kind, "fp32")

@@ -16,9 +16,11 @@ from deltaserve.kernels.int4 import Int4Codes, int4_linear, pack
 from deltaserve.kernels.int8 import Int8Rows
 from deltaserve.weights.gguf_int4 import IQ4_LEVELS
 
-CASES = [  # (N, K, group, symmetric, permuted): Q8_0 (group 32, symmetric), INT8 per group and per channel
+CASES = [  # (N, K, group, symmetric, permuted): Q8_0 (group 32, symmetric), INT8 per group and per channel, and
+    # groups of 16 (GGUF Q6_K: symmetric; asymmetric and permuted too, which the kernel takes alike)
     (96, 576, 32, True, False), (64, 512, 128, False, False), (32, 160, 160, True, False),
-    (48, 256, 32, True, True), (576, 576, 32, True, False), (16, 1536, 1536, False, False)]
+    (48, 256, 32, True, True), (576, 576, 32, True, False), (16, 1536, 1536, False, False),
+    (96, 512, 16, True, False), (32, 288, 16, False, True)]
 IDS = [f"{n}x{k}-g{g}{'-sym' if s else ''}{'-perm' if p else ''}" for n, k, g, s, p in CASES]
 
 
@@ -51,8 +53,9 @@ def stored(rows: Int8Rows) -> torch.Tensor:
 @pytest.mark.parametrize("case", CASES, ids=IDS)
 def test_product_is_the_int8_arithmetic_to_float32_rounding(case, rows):
     """As the 4-bit kernel's: every c . q is an exact int32 (at most 32 x 255 x 127 < 2^24, exact in float32 too);
-    fewer than 2 K / 32 + 4 float32 roundings touch any output, each at most u times the sum of the magnitudes
-    summed, so |got - exact| <= (2 K / 32 + 4) u sum_k (|s| c_k + |o - 128 s|) |d q_k|, plus the bias add's."""
+    fewer than 2 K / 32 + 4 float32 roundings touch any output (2 K / 16 + 4 in groups of 16: two sums and two offset
+    terms a block), each at most u times the sum of the magnitudes summed, so |got - exact| <= (2 K / 32 + 4) u
+    sum_k (|s| c_k + |o - 128 s|) |d q_k|, plus the bias add's."""
     n, k, group = case[:3]
     w = int8_weight(case, rows)
     x = activations(rows, k, rows + 7)
@@ -61,7 +64,7 @@ def test_product_is_the_int8_arithmetic_to_float32_rounding(case, rows):
     stored_x = x if w.perm is None else x[:, w.perm]
     xq, _ = dequantized_activations(stored_x.contiguous(), group)
     exact = xq @ stored(w).T + bias.double()
-    bound = (2 * k // 32 + 4) * U * (xq.abs() @ magnitude(w).T) + U * exact.abs()
+    bound = (2 * k // min(group, 32) + 4) * U * (xq.abs() @ magnitude(w).T) + U * exact.abs()
     err = (got.double() - exact).abs()
     assert got.shape == (rows, n) and got.dtype == torch.float32
     assert bool((err <= bound).all()), f"max error {err.max().item():.3g}, bound {bound.min().item():.3g}"
@@ -83,7 +86,7 @@ def test_product_is_within_the_activation_rounding_of_the_float32_path(case, row
     stored_x = x if w.perm is None else x[:, w.perm]
     xq, d_cols = dequantized_activations(stored_x.contiguous(), group)
     mag, plain = magnitude(w), stored(w).abs()
-    bound = ((d_cols / 2 * (1 + 2.0**-14)) @ plain.T + (2 * k // 32 + 4) * U * (xq.abs() @ mag.T)
+    bound = ((d_cols / 2 * (1 + 2.0**-14)) @ plain.T + (2 * k // min(group, 32) + 4) * U * (xq.abs() @ mag.T)
              + (k + 2) * U * (stored_x.double().abs() @ plain.T))
     err = (got.double() - ref.double()).abs()
     assert bool((err <= bound).all()), f"max error {err.max().item():.3g}"
@@ -108,6 +111,27 @@ def test_avxvnni_product_is_the_avx2_product_bit_for_bit(case, isa, avx2_build):
         with int4_int8.KERNELS.using(avx2_build):
             expect = int4_int8.linear(x, panel)
         assert torch.equal(got, expect), (rows, (got - expect).abs().max().item())
+
+
+def test_groups_of_16_sum_each_half_block():
+    """The activations' group sums in groups of 16 (GGUF Q6_K's) are d * sum(q) over each half of a 32-column block,
+    to one float32 rounding, and the blocks' quantization is the one groups of 32 get."""
+    k = 320
+    x = activations(5, k, 11)
+    q, d, gsum = int4_int8.quantize(x, 16)
+    q32, d32, _ = int4_int8.quantize(x, 32)
+    assert torch.equal(q, q32) and torch.equal(d, d32) and gsum.shape == (5, k // 16)
+    halves = q.double().view(5, k // 16, 16).sum(-1) * d.double().repeat_interleave(2, dim=1)
+    assert bool(((gsum.double() - halves).abs() <= U * halves.abs()).all())
+
+
+def test_a_group_of_16_is_taken_only_with_8_bit_codes():
+    assert int4_int8.declines(96, 512, 16, bits=8) is None
+    assert "16" in int4_int8.declines(96, 512, 16)  # 4-bit codes: their blocks have no halves to scale apart
+    assert int4_int8.declines(96, 520, 16, bits=8) is not None
+    nibbles = int4_int8.PanelWeight(torch.zeros(6, 512 * 8, dtype=torch.uint8), torch.ones(6, 32, 16), None, 16)
+    with pytest.raises(RuntimeError, match="groups of 16 with 8-bit codes only"):  # the kernel's own check agrees
+        int4_int8.linear(torch.ones(1, 512), nibbles)
 
 
 def test_extreme_codes_do_not_saturate():

@@ -193,10 +193,10 @@ def _gguf_held(t) -> tuple:
 
     What weights/gguf.py keeps packed (kernels/int4.py: half a byte per weight, per 32 the block's float16 scale (and
     Q4_1's float16 offset) or float32 products of two scales (Q4_K, IQ4_XS), the level table of IQ4_NL / IQ4_XS; a
-    Q8_0 embedding a byte per weight plus a float32 scale per 32, shared by a tied lm_head; a Q8_0 linear a
-    byte per weight and a float32 scale per 32) is counted at that size; the rest in the compute dtype. On CUDA in
-    bfloat16 the affine 4-bit matrices torch's int4 kernel takes are held in its layout (gguf.int4_torch_held_bytes),
-    and Q8_0 linears, dequantized there, in bfloat16."""
+    Q8_0 / Q6_K / Q5_K matrix a byte per weight plus a float32 scale per group (32; Q6_K 16) and Q5_K's float32
+    offset per 32, an embedding's shared by a tied lm_head: weights/gguf_int8.held_bytes) is counted at that size;
+    the rest in the compute dtype. On CUDA in bfloat16 the affine 4-bit matrices torch's int4 kernel takes are held
+    in its layout (gguf.int4_torch_held_bytes), and the 8-bit linears, dequantized there, in bfloat16."""
     from deltaserve.weights.gguf import int4_held_bytes, int4_torch_held_bytes, int8_held_bytes, kept_int4, kept_int8
 
     params, shape = int(t.n_elements), tuple(int(d) for d in reversed(t.shape))
@@ -205,7 +205,8 @@ def _gguf_held(t) -> tuple:
         return (t.name, params, int(t.n_bytes), False, int4_held_bytes(params, t.tensor_type, matrices),
                 int4_torch_held_bytes(shape, t.tensor_type))
     if kept_int8(t.tensor_type, t.name, shape):
+        held = int8_held_bytes(params, t.tensor_type)
         if t.name.startswith("token_embd"):
-            return t.name, params, int(t.n_bytes), False, int8_held_bytes(params)
-        return t.name, params, int(t.n_bytes), False, int8_held_bytes(params), 2 * params
+            return t.name, params, int(t.n_bytes), False, held
+        return t.name, params, int(t.n_bytes), False, held, 2 * params
     return t.name, params, int(t.n_bytes), True

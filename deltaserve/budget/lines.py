@@ -154,7 +154,8 @@ def _weights_line(spec: ModelMemorySpec, c: EngineConfig) -> tuple[int, str]:
     else:
         held = sum(g.float_params * cb + g.quantized_bytes for g in loaded)
         how = f"4-bit matrices packed (4-bit codes + per group the checkpoint's 16-bit scale, or a float32 scale and " \
-              f"offset where 16 bits cannot hold them), the rest in {c.dtype}"
+              f"offset where 16 bits cannot hold them), 8-bit ones (INT8, GGUF Q8_0 / Q6_K / Q5_K) a byte a " \
+              f"weight + per group a float32 scale (and offset), the rest in {c.dtype}"
     skipped = [f"{g.name} {mib(g.stored_bytes)} MiB" for g in spec.weight_groups
                if g.excluded and not (g.name == "vision" and serves_images(spec, c))]
     reason = f"{mib(spec.weight_bytes)} MiB in the checkpoint ({spec.weight_source}); {how}"

@@ -64,12 +64,12 @@ def disabled():
 FLOAT_WEIGHT_K_MULTIPLE = 16  # lin_of: a float32 weight's input width, the few-row kernel's vector
 
 
-def projection_declines(in_features: int, group_size: int = 0, out_features: int = 0) -> str | None:
+def projection_declines(in_features: int, group_size: int = 0, out_features: int = 0, bits: int = 4) -> str | None:
     """Why the blocks cannot take a projection of this input width (group_size 0: a float32 weight; positive: packed
-    4-bit in these groups, int4_cpu's checks; negative: packed 4-bit in int4_int8's panels on int8 activations, in
-    groups of -group_size, int4_int8's checks), or None when they can."""
+    4-bit in these groups, int4_cpu's checks; negative: `bits`-bit codes in int4_int8's panels on int8 activations,
+    in groups of -group_size, int4_int8's checks), or None when they can."""
     if group_size < 0:
-        return int4_int8.declines(out_features, in_features, -group_size)
+        return int4_int8.declines(out_features, in_features, -group_size, bits=bits)
     if group_size:
         return int4_cpu.declines(in_features, group_size)
     if in_features % FLOAT_WEIGHT_K_MULTIPLE:

@@ -39,7 +39,7 @@ def use_int8_activations(model: nn.Module, tied_heads: bool | None = None) -> tu
                 reason = int4_int8.declines(child.out_features, child.in_features, child.group_size, child.lut,
                                             child.offsets is not None)
             elif type(child) is Int8Linear and (tied_heads or not child.tied):
-                reason = int4_int8.declines(child.out_features, child.in_features, child.group_size)
+                reason = int4_int8.declines(child.out_features, child.in_features, child.group_size, bits=8)
                 table = embeddings.get((child.codes.data_ptr(), child.codes.shape)) if child.tied else None
                 if child.tied and table is None:
                     reason = "a tied vocabulary projection whose embedding is not an int8 table here"

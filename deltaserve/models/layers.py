@@ -306,7 +306,7 @@ def projection_parts(layer: nn.Module) -> tuple[list[torch.Tensor], int] | None:
         return None
     if type(layer) is Int8DotLinear:
         if layer.perm is not None or projection_declines(layer.in_features, -layer.group_size,
-                                                         layer.out_features) is not None:
+                                                         layer.out_features, layer.bits) is not None:
             return None
         offsets = EMPTY if layer.offsets is None else layer.offsets
         levels = EMPTY if layer.levels is None else layer.levels

@@ -17,13 +17,12 @@ from gguf.quants import dequantize
 from deltaserve.kernels import int4_torch
 from deltaserve.kernels.int4 import Int4Codes, held_bytes, pack, packable
 from deltaserve.kernels.int8 import Int8Rows
-from deltaserve.weights import gguf_hybrid
+from deltaserve.weights import gguf_hybrid, gguf_int8
 from deltaserve.weights.gguf_int4 import held_scales, int4_codes
 from deltaserve.weights.errors import CheckpointError
 from deltaserve.weights.gguf_tokenizer import gguf_tokenizer
 from deltaserve.weights.progress import LoadProgress
 
-Q8_BLOCK = 32  # weights per Q8_0 block
 SUPPORTED_TYPES = (Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_NL, Q.IQ4_XS)
 SUPPORTED_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM",
                            **{arch: names[0] for arch, names in gguf_hybrid.ARCHITECTURES.items()}}
@@ -248,7 +247,8 @@ def load_gguf(path: Path, dtype: torch.dtype, skip_prefixes: tuple[str, ...], ke
     """(config, tensors, tokenizer, generation_config, skipped) of a GGUF file, tensors dequantized.
 
     With `keep_int4`, INT4_TYPES matrices come packed (kernels/int4.PackedInt4, read from their blocks, never
-    dequantized), and a Q8_0 embedding as Int8Rows (held 8-bit; a tied lm_head multiplies the same codes). Stacked
+    dequantized), and Q8_0 / Q6_K / Q5_K matrices as Int8Rows (weights/gguf_int8.py: held 8-bit; a tied lm_head
+    multiplies the embedding's codes). Stacked
     experts come as one matrix per expert; Qwen3-Next's two halves of in_proj_qkvz as one."""
     reader = open_gguf(path)
     config = gguf_config(reader, path)
@@ -297,7 +297,7 @@ def _read(tensor, name: str, config: dict, dtype: torch.dtype, keep_int4: bool):
     if keep_int4 and kept_int4(tensor.tensor_type, tensor.name, shape):
         kept = int4_codes(tensor.data, tensor.tensor_type, (math.prod(shape[:-1]), shape[-1]))
     elif keep_int4 and kept_int8(tensor.tensor_type, tensor.name, shape):
-        kept = q8_0_rows(tensor.data, shape)
+        kept = gguf_int8.int8_rows(tensor.data, tensor.tensor_type, shape)
     if kept is not None:  # Int4Codes or Int8Rows: rows reordered, the stored column order kept as `perm`
         if heads is not None:
             kept = kept.rows(torch.from_numpy(unpermute_rotary(np.arange(shape[0]), heads)))
@@ -356,26 +356,16 @@ def kept_int4(kind: Q, gguf_name: str, shape: tuple[int, ...]) -> bool:
 
 
 def kept_int8(kind: Q, gguf_name: str, shape: tuple[int, ...]) -> bool:
-    """Whether loading with `keep_int4` holds this tensor 8-bit (kernels/int8.py's Int8Rows): a Q8_0 matrix, the
-    embedding (models/layers.Int8Embedding) or a linear (Int8Linear, but dequantized on CUDA in bfloat16; on CPU int8
-    activations multiply its codes by integer dot products); stacked experts and 1-D tensors are dequantized."""
-    return kind == Q.Q8_0 and len(shape) == 2 and shape[1] % Q8_BLOCK == 0
+    """Whether loading with `keep_int4` holds this tensor 8-bit (kernels/int8.py's Int8Rows, weights/gguf_int8.py): a
+    Q8_0, Q6_K or Q5_K matrix, the embedding (models/layers.Int8Embedding) or a linear (Int8Linear, but dequantized
+    on CUDA in bfloat16; on CPU int8 activations multiply its codes by integer dot products); stacked experts and
+    1-D tensors are dequantized."""
+    return kind in gguf_int8.TYPES and len(shape) == 2 and shape[1] % gguf_int8.GROUPS[kind] == 0
 
 
-def int8_held_bytes(params: int) -> int:
-    """Bytes a kept Q8_0 tensor of `params` weights holds, embedding or linear: a byte each and a float32 scale per 32
-    (no offsets: Q8_0 is symmetric)."""
-    return params + params // Q8_BLOCK * 4
-
-
-def q8_0_rows(data, shape: tuple[int, int]) -> Int8Rows:
-    """A Q8_0 matrix [N, K] from its blocks (a float16 scale, then 32 signed codes): w = scale * q, offset 0."""
-    n, k = shape
-    blocks = np.ascontiguousarray(data).view(np.uint8).reshape(n * k // Q8_BLOCK, 2 + Q8_BLOCK)
-    scales = blocks[:, :2].copy().view(np.float16).astype(np.float32).reshape(n, k // Q8_BLOCK)
-    codes = blocks[:, 2:].copy().view(np.int8).reshape(n, k)
-    scales = torch.from_numpy(scales)
-    return Int8Rows(torch.from_numpy(codes), scales, torch.zeros_like(scales), Q8_BLOCK)
+def int8_held_bytes(params: int, kind: Q = Q.Q8_0) -> int:
+    """Bytes a kept 8-bit tensor of `params` weights holds, embedding or linear (gguf_int8.held_bytes)."""
+    return gguf_int8.held_bytes(params, kind)
 
 
 def int4_torch_held_bytes(shape: tuple[int, ...], kind: Q) -> int:

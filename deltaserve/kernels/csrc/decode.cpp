@@ -39,9 +39,10 @@ i8dotk::Weight panel_of(const torch::Tensor& codes, const torch::Tensor& scales,
                         const torch::Tensor& levels, int64_t group, int64_t K) {
   using namespace i8dotk;
   TORCH_CHECK(codes.scalar_type() == torch::kUInt8 && codes.is_contiguous() && codes.dim() == 2 &&
-              (codes.size(1) == K * 8 || codes.size(1) == K * 16) && K % QB == 0 && group % QB == 0 &&
-              K % group == 0,
-              "decode block: panel codes must be [N / 16, K * 8 or K * 16] uint8, K and the group multiples of 32");
+              (codes.size(1) == K * 8 || codes.size(1) == K * 16) && K % QB == 0 &&
+              (group % QB == 0 || (group == QB / 2 && codes.size(1) == K * 16)) && group > 0 && K % group == 0,
+              "decode block: panel codes must be [N / 16, K * 8 or K * 16] uint8, K a multiple of 32, the group too "
+              "(or 16, 8-bit codes)");
   TORCH_CHECK(scales.is_contiguous() && scales.dim() == 3 && scales.size(0) == codes.size(0) &&
               scales.size(1) * group == K && scales.size(2) == RI,
               "decode block: panel scales [N / 16, K / group, 16]");

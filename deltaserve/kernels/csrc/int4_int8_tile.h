@@ -25,13 +25,13 @@ constexpr float INV127 = 1.0f / 127.0f;
 enum ScaleKind : int { F32 = 0, BF16 = 1, F16 = 2 };
 
 // One row's quantization: q [K] int8, d [K / 32] block scales, gsum [K / group] = sum over a group's blocks of
-// d * sum(q).
+// d * sum(q); a group of 16 (GGUF Q6_K's, 8-bit codes only) is half a block: its gsum is d * sum(q) over that half.
 void quantize_row(const float* __restrict x, int64_t K, int64_t group, int8_t* __restrict q, float* __restrict d,
                   float* __restrict gsum) {
-  const int64_t per_group = group / QB;
+  const int64_t per_group = std::max<int64_t>(group / QB, 1);
   for (int64_t b = 0; b < K / QB; ++b) {
     const float* xb = x + b * QB;
-    int32_t total;
+    int32_t total, first;  // the block's sum of q, and its first half's
     float db;
 #if defined(__AVX512F__)
     const __m512 a = _mm512_loadu_ps(xb), c = _mm512_loadu_ps(xb + 16);
@@ -42,20 +42,27 @@ void quantize_row(const float* __restrict x, int64_t K, int64_t group, int8_t* _
     const __m512i qc = _mm512_cvtps_epi32(_mm512_mul_ps(c, _mm512_set1_ps(id)));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b * QB), _mm512_cvtepi32_epi8(qa));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b * QB + 16), _mm512_cvtepi32_epi8(qc));
-    total = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qc));
+    first = _mm512_reduce_add_epi32(qa);
+    total = first + _mm512_reduce_add_epi32(qc);
 #else
     float amax = 0.0f;
     for (int i = 0; i < QB; ++i) amax = std::max(amax, std::fabs(xb[i]));
     db = amax * INV127;
     const float id = db > 0.0f ? 1.0f / db : 0.0f;
-    total = 0;
+    total = first = 0;
     for (int i = 0; i < QB; ++i) {
       const int32_t v = static_cast<int32_t>(std::nearbyint(xb[i] * id));
       q[b * QB + i] = static_cast<int8_t>(v);
       total += v;
+      if (i < QB / 2) first += v;
     }
 #endif
     d[b] = db;
+    if (group == QB / 2) {
+      gsum[2 * b] = db * static_cast<float>(first);
+      gsum[2 * b + 1] = db * static_cast<float>(total - first);
+      continue;
+    }
     const float part = db * static_cast<float>(total);
     if (b % per_group == 0) gsum[b / per_group] = part;
     else gsum[b / per_group] += part;
@@ -73,9 +80,10 @@ struct Act {  // quantized input rows
 constexpr int64_t panel_block(int bits) { return 64 * bits; }
 
 // What a panel's codes are: NIBBLES, 4-bit codes c (w = s c + o); BYTES, 8-bit codes c = q + 128; LEVELS, 4-bit
-// codes naming one of 16 levels held as bytes l + 128 (IQ4_NL / IQ4_XS's integer levels: w = s l[c]). BYTES and
-// LEVELS multiply bytes up to 255, with the offset -128 s where none is stored.
-enum CodeMode : int { NIBBLES = 4, BYTES = 8, LEVELS = 16 };
+// codes naming one of 16 levels held as bytes l + 128 (IQ4_NL / IQ4_XS's integer levels: w = s l[c]); HALVES, 8-bit
+// codes in groups of 16 (GGUF Q6_K: a scale per half block, the two halves being chunks 0-3 and 4-7). BYTES, LEVELS
+// and HALVES multiply bytes up to 255, with the offset -128 s where none is stored.
+enum CodeMode : int { NIBBLES = 4, BYTES = 8, LEVELS = 16, HALVES = 24 };
 
 struct Weight {
   const uint8_t* codes;  // [N / 16][K / 32][panel_block(bits)]
@@ -101,12 +109,62 @@ inline __m512 params16(const void* base, ScaleKind kind, int64_t i) {
   }
 }
 
+// 8-bit codes in groups of 16 (HALVES): chunks 0-3 of a block are its first 16 columns, 4-7 its last 16, each half
+// summed apart and scaled by its own group's scale (and offset, times the half's activation sum).
+template <int MR, int NP>
+void halves_tile(const Act& a, int64_t m0, const Weight& w, int64_t p0, float* __restrict y, int64_t ldy) {
+  const int64_t K = w.K, blocks = K / QB;
+  constexpr int64_t BLOCK_BYTES = panel_block(8);
+  __m512 acc[MR][NP];
+  for (int m = 0; m < MR; ++m)
+    for (int n = 0; n < NP; ++n) acc[m][n] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    __m512i isum[MR][NP][2];
+    for (int m = 0; m < MR; ++m)
+      for (int n = 0; n < NP; ++n) isum[m][n][0] = isum[m][n][1] = _mm512_setzero_si512();
+    for (int L = 0; L < 4; ++L) {
+      __m512i lo[NP], hi[NP];
+      for (int n = 0; n < NP; ++n) {
+        const uint8_t* base = w.codes + ((p0 + n) * blocks + b) * BLOCK_BYTES + CHUNK * L;
+        lo[n] = _mm512_loadu_si512(base);
+        hi[n] = _mm512_loadu_si512(base + 4 * CHUNK);
+      }
+      for (int m = 0; m < MR; ++m) {
+        const int8_t* qm = a.q + (m0 + m) * K + b * QB + 4 * L;
+        int32_t xl, xh;
+        std::memcpy(&xl, qm, 4);
+        std::memcpy(&xh, qm + 16, 4);
+        const __m512i vl = _mm512_set1_epi32(xl), vh = _mm512_set1_epi32(xh);
+        for (int n = 0; n < NP; ++n) {
+          isum[m][n][0] = _mm512_dpbusd_epi32(isum[m][n][0], lo[n], vl);
+          isum[m][n][1] = _mm512_dpbusd_epi32(isum[m][n][1], hi[n], vh);
+        }
+      }
+    }
+    for (int n = 0; n < NP; ++n) {
+      for (int h = 0; h < 2; ++h) {
+        const int64_t g = 2 * b + h, at = ((p0 + n) * w.groups + g) * RI;
+        const __m512 s = params16(w.scales, w.kind, at);
+        const __m512 o = w.offsets ? params16(w.offsets, w.kind, at) : _mm512_mul_ps(s, _mm512_set1_ps(-128.0f));
+        for (int m = 0; m < MR; ++m) {
+          const __m512 dm = _mm512_set1_ps(a.d[(m0 + m) * blocks + b]);
+          acc[m][n] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[m][n][h]), _mm512_mul_ps(s, dm), acc[m][n]);
+          acc[m][n] = _mm512_fmadd_ps(o, _mm512_set1_ps(a.gsum[(m0 + m) * w.groups + g]), acc[m][n]);
+        }
+      }
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int n = 0; n < NP; ++n) _mm512_storeu_ps(y + (m0 + m) * ldy + (p0 + n) * RI, acc[m][n]);
+}
+
 // y[m, 16 p + r] for MR input rows from m0 and NP panels from p0: int32 sums per block, scaled into float32.
 // 4-bit codes: chunk L (0..3) holds columns 4L.. in its low nibbles and 16 + 4L.. in its high ones; 8-bit: chunk L
 // (0..7) holds columns 4L.. (the header), so chunks L and L + 4 are the same two registers; levels: vpshufb looks
 // each nibble up in the 16-byte table.
 template <int MR, int NP, int MODE>
 void tile(const Act& a, int64_t m0, const Weight& w, int64_t p0, float* __restrict y, int64_t ldy) {
+  if constexpr (MODE == HALVES) return halves_tile<MR, NP>(a, m0, w, p0, y, ldy);
   const int64_t K = w.K, blocks = K / QB, per_group = w.group / QB;
   constexpr int64_t BLOCK_BYTES = panel_block(MODE == BYTES ? 8 : 4);
   constexpr float ZERO = MODE == NIBBLES ? -8.0f : -128.0f;
@@ -187,11 +245,82 @@ inline __m256 params8(const void* base, ScaleKind kind, int64_t i) {
   }
 }
 
+// 8-bit codes in groups of 16 (HALVES), as the AVX-512 halves_tile: each half block summed apart (on AVX2 each
+// half's low and high nibbles apart too, joined lo + 16 hi in int32: the same exact integers as AVX-VNNI's).
+template <int MR, int NP>
+void halves_tile(const Act& a, int64_t m0, const Weight& w, int64_t h0, float* __restrict y, int64_t ldy) {
+  const int64_t K = w.K, blocks = K / QB;
+  constexpr int64_t BLOCK_BYTES = panel_block(8);
+#if !defined(__AVXVNNI__)
+  const __m256i nib = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+#endif
+  __m256 acc[MR][NP];
+  for (int m = 0; m < MR; ++m)
+    for (int n = 0; n < NP; ++n) acc[m][n] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    __m256i isum[MR][NP][2];  // AVX-VNNI: int32 per row, per half; AVX2: the low nibbles' int16 pairs
+    [[maybe_unused]] __m256i isum_hi[MR][NP][2];  // AVX2: the high nibbles' int16 pairs
+    for (int m = 0; m < MR; ++m)
+      for (int n = 0; n < NP; ++n)
+        for (int h = 0; h < 2; ++h) isum[m][n][h] = isum_hi[m][n][h] = _mm256_setzero_si256();
+    for (int L = 0; L < 4; ++L) {
+      __m256i half[NP][2];
+      for (int n = 0; n < NP; ++n) {
+        const int64_t hh = h0 + n;
+        const uint8_t* base = w.codes + ((hh / 2) * blocks + b) * BLOCK_BYTES + CHUNK * L + 32 * (hh % 2);
+        half[n][0] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(base));
+        half[n][1] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(base + 4 * CHUNK));
+      }
+      for (int m = 0; m < MR; ++m) {
+        const int8_t* qm = a.q + (m0 + m) * K + b * QB + 4 * L;
+        int32_t xv[2];
+        std::memcpy(&xv[0], qm, 4);
+        std::memcpy(&xv[1], qm + 16, 4);
+        for (int h = 0; h < 2; ++h) {
+          const __m256i v = _mm256_set1_epi32(xv[h]);
+          for (int n = 0; n < NP; ++n) {
+#if defined(__AVXVNNI__)
+            isum[m][n][h] = _mm256_dpbusd_avx_epi32(isum[m][n][h], half[n][h], v);
+#else
+            const __m256i low = _mm256_and_si256(half[n][h], nib);
+            const __m256i high = _mm256_and_si256(_mm256_srli_epi16(half[n][h], 4), nib);
+            isum[m][n][h] = _mm256_add_epi16(isum[m][n][h], _mm256_maddubs_epi16(low, v));
+            isum_hi[m][n][h] = _mm256_add_epi16(isum_hi[m][n][h], _mm256_maddubs_epi16(high, v));
+#endif
+          }
+        }
+      }
+    }
+    for (int n = 0; n < NP; ++n) {
+      const int64_t hh = h0 + n;
+      for (int h = 0; h < 2; ++h) {
+        const int64_t g = 2 * b + h, at = ((hh / 2) * w.groups + g) * RI + (hh % 2) * 8;
+        const __m256 s = params8(w.scales, w.kind, at);
+        const __m256 o = w.offsets ? params8(w.offsets, w.kind, at) : _mm256_mul_ps(s, _mm256_set1_ps(-128.0f));
+        for (int m = 0; m < MR; ++m) {
+#if defined(__AVXVNNI__)
+          const __m256i block = isum[m][n][h];
+#else
+          const __m256i block = _mm256_add_epi32(_mm256_madd_epi16(isum[m][n][h], ones),
+                                                 _mm256_slli_epi32(_mm256_madd_epi16(isum_hi[m][n][h], ones), 4));
+#endif
+          const __m256 dm = _mm256_set1_ps(a.d[(m0 + m) * blocks + b]);
+          acc[m][n] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(block), _mm256_mul_ps(s, dm), acc[m][n]);
+          acc[m][n] = _mm256_fmadd_ps(o, _mm256_set1_ps(a.gsum[(m0 + m) * w.groups + g]), acc[m][n]);
+        }
+      }
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int n = 0; n < NP; ++n) _mm256_storeu_ps(y + (m0 + m) * ldy + (h0 + n) * 8, acc[m][n]);
+}
+
 // Bytes (8-bit codes, looked-up levels) on AVX2: vpmaddubsw's pairs of 255 x 127 would saturate int16, so each byte
 // is split into its nibbles, summed apart (each sum at most 8 x 2 x 15 x 127 = 30480 < 2^15, as the 4-bit codes')
 // and joined as lo + 16 hi in int32: the same exact integer vpdpbusd sums.
 template <int MR, int NP, int MODE>
 void tile(const Act& a, int64_t m0, const Weight& w, int64_t h0, float* __restrict y, int64_t ldy) {
+  if constexpr (MODE == HALVES) return halves_tile<MR, NP>(a, m0, w, h0, y, ldy);
   const int64_t K = w.K, blocks = K / QB, per_group = w.group / QB;
   constexpr int64_t BLOCK_BYTES = panel_block(MODE == BYTES ? 8 : 4);
   constexpr float ZERO = MODE == NIBBLES ? -8.0f : -128.0f;
@@ -327,7 +456,8 @@ void column(const Act& a, int64_t m_begin, int64_t m_end, const Weight& w, int64
     return;
   }
 #endif
-  if (w.bits == 8) column_of<NP, BYTES>(a, m_begin, m_end, w, u0, y, ldy);
+  if (w.bits == 8 && w.group == QB / 2) column_of<NP, HALVES>(a, m_begin, m_end, w, u0, y, ldy);
+  else if (w.bits == 8) column_of<NP, BYTES>(a, m_begin, m_end, w, u0, y, ldy);
   else if (w.levels) column_of<NP, LEVELS>(a, m_begin, m_end, w, u0, y, ldy);
   else column_of<NP, NIBBLES>(a, m_begin, m_end, w, u0, y, ldy);
 }

@@ -19,6 +19,8 @@
 // 16p + r's code of column 32b + 4L + i; chunks L and L + 4 give the same two registers a 4-bit chunk gives.
 // IQ4_NL / IQ4_XS's 4-bit codes name integer levels l (-127 .. 113: w = s l[c]): their panels are the 4-bit layout,
 // and a 16-byte table of l + 128 turns each nibble into a byte by vpshufb, multiplied as the 8-bit codes are.
+// 8-bit codes may come in groups of 16 (GGUF Q6_K's scale per 16 weights): the chunks 0-3 and 4-7 of a block are its
+// two halves, summed apart, and the activations' group sums are then per half block.
 // Scales (and offsets) are held [N / 16, K / group, 16] in the checkpoint's dtype (float32, bfloat16, float16).
 // AVX-512 VNNI builds take 16 rows a register; AVX2 builds 8 (the two halves of each chunk) with vpmaddubsw
 // (u8 x s8 pairs summed to int16: at most 2 * 15 * 127 = 3810 per pair, 8 of them 30480 < 2^15, so the block's
@@ -35,8 +37,8 @@ using namespace i8dotk;
 std::vector<torch::Tensor> int4_int8_quantize(torch::Tensor x, int64_t group) {
   TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.is_contiguous() && x.dim() == 2, "int4_int8: float32 x [M, K]");
   const int64_t M = x.size(0), K = x.size(1);
-  TORCH_CHECK(K % QB == 0 && group % QB == 0 && group > 0 && K % group == 0,
-              "int4_int8: K and the group multiples of 32, the group dividing K");
+  TORCH_CHECK(K % QB == 0 && (group % QB == 0 || group == QB / 2) && group > 0 && K % group == 0,
+              "int4_int8: K a multiple of 32, the group 16 or a multiple of 32 dividing K");
   auto q = torch::empty({M, K}, x.options().dtype(torch::kInt8));
   auto d = torch::empty({M, K / QB}, x.options());
   auto gsum = torch::empty({M, K / group}, x.options());
@@ -65,6 +67,7 @@ torch::Tensor int4_int8_linear(torch::Tensor x, torch::Tensor codes, torch::Tens
   TORCH_CHECK(levels.numel() == 0 || (levels.scalar_type() == torch::kUInt8 && levels.numel() == 16 &&
                                       levels.is_contiguous() && codes.size(1) == K * 8),
               "int4_int8_linear: levels uint8 [16] with 4-bit codes, or empty");
+  TORCH_CHECK(group != QB / 2 || codes.size(1) == K * 16, "int4_int8_linear: groups of 16 with 8-bit codes only");
   auto parts = int4_int8_quantize(x, group);
   const Act a{parts[0].data_ptr<int8_t>(), parts[1].data_ptr<float>(), parts[2].data_ptr<float>(), K, K / group};
   const Weight w{codes.data_ptr<uint8_t>(), scales.data_ptr(), symmetric ? nullptr : offsets.data_ptr(),
