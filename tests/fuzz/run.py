@@ -216,20 +216,51 @@ def compare(case: Case, ref, prompt: list[int], tokens: list[int], logprobs: lis
     bound = rtol(case, ref, len(sequence))
     logits = exact if kv_dtype == "float32" else kv_rounded_logits(ref, sequence, kv_dtype)[first:]
     # per step: the argmax, the chosen token, then the top ids, each with the int8 rounding's bound (0: float32)
+    # ... and the oracle's top k + 1 (top_k_problems)
     checked = [[int(logits[step].argmax()), token] + [tid for tid, _, _ in lp.top]
+               + logits[step].topk(min(len(lp.top) + 1, logits.shape[-1])).indices.tolist()
                for step, (token, lp) in enumerate(zip(tokens, logprobs))]
     int8 = (logprob_bounds(ref, int8_layers, sequence, first, checked) if int8_layers
             else [[0.0] * len(ids) for ids in checked])
-    midpoints = (kv_rounded_oracle(ref, sequence, kv_dtype, bound, first, checked)[1] if kv_dtype != "float32"
-                 else [[0.0] * len(ids) for ids in checked])
+    midpoints = [[0.0] * len(ids) for ids in checked]
+    problems = differences(logits, tokens, logprobs, bound, int8) + top_k_problems(logits, logprobs, bound, int8)
+    if kv_dtype != "float32" and (problems or explain is not None):  # a wider bound only where it could matter
+        midpoints = kv_rounded_oracle(ref, sequence, kv_dtype, bound, first, checked)[1]
     extra = [[a + b for a, b in zip(x, y)] for x, y in zip(int8, midpoints)]
-    problems = differences(logits, tokens, logprobs, bound, extra)
+    if problems:
+        problems = differences(logits, tokens, logprobs, bound, extra) + top_k_problems(logits, logprobs, bound, extra)
     ceiling = kv_rtol(ref, sequence, kv_dtype) if kv_dtype != "float32" and case.family not in MOE_FAMILIES else 0.0
     if ceiling:
         problems += [f"beyond the KV rounding's worst case ({ceiling:.3g}) from the exact oracle: {p}"
                      for p in differences(exact, tokens, logprobs, bound + ceiling, extra)]
     if explain is not None:
         explain.extend(explain_steps(logits, tokens, logprobs, bound, int8, midpoints, kv_dtype, ceiling))
+    return problems
+
+
+def top_k_problems(logits: torch.Tensor, logprobs: list, bound: float, extra: list[list[float]]) -> list[str]:
+    """The engine's reported top k ids against the oracle's: an id of the oracle's top k whose log-prob exceeds the
+    oracle's (k + 1)-th by more than both can move (each 2 bound max|logit| plus its int8 / KV midpoint part; any id
+    below the (k + 1)-th by the largest part computed at that step) is in the engine's top k. `extra[step]` holds the
+    parts of [argmax, token, reported ids..., the oracle's top k + 1 ids] (compare's order)."""
+    problems = []
+    for step, lp in enumerate(logprobs):
+        k = len(lp.top)
+        if k == 0 or k >= logits.shape[-1]:
+            continue
+        expected = logits[step].log_softmax(-1)
+        logit_error = 2 * bound * logits[step].abs().max().item()
+        ids = logits[step].topk(k + 1).indices.tolist()
+        parts = extra[step][2 + k:]
+        below = logit_error + max(extra[step])  # the (k + 1)-th or any id under it, risen
+        reported = {tid for tid, _, _ in lp.top}
+        for tid, part in zip(ids[:k], parts[:k]):
+            gap = (expected[tid] - expected[ids[k]]).item()
+            if tid not in reported and gap > logit_error + part + below:
+                problems.append(f"step {step}: the oracle's top-{k} id {tid} (log-prob {expected[tid].item():.4g}, "
+                                f"{gap:.3g} above its {k + 1}th, allowed {logit_error + part + below:.3g}) is not "
+                                f"among the engine's top {k}")
+                break
     return problems
 
 

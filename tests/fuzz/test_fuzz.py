@@ -64,6 +64,25 @@ def test_comparison_finds_a_weight_off_by_one_part_in_a_thousand():
     assert compare(case, ref, prompt, tokens, logprobs_of(off, prompt, tokens))
 
 
+def test_comparison_finds_a_top_k_id_reported_in_place_of_the_oracles():
+    """The engine's reported top ids are the oracle's wherever the gap to the next is above the bound: a list whose
+    5th entry is replaced by the oracle's 25th id (with that id's own true log-prob) fails, though every reported
+    log-prob is right."""
+    case = draw_case(2)
+    ref = random_model(case)
+    prompt = torch.randint(0, case.config["vocab_size"], (20,), generator=torch.Generator().manual_seed(0)).tolist()
+    with torch.no_grad():
+        tokens = [int(ref(torch.tensor([prompt]), use_cache=False).logits[0, -1].argmax())]
+    [right] = logprobs_of(ref, prompt, tokens)
+    assert compare(case, ref, prompt, tokens, [right]) == []
+    with torch.no_grad():
+        row = ref(torch.tensor([prompt]), use_cache=False).logits[0, -1].double().log_softmax(-1)
+    far = int(row.topk(25).indices[-1])
+    wrong = TokenLogprob(right.token_id, "", right.logprob, right.top[:4] + [(far, "", row[far].item())]
+                         + right.top[5:])
+    assert any("not among the engine's top" in p for p in compare(case, ref, prompt, tokens, [wrong]))
+
+
 def rounding_inputs(model, layers: list[str], levels: int):
     """Forward pre-hooks on `layers` of `model` rounding each input row per block of 32 to `levels` levels a sign
     (d = max|x| / levels, q = round(x / d)): the int8 path's rounding at 127, written again in torch."""
