@@ -6,9 +6,11 @@ bound until it fails.
 Each mutant names the seeds tried first (a case whose draw carries what the fault touches), then the rest of the
 slice: the first failing case ends the run, so a caught mutant costs a case or two, not the slice.
 
-Not yet planted (the slice has no case that could catch them): an image position offset after the image (no fuzz
-case sends an image through the engine; run_image_case compares one prefill row through ImageOracle), and a Q4_K
-scale nibble swapped (the draw's GGUF types are those gguf-py quantizes, no K-quant)."""
+A Q4_K scale nibble swapped (`q4k_scale_nibble_swapped`) cannot reach the slice (the draw's GGUF types are those
+gguf-py quantizes, no K-quant): its catcher is gguf-py's own dequantization of the Q4_K fixture llama-quantize made
+(tests/test_weights_gguf_quantized.py), run by test_mutants.py with the bug planted. Not yet planted (no case could
+catch it): an image position offset after the image (no fuzz case sends an image through the engine;
+run_image_case compares one prefill row through ImageOracle)."""
 
 from __future__ import annotations
 
@@ -132,3 +134,25 @@ MUTANTS = (
     Mutant("int8_63_levels", "int8 activations rounded to 63 levels", int8_with_63_levels, ()),
     Mutant("head_from_embedding", "an untied lm_head read from the embedding", head_from_embedding, (42, 22)),
 )
+
+
+def q4k_scale_nibble_swapped():
+    """Q4_K's packed 6-bit scales and mins with the high nibbles of their last four read from each other's half of
+    the byte (ggml's get_scale_min_k4 with `mh >> 4` and `mh & 0x0F` swapped); Q5_K reads the same bytes."""
+    import numpy as np
+
+    import deltaserve.weights.gguf_int4 as gguf_int4
+    import deltaserve.weights.gguf_int8 as gguf_int8
+
+    def swapped(original):
+        def scale_min(scales):
+            d, m, mh = scales[:, 0:4], scales[:, 4:8], scales[:, 8:12]
+            sc = np.concatenate([d & 0x3F, (mh >> 4) | ((d >> 6) << 4)], axis=1)
+            mn = np.concatenate([m & 0x3F, (mh & 0x0F) | ((m >> 6) << 4)], axis=1)
+            return sc.astype(np.float32), mn.astype(np.float32)
+        return scale_min
+
+    stack = contextlib.ExitStack()
+    stack.enter_context(patched(gguf_int4, "_k_scale_min", swapped))
+    stack.enter_context(patched(gguf_int8, "_k_scale_min", swapped))
+    return stack
