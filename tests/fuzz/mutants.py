@@ -8,9 +8,10 @@ slice: the first failing case ends the run, so a caught mutant costs a case or t
 
 A Q4_K scale nibble swapped (`q4k_scale_nibble_swapped`) cannot reach the slice (the draw's GGUF types are those
 gguf-py quantizes, no K-quant): its catcher is gguf-py's own dequantization of the Q4_K fixture llama-quantize made
-(tests/test_weights_gguf_quantized.py), run by test_mutants.py with the bug planted. Not yet planted (no case could
-catch it): an image position offset after the image (no fuzz case sends an image through the engine;
-run_image_case compares one prefill row through ImageOracle)."""
+(tests/test_weights_gguf_quantized.py), run by test_mutants.py with the bug planted. Likewise the generated tokens' rotary
+positions one late after an image (`image_positions_late`): no fuzz case decodes after an image through the engine
+(run_image_case compares one prefill row through ImageOracle), so its catcher is tests/test_engine_vision.py's
+log-probs of every generated token against transformers'."""
 
 from __future__ import annotations
 
@@ -156,3 +157,19 @@ def q4k_scale_nibble_swapped():
     stack.enter_context(patched(gguf_int4, "_k_scale_min", swapped))
     stack.enter_context(patched(gguf_int8, "_k_scale_min", swapped))
     return stack
+
+
+def image_positions_late():
+    """The M-RoPE position of every token generated after an image one late (engine/multimodal.py
+    PromptImages.positions: `+ self.delta + 1`); the prompt's own positions stay right."""
+    from deltaserve.engine.multimodal import PromptImages
+
+    def wrap(original):
+        def positions(self, start, n):
+            out = original(self, start, n).clone()
+            prompt_len = self.rope.shape[1]
+            late = torch.arange(start, start + n) >= prompt_len
+            out[:, late] += 1
+            return out
+        return positions
+    return patched(PromptImages, "positions", wrap)
