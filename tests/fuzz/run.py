@@ -17,8 +17,6 @@ rounding of every swapped layer's input, propagated by the oracle's gradient) is
 
 from __future__ import annotations
 
-import math
-import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
