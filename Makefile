@@ -59,7 +59,8 @@ serve: install
 generate: install
 	$(VENV)/bin/deltaserve generate --chat "What is the capital of France?" $(ARGS)
 
-test: install $(OPENCODE) $(CODEX) $(CLAUDE_CODE) $(QWEN_CODE)  # the agents only for their tests: `make serve` needs no npm
+# The agents only for their tests: `make serve` needs no npm.
+test: install $(OPENCODE) $(CODEX) $(CLAUDE_CODE) $(QWEN_CODE)
 	$(PY) -m pytest -q -p no:cacheprovider $(ARGS)
 
 # The differential fuzzer alone (tests/fuzz): N drawn cases from seed START against transformers, with a summary;

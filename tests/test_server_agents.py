@@ -633,9 +633,8 @@ wire_api = "responses"
 request_max_retries = 0
 stream_max_retries = 0
 """
-# Codex's default prompt (its instructions and tool list) is ~9K tokens of this model's tokenizer, Qwen Code's ~10K
-# with a short system prompt: more than the built-in model's 8K context, so their server reads a longer one (RoPE
-# past its training: the calls are forced).
+# Codex's default prompt (its instructions and tool list) is ~9K tokens of this model's tokenizer: more than the
+# built-in model's 8K context, so its server reads a longer one (RoPE past its training: the calls are forced).
 CODEX_CONTEXT = ("--max-total-tokens", "16384", "--context-length", "16384", "--max-running-requests", "2")
 
 
@@ -770,9 +769,9 @@ def test_claude_code_runs_a_tool_call_session(server, tmp_path):
           [f"{u.cache_read_input_tokens}/{u.input_tokens + u.cache_read_input_tokens}" for u in usage])
 
 
-def force_qwen(read: str, written: str):
-    """As force_codex, for Qwen Code on either API: a forced read_file of `read`, then a forced write_file of
-    `written` (one line), then the answer."""
+def force_qwen(target: str):
+    """As force_codex, for Qwen Code on either API: a forced read_file of `target`, then a forced edit of it (its one
+    line changed), then the answer."""
     def rewrite(path: str, body: dict) -> dict:
         route = path.split("?")[0]
         if route not in ("/v1/chat/completions", "/v1/responses"):
@@ -781,15 +780,15 @@ def force_qwen(read: str, written: str):
         for tool in body.get("tools", []):
             function = tool["function"] if chat else tool
             if function["name"] == "read_file":
-                function["parameters"] = one_value("file_path", read)
-            elif function["name"] == "write_file":
-                function["parameters"] = {**one_value("file_path", written), "required": ["file_path", "content"]}
-                function["parameters"]["properties"]["content"] = {"enum": ["hello\n"]}
+                function["parameters"] = one_value("file_path", target)
+            elif function["name"] == "edit":
+                function["parameters"] = {**one_value("file_path", target), "required": ["file_path", *QWEN_EDIT]}
+                function["parameters"]["properties"].update({k: {"enum": [v]} for k, v in QWEN_EDIT.items()})
         answered = sum(m.get("role") == "tool" for m in body["messages"]) if chat else sum(
             isinstance(i, dict) and i.get("type") == "function_call_output" for i in body["input"])
         limit = {"max_tokens" if chat else "max_output_tokens": 120}
         if answered < 2:
-            name = ("read_file", "write_file")[answered]
+            name = ("read_file", "edit")[answered]
             return {**body, **limit, "tool_choice": {"type": "function", "function": {"name": name}} if chat
                     else {"type": "function", "name": name}}
         schema = {"name": "answer", "schema": ANSWER}
@@ -799,27 +798,29 @@ def force_qwen(read: str, written: str):
     return rewrite
 
 
+QWEN_EDIT = {"old_string": 'print("hello")', "new_string": 'print("hello, world")'}  # beside its file_path
+
+
 @pytest.mark.parametrize("auth_type", ["openai", "openai-responses"])
-def test_qwen_code_reads_and_writes_a_file(long_server, tmp_path, auth_type):
+def test_qwen_code_reads_and_writes_a_file(server, tmp_path, auth_type):
     """Qwen Code (`qwen`, one-shot) against deltaserve in each of its OpenAI modes (chat completions, and the
     Responses API), set up as docs/api.md says (OPENAI_BASE_URL, OPENAI_API_KEY, OPENAI_MODEL and --auth-type),
     through the recording proxy: a forced read_file of hello.py, whose content goes back to the model, a forced
-    write_file, which Qwen Code carries out (auto-edit approval, so it runs unattended), then the answer; every
+    edit of it, which Qwen Code carries out (auto-edit approval, so it runs unattended), then the answer; every
     request is answered 2xx and the session ends by itself."""
     qwen = agent_or_fail(QWEN, "Qwen Code is not installed: `make test` puts npm's @qwen-code/qwen-code under "
                          ".venv/node/qwen-code when npm is on PATH (or set QWEN_BIN)")
-    server = long_server
     model = server.get("/v1/models").json()["data"][0]["id"]
     project, home = agent_project(tmp_path)
-    written = project / "out.txt"
     route = "/v1/chat/completions" if auth_type == "openai" else "/v1/responses"
-    with RecordingProxy(server.url, force_qwen(str(project / "hello.py"), str(written))) as proxy:
+    with RecordingProxy(server.url, force_qwen(str(project / "hello.py"))) as proxy:
         env = {"HOME": str(home), "PATH": "/usr/bin:/bin", "OPENAI_BASE_URL": proxy.url + "/v1",
                "OPENAI_API_KEY": "unused", "OPENAI_MODEL": model}
-        # A short system prompt and the two file tools among the core ones: the rest of its default prompt is long.
-        done = subprocess.run([qwen, "--auth-type", auth_type, "--approval-mode", "auto-edit", "--core-tools",
-                               "read_file,write_file", "--system-prompt", AGENT_PROMPT,
-                               "What does hello.py print? Write hello to out.txt."], cwd=project, env=env,
+        # --bare (no skills, agents or goals discovered) and a short system prompt: its whole default prompt is
+        # ~15K tokens, twice the built-in model's context.
+        done = subprocess.run([qwen, "--auth-type", auth_type, "--bare", "--approval-mode", "auto-edit",
+                               "--system-prompt", AGENT_PROMPT, "What does hello.py print? Make it greet the world."],
+                              cwd=project, env=env,
                               stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=900)
     print("the exchange:\n" + proxy.log() + "\nqwen stdout:\n" + done.stdout + "\nstderr:\n" + done.stderr[-3000:])
     assert done.returncode == 0
@@ -829,5 +830,5 @@ def test_qwen_code_reads_and_writes_a_file(long_server, tmp_path, auth_type):
     results = [m["content"] for m in sent["messages"] if m["role"] == "tool"] if auth_type == "openai" else [
         i["output"] for i in sent["input"] if i.get("type") == "function_call_output"]
     assert len(results) == 1 and 'print("hello")' in text_of(results[0])
-    assert written.read_text() == "hello\n"
+    assert (project / "hello.py").read_text() == 'print("hello, world")\n'
     assert "It prints hello." in done.stdout
