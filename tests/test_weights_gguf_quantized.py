@@ -166,8 +166,9 @@ def test_logits_equal_llama_cpp(fixture, dequantize):
 @pytest.mark.parametrize("layout", ["dequantized", "packed", "torch_int4"])
 def test_ledger_weights_line_equals_resident_bytes(fixture, layout, monkeypatch):
     """The ledger's weights line = the bytes the loaded model holds (Engine.measured_bytes' count), within 1%:
-    packed, every 4-bit matrix but the embedding at half a byte a weight with a float32 scale and offset per 32
-    (Q4_K; IQ4_XS a float32 scale and its 16 levels), out_proj's value-head column order included; in torch's int4
+    packed, every 4-bit matrix (the untied embedding too: models/layers.Int4Embedding) at half a byte a weight with a
+    float32 scale and offset per 32 (Q4_K; IQ4_XS a float32 scale and its 16 levels), out_proj's value-head column
+    order included; in torch's int4
     layout (CUDA, bfloat16) Q4_K's matrices with a bfloat16 scale and zero per 32, IQ4_XS's (level tables) packed."""
     from deltaserve.budget import plan_budget, spec_from_checkpoint
     from deltaserve.models.layers import TorchInt4Linear

@@ -181,14 +181,15 @@ def _spec_from_gguf(path: Path) -> ModelMemorySpec:
         raise SpecError(f"{path}: {e.problem}") from None
     spec, _ = spec_shape(config)
     first_mtp = mtp_from(reader)  # blocks from there on are the MTP head's: its group, not the layers'
-    spec.weight_groups = _groups_from_tensors((tensor_name(t.name, first_mtp), *_gguf_held(t)[1:])
+    tied = config["tie_word_embeddings"]
+    spec.weight_groups = _groups_from_tensors((tensor_name(t.name, first_mtp), *_gguf_held(t, tied)[1:])
                                               for t in reader.tensors)
     spec.weight_source = "checkpoint headers"
     spec.quantization = "gguf " + ", ".join(sorted({t.tensor_type.name for t in reader.tensors}))
     return spec
 
 
-def _gguf_held(t) -> tuple:
+def _gguf_held(t, tied: bool) -> tuple:
     """(name, params, stored bytes, held as floats?, bytes held packed[, on CUDA in bfloat16]) of one GGUF tensor.
 
     What weights/gguf.py keeps packed (kernels/int4.py: half a byte per weight, per 32 the block's float16 scale (and
@@ -196,11 +197,15 @@ def _gguf_held(t) -> tuple:
     Q8_0 / Q6_K / Q5_K matrix a byte per weight plus a float32 scale per group (32; Q6_K 16) and Q5_K's float32
     offset per 32, an embedding's shared by a tied lm_head: weights/gguf_int8.held_bytes) is counted at that size;
     the rest in the compute dtype. On CUDA in bfloat16 the affine 4-bit matrices torch's int4 kernel takes are held
-    in its layout (gguf.int4_torch_held_bytes), and the 8-bit linears, dequantized there, in bfloat16."""
+    in its layout (gguf.int4_torch_held_bytes), and the 8-bit linears, dequantized there, in bfloat16. An untied
+    4-bit embedding is held packed on every device (models/layers.Int4Embedding); a `tied` one as floats."""
     from deltaserve.weights.gguf import int4_held_bytes, int4_torch_held_bytes, int8_held_bytes, kept_int4, kept_int8
 
     params, shape = int(t.n_elements), tuple(int(d) for d in reversed(t.shape))
-    if kept_int4(t.tensor_type, t.name, shape):
+    if kept_int4(t.tensor_type, t.name, shape, tied):
+        if t.name.startswith("token_embd"):
+            held = int4_held_bytes(params, t.tensor_type)
+            return t.name, params, int(t.n_bytes), False, held, held
         matrices = shape[0] if len(shape) == 3 else 1  # stacked experts: one packed matrix each
         return (t.name, params, int(t.n_bytes), False, int4_held_bytes(params, t.tensor_type, matrices),
                 int4_torch_held_bytes(shape, t.tensor_type))

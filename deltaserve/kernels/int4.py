@@ -135,6 +135,14 @@ class PackedInt4:
             w = torch.empty_like(w).index_copy_(1, self.perm, w)
         return w.to(dtype)
 
+    def gather(self, ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Rows `ids` of the float weight [len(ids), K] (an embedding lookup): only those rows are widened."""
+        ids = ids.reshape(-1).to(device=self.packed.device, dtype=torch.long)
+        part = PackedInt4(self.packed.index_select(0, ids), self.scales.index_select(0, ids),
+                          None if self.offsets is None else self.offsets.index_select(0, ids), self.group_size,
+                          self.lut, self.perm)
+        return part.dequantize(dtype)
+
     def widened(self) -> torch.Tensor:
         """The float32 weight [N, K] in stored column order (inputs permuted by `perm` multiply it)."""
         n, k = self.shape
@@ -143,6 +151,12 @@ class PackedInt4:
         groups = levels.view(n, k // self.group_size, self.group_size)
         offsets = _offsets(self.scales, self.offsets, self.lut)
         return (groups * self.scales.float()[..., None] + offsets[..., None]).view(n, k)
+
+
+@dataclass
+class PackedTable(PackedInt4):
+    """A 4-bit embedding table the loader holds packed (an untied GGUF token_embd): looked up by rows
+    (models/layers.Int4Embedding), never widened whole."""
 
 
 def pack(w: Int4Codes) -> PackedInt4:

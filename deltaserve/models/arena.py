@@ -24,9 +24,9 @@ import torch
 from torch import nn
 
 from deltaserve.kernels import decode_cpu
-from deltaserve.models.layers import FusedHead, FusedParts, Int8Embedding, PanelEmbedding
+from deltaserve.models.layers import FusedHead, FusedParts, Int4Embedding, Int8Embedding, PanelEmbedding
 
-EMBEDDINGS = (nn.Embedding, Int8Embedding, PanelEmbedding)  # a step reads one row of their tables
+EMBEDDINGS = (nn.Embedding, Int4Embedding, Int8Embedding, PanelEmbedding)  # a step reads one row of their tables
 HUGE_PAGE = 2 << 20
 ALIGN = 64  # each tensor starts on a cache line
 

@@ -10,7 +10,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from deltaserve.kernels import decode_cpu, fused_cpu, int4_int8, int4_torch, linear_cpu, prefill_cpu
-from deltaserve.kernels.int4 import Int4Codes, PackedInt4, int4_linear, pack
+from deltaserve.kernels.int4 import Int4Codes, PackedInt4, PackedTable, int4_linear, pack
 from deltaserve.kernels.int8 import Int8Rows
 
 log = logging.getLogger(__name__)
@@ -481,9 +481,16 @@ def _held_int4(module: nn.Module, pname: str, codes: Int4Codes | PackedInt4, ten
     kernel (TorchInt4Linear, kernels/int4_torch.py), and the rest (level tables, float32 models) kernels/int4.py's
     path, which widens the packed weight a tile at a time with torch ops; so a 4-bit checkpoint takes on the GPU the
     bytes the ledger prices, not its dequantized size. A tied lm_head (the same tensor as the embedding) is packed
-    too: the embedding is then dequantized for its row lookups, the head multiplies the packed codes."""
+    too: the embedding is then dequantized for its row lookups, the head multiplies the packed codes. An embedding
+    the loader marks a PackedTable (an untied GGUF token_embd) becomes an Int4Embedding."""
     owner_name, _, leaf = pname.rpartition(".")
     owner = module.get_submodule(owner_name) if owner_name else module
+    if leaf == "weight" and type(owner) is nn.Embedding and isinstance(codes, PackedTable):
+        if tuple(owner.weight.shape) != codes.shape:
+            raise ValueError(f"tensor {pname} has shape {codes.shape}, expected {tuple(owner.weight.shape)}")
+        parent_name, _, child = owner_name.rpartition(".")
+        setattr(module.get_submodule(parent_name) if parent_name else module, child, Int4Embedding(codes, dtype))
+        return True
     if leaf != "weight" or type(owner) is not Linear:
         return False
     if tuple(owner.weight.shape) != codes.shape:
@@ -508,6 +515,26 @@ def held_int8_rows(module: nn.Module) -> Int8Rows:
     value expanded (no table-sized tensor made on a lookup or a product)."""
     offsets = module.offsets if module.offsets is not None else module.scales.new_zeros(()).expand_as(module.scales)
     return Int8Rows(module.codes, module.scales, offsets, module.group_size)
+
+
+class Int4Embedding(nn.Module):
+    """An embedding whose table stays packed 4-bit (kernels/int4.PackedTable: an untied GGUF token_embd in Q4_K or
+    IQ4_XS, 5,120 x 248,320 weights on the field's 27B, ~5 GB as floats): a lookup widens only the rows it reads."""
+
+    def __init__(self, table: PackedInt4, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.dtype = dtype  # of the rows it returns: the compute dtype
+        self.num_embeddings, self.embedding_dim = table.shape
+        self.group_size = table.group_size
+        self.register_buffer("packed", table.packed)
+        self.register_buffer("scales", table.scales)
+        self.register_buffer("offsets", table.offsets)
+        self.register_buffer("lut", table.lut)
+        self.register_buffer("perm", table.perm, persistent=False)  # an index into the columns, not weight bytes
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        table = PackedInt4(self.packed, self.scales, self.offsets, self.group_size, self.lut, self.perm)
+        return table.gather(ids, self.dtype).view(*ids.shape, self.embedding_dim)
 
 
 class Int8Embedding(nn.Module):

@@ -15,7 +15,7 @@ from gguf import GGUFReader, GGUFValueType
 from gguf.quants import dequantize
 
 from deltaserve.kernels import int4_torch
-from deltaserve.kernels.int4 import Int4Codes, held_bytes, pack, packable
+from deltaserve.kernels.int4 import Int4Codes, PackedTable, held_bytes, pack, packable
 from deltaserve.kernels.int8 import Int8Rows
 from deltaserve.weights import gguf_hybrid, gguf_int8
 from deltaserve.weights.gguf_int4 import held_scales, int4_codes
@@ -276,7 +276,7 @@ def load_gguf(path: Path, dtype: torch.dtype, skip_prefixes: tuple[str, ...], ke
             name, value = f"{stem}.linear_attn.in_proj_qkvz.weight", _fused_qkvz(config, qkv, z)
         experts = gguf_hybrid.expert_names(name, config.get("num_experts") or 0)
         for part_name, part in (zip(experts, _per_expert(value, len(experts))) if experts else [(name, value)]):
-            tensors[part_name] = pack(part) if isinstance(part, Int4Codes) else part  # half a byte a weight
+            tensors[part_name] = _held(part_name, part)
     progress.file_done(1)
     eos = tokenizer.eos_token_ids
     generation_config = {"bos_token_id": tokenizer.bos_token_id,
@@ -294,7 +294,7 @@ def _read(tensor, name: str, config: dict, dtype: torch.dtype, keep_int4: bool):
         heads = config["num_attention_heads" if kind == "attn_q" else "num_key_value_heads"]
     hybrid = config["model_type"] in HYBRID_MODEL_TYPES
     kept = None
-    if keep_int4 and kept_int4(tensor.tensor_type, tensor.name, shape):
+    if keep_int4 and kept_int4(tensor.tensor_type, tensor.name, shape, config["tie_word_embeddings"]):
         kept = int4_codes(tensor.data, tensor.tensor_type, (math.prod(shape[:-1]), shape[-1]))
     elif keep_int4 and kept_int8(tensor.tensor_type, tensor.name, shape):
         kept = gguf_int8.int8_rows(tensor.data, tensor.tensor_type, shape)
@@ -314,6 +314,17 @@ def _read(tensor, name: str, config: dict, dtype: torch.dtype, keep_int4: bool):
     if hybrid:
         values = gguf_hybrid.to_checkpoint(config, name, values)
     return torch.from_numpy(np.array(values, dtype=np.float32)).to(dtype)
+
+
+def _held(name: str, value):
+    """A tensor as the model gets it: 4-bit codes packed (half a byte a weight), an embedding's as a PackedTable
+    (models/layers.Int4Embedding looks up its rows)."""
+    if not isinstance(value, Int4Codes):
+        return value
+    packed = pack(value)
+    if name == "model.embed_tokens.weight":
+        return PackedTable(packed.packed, packed.scales, packed.offsets, packed.group_size, packed.lut, packed.perm)
+    return packed
 
 
 def _per_expert(value, experts: int) -> list:
@@ -348,10 +359,11 @@ def unpermute_rotary(rows: np.ndarray, heads: int) -> np.ndarray:
     return rows.reshape(heads, half, 2, *rows.shape[1:]).swapaxes(2, 1).reshape(rows.shape)
 
 
-def kept_int4(kind: Q, gguf_name: str, shape: tuple[int, ...]) -> bool:
+def kept_int4(kind: Q, gguf_name: str, shape: tuple[int, ...], tied: bool) -> bool:
     """Whether loading with `keep_int4` holds this tensor (HF-order `shape`; stacked experts [experts, out, in])
-    packed: an INT4_TYPES matrix the CPU kernel takes, other than the embedding (looked up by row: held as floats)."""
-    return (kind in INT4_TYPES and not gguf_name.startswith("token_embd") and len(shape) in (2, 3)
+    packed: an INT4_TYPES matrix the CPU kernel takes, the embedding too unless `tied` (an untied one is looked up by
+    row from its packed table, models/layers.Int4Embedding; a tied one is held as floats beside its packed head)."""
+    return (kind in INT4_TYPES and not (tied and gguf_name.startswith("token_embd")) and len(shape) in (2, 3)
             and packable(shape[-2:], Q4_BLOCK))
 
 
