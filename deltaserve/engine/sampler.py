@@ -233,7 +233,8 @@ def _with_logprobs(raw: torch.Tensor, tokens: torch.Tensor, rows: list[SamplingR
     return out
 
 
-def prompt_logprobs(logits: torch.Tensor, next_ids: list[int], top_n: int) -> list[tuple[float, list[tuple[int, float]]]]:
+def prompt_logprobs(logits: torch.Tensor, next_ids: list[int],
+                    top_n: int) -> list[tuple[float, list[tuple[int, float]]]]:
     """Per row of `logits` [rows, vocab] (float32, the row before each token; overwritten), the log-probability of
     its next prompt token and the top_n most likely tokens: in place, so the rows cost one more [rows, vocab] pass
     (budget/lines.py PROMPT_LOGPROB_PASSES), never a copy per row."""
