@@ -126,7 +126,16 @@ def test_pool_refusal_has_the_arithmetic_and_a_max_tokens_that_fits():
 
 
 def test_invalid_max_tokens():
-    assert policy().refusal(10, 0).code == INVALID_MAX_TOKENS
+    assert policy().refusal(10, -1).code == INVALID_MAX_TOKENS
+
+
+def test_max_tokens_zero_scores_a_prompt_up_to_the_whole_context():
+    """max_tokens 0 (a request scoring its prompt: SamplingParams allows it only with prompt_logprobs) reserves the
+    prompt alone: a prompt of the whole context fits, one token more is refused naming the context."""
+    p = policy(context=1_000)
+    assert p.refusal(1_000, 0) is None and p.reservation(1_000, 0).max_new_tokens == 0
+    assert "maximum context length is 1000 tokens" in p.refusal(1_001, 0).message
+    assert p.refusal(1_000, None) is not None  # a generating request still needs room for one token
 
 
 def test_queue_full():

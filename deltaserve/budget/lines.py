@@ -12,6 +12,10 @@ from deltaserve.budget.spec import ModelMemorySpec
 from deltaserve.config import DTYPE_BYTES, EngineConfig, MiB, torch_int4_layout
 
 SAMPLER_PASSES = 6  # [batch, vocab] buffers: fp32 logits, penalised copy, probs, sorted values, int64 indices (2)
+# prompt log-probabilities (SamplingParams.prompt_logprobs): at most this many prompt rows' logits a step, and
+# their log-softmax beside them (engine/scheduler.py caps each step's rows; a prompt is never held whole)
+PROMPT_LOGPROB_ROWS = 64
+PROMPT_LOGPROB_PASSES = 2
 GDN_CHUNK = 64  # chunk length of the chunked gated delta rule (intra-chunk [64, 64] matrices)
 PAGED_ATTENTION_WORKSPACE_BYTES = 256 * MiB  # split-KV partial outputs of a paged kernel (flashinfer-sized)
 CPU_RUNTIME_BYTES = 512 * MiB  # Python + torch + tokenizer + HTTP server, resident before any pool
@@ -132,10 +136,11 @@ def _fixed_lines(spec: ModelMemorySpec, c: EngineConfig, context: int, kind: str
                                 f"{c.max_running_requests} decode) through the widest layer, {c.dtype}"),
         "gdn_workspace": _gdn_workspace_line(spec, rows),
         "attention_workspace": _attention_line(spec, c, context),
-        "sampler": (spec.vocab_size * logits_rows * 4 * SAMPLER_PASSES,
+        "sampler": (spec.vocab_size * 4 * (logits_rows * SAMPLER_PASSES + PROMPT_LOGPROB_ROWS * PROMPT_LOGPROB_PASSES),
                     f"vocab {spec.vocab_size:,} x {logits_rows} logits rows x 4 bytes x {SAMPLER_PASSES} passes"
                     + (f" ({c.max_running_requests} requests x (1 + {c.speculative_tokens} drafts))"
-                       if c.speculative != "off" else "")),
+                       if c.speculative != "off" else "")
+                    + f", and {PROMPT_LOGPROB_ROWS} prompt log-prob rows x {PROMPT_LOGPROB_PASSES} passes"),
         "runtime": runtime,
     }
 

@@ -76,10 +76,11 @@ class AdmissionPolicy:
 
     def refusal(self, prompt_tokens: int, max_tokens: int | None) -> Refusal | None:
         """Why this request can never run (longer than the context, or than the whole pool), else None."""
-        if max_tokens is not None and max_tokens < 1:
-            return Refusal(INVALID_MAX_TOKENS, f"max_tokens must be at least 1, got {max_tokens}.", prompt_tokens,
+        if max_tokens is not None and max_tokens < 0:
+            return Refusal(INVALID_MAX_TOKENS, f"max_tokens must be at least 0, got {max_tokens}.", prompt_tokens,
                            max_tokens)
-        new_tokens = max(self.budget_for(prompt_tokens, max_tokens), 1)  # at least one token must be generated
+        # at least one token must be generated, unless the request only scores its prompt (max_tokens 0)
+        new_tokens = 0 if max_tokens == 0 else max(self.budget_for(prompt_tokens, max_tokens), 1)
         total = prompt_tokens + new_tokens
         if total > self.context_length:
             return Refusal(CONTEXT_LENGTH_EXCEEDED, (

@@ -36,11 +36,16 @@ class SamplingParams:
     skip_special_tokens: bool = True
     grammar: str | None = None  # an llguidance grammar (from a JSON schema) the output must follow
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit); OpenAI's range is [-100, 100]
+    # None: off; n: each prompt token's log-probability and the top n (the first token's is None); with it
+    # max_tokens may be 0: the prompt is scored and nothing generated
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         problems = []
-        if self.max_tokens is not None and self.max_tokens < 1:
-            problems.append(f"max_tokens {self.max_tokens} must be at least 1")
+        least = 0 if self.prompt_logprobs is not None else 1
+        if self.max_tokens is not None and self.max_tokens < least:
+            problems.append(f"max_tokens {self.max_tokens} must be at least {least}"
+                            + ("" if least == 0 else " (0 only with prompt_logprobs)"))
         if self.temperature < 0:
             problems.append(f"temperature {self.temperature} must be >= 0")
         if not 0 < self.top_p <= 1:
@@ -53,6 +58,8 @@ class SamplingParams:
             problems.append(f"repetition_penalty {self.repetition_penalty} must be > 0")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             problems.append(f"logprobs {self.logprobs} must be in 0..20")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
+            problems.append(f"prompt_logprobs {self.prompt_logprobs} must be in 0..20")
         bias = dict(self.logit_bias)
         bad_bias = next(((t, b) for t, b in bias.items() if t < 0 or not -100 <= b <= 100), None)
         if bad_bias is not None:
@@ -75,12 +82,13 @@ class SamplingParams:
 
 @dataclass
 class TokenLogprob:
-    """Log-probability of a chosen token under the raw model distribution, and the `top` most likely ones."""
+    """Log-probability of a chosen token under the raw model distribution, and the `top` most likely ones (both None
+    for a prompt's first token: nothing predicts it)."""
 
     token_id: int
     token: str
-    logprob: float
-    top: list[tuple[int, str, float]]
+    logprob: float | None
+    top: list[tuple[int, str, float]] | None
 
 
 @dataclass
@@ -99,6 +107,8 @@ class RequestOutput:
     cached_tokens: int = 0  # of prompt_tokens, how many came from the prefix cache
     speculative: dict[str, int] | None = None  # {"drafted", "accepted"} so far, when the engine speculates
     stop: str | int | None = None  # what ended a "stop": the stop string matched, or the stop / EOS token id
+    # with the request's first output when it asked for prompt_logprobs: one per prompt token, the first None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 class RequestStream:
@@ -188,6 +198,8 @@ class Request:
     grammar: object = None  # (Grammars, its matcher) when params.grammar is set
     images: PromptImages | None = None  # the prompt's images (engine/multimodal.py), when it has any
     speculative: object = None  # engine/speculative.py SpecState, when the engine speculates
+    # the prompt's log-probabilities scored so far (params.prompt_logprobs), until the first output carries them
+    prompt_logprobs: list[TokenLogprob | None] | None = None
     detokenizer: IncrementalDetokenizer = field(init=False)
     stop_matcher: StopStringMatcher = field(init=False)
 
@@ -197,6 +209,8 @@ class Request:
         self.stop_matcher = StopStringMatcher(list(self.params.stop))
         self._stop_ids = frozenset(self.params.stop_token_ids) | (
             frozenset() if self.params.ignore_eos else self.eos_token_ids)
+        if self.params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None]  # the first prompt token has nothing before it to be predicted from
 
     @property
     def stop_ids(self) -> frozenset[int]:
@@ -225,9 +239,16 @@ class Request:
                finish_reason: str | None = None, error: str | None = None,
                stop: str | int | None = None) -> RequestOutput:
         spec = self.speculative
+        prompt, self.prompt_logprobs = self.prompt_logprobs, None  # sent once, with the first output
         return RequestOutput(self.request_id, text, token_ids or [], logprobs, finish_reason is not None,
                              finish_reason, self.prompt_len, len(self.output_ids), error, self.cached_tokens,
-                             None if spec is None else {"drafted": spec.drafted, "accepted": spec.accepted}, stop)
+                             None if spec is None else {"drafted": spec.drafted, "accepted": spec.accepted}, stop,
+                             prompt)
+
+    def finish_after_prompt(self) -> RequestOutput:
+        """End a request of max_tokens 0 once its prompt is read: "length", no token generated."""
+        self.finish_reason = "length"
+        return self.output(finish_reason="length")
 
     def append_token(self, token_id: int, logprob: TokenLogprob | None) -> RequestOutput:
         """Add a sampled token; decide whether the request stops; return the stream's delta.

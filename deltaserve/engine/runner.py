@@ -10,6 +10,7 @@ import torch
 
 from deltaserve.cache.kv_pool import KVPool
 from deltaserve.cache.state_pool import StatePool
+from deltaserve.engine.sampler import prompt_logprobs
 from deltaserve.engine.scheduler import StepPlan
 from deltaserve.kernels.int4 import decode_rows_first
 from deltaserve.models.batch import ForwardBatch, ModelCaches
@@ -64,6 +65,10 @@ class ModelRunner:
         # the last row of each sampling sequence; every row of a verifying one (row j scores draft j + 1)
         rows = [row for b, (request, _) in enumerate(sequences) if id(request) in sampling
                 for row in range(int(cu_q[b]) if request in plan.drafts else int(cu_q[b + 1]) - 1, int(cu_q[b + 1]))]
+        # after them, the rows that score a prompt_logprobs request's next prompt token (all but the prompt's last)
+        rows += [row for b, (request, n) in enumerate(sequences) if request.params.prompt_logprobs is not None
+                 and not request.prefilled
+                 for row in range(int(cu_q[b]), int(cu_q[b]) + min(n, request.prompt_len - 1 - request.num_cached))]
         state_slots = [self.state_pool.slot(request) for request, _ in sequences]
         to = self.device
         images = self.image_inputs(plan, positions, cu_q) if any(r.images for r, _ in sequences) else {}
@@ -143,4 +148,25 @@ class ModelRunner:
         batch = self.build_batch(plan)
         with decode_rows_first(batch.num_decode):  # --prefill-dtype bfloat16 rounds the prefill rows only
             logits = self.model(batch, self.caches)
-        return logits, batch.logits_argmax
+        argmax = batch.logits_argmax
+        sampled_rows = len(batch.logits_indices) - self.score_prompts(plan, logits)
+        if sampled_rows < len(logits):
+            logits = logits[:sampled_rows]
+            argmax = None if argmax is None else argmax[:sampled_rows]
+        return logits, argmax
+
+    @staticmethod
+    def score_prompts(plan: StepPlan, logits: torch.Tensor) -> int:
+        """plan.prompt_scores from the prompt rows after the sampled ones (packed_batch's order); how many rows."""
+        first = len(logits)
+        for request, n in reversed(plan.prefill):
+            if request.params.prompt_logprobs is None:
+                continue
+            count = min(n, request.prompt_len - 1 - request.num_cached)
+            if count <= 0:
+                continue
+            first -= count
+            start = request.num_cached + 1  # row j predicts prompt token num_cached + j + 1
+            plan.prompt_scores[request] = prompt_logprobs(
+                logits[first:first + count], request.prompt_ids[start:start + count], request.params.prompt_logprobs)
+        return len(logits) - first

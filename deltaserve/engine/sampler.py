@@ -231,3 +231,17 @@ def _with_logprobs(raw: torch.Tensor, tokens: torch.Tensor, rows: list[SamplingR
         top = list(zip(top_ids[j, :n].tolist(), top_values[j, :n].tolist())) if n else []
         out[i].logprob, out[i].top = chosen[j], top
     return out
+
+
+def prompt_logprobs(logits: torch.Tensor, next_ids: list[int],
+                    top_n: int) -> list[tuple[float, list[tuple[int, float]]]]:
+    """Per row of `logits` [rows, vocab] (float32, the row before each token; overwritten), the log-probability of
+    its next prompt token and the top_n most likely tokens: in place, so the rows cost one more [rows, vocab] pass
+    (budget/lines.py PROMPT_LOGPROB_PASSES), never a copy per row."""
+    logprobs = logits.sub_(logits.logsumexp(-1, keepdim=True))
+    index = torch.tensor(next_ids, dtype=torch.long, device=logits.device).unsqueeze(1)
+    chosen = logprobs.gather(1, index).squeeze(1).tolist()
+    if not top_n:
+        return [(lp, []) for lp in chosen]
+    values, ids = logprobs.topk(top_n, dim=-1)
+    return [(lp, list(zip(i, v))) for lp, i, v in zip(chosen, ids.tolist(), values.tolist())]

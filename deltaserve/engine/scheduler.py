@@ -26,6 +26,7 @@ import math
 from collections import Counter, deque
 from dataclasses import dataclass, field
 
+from deltaserve.budget.lines import PROMPT_LOGPROB_ROWS
 from deltaserve.cache.kv_pool import KVPool, PoolCorruption, PoolExhausted
 from deltaserve.cache.prefix import PrefixCache
 from deltaserve.cache.state_pool import StatePool
@@ -66,6 +67,9 @@ class StepPlan:
     drafts: dict[Request, list[int]] = field(default_factory=dict)  # of each verifying request
     # GDN states after each draft row of a verifying request: (request, rows read, slot in the snapshot tensors)
     draft_snapshots: list[tuple[Request, int, int]] = field(default_factory=list)
+    # filled in by the runner: each prompt_logprobs request's scores of the prompt tokens after its chunk's rows,
+    # as (logprob, top [(token id, logprob)]) per token, in prompt order
+    prompt_scores: dict[Request, list[tuple[float, list[tuple[int, float]]]]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.sampling is None:
@@ -139,8 +143,8 @@ class Scheduler:
             self.running.append(request)
             if self.speculation is not None:
                 request.speculative = SpecState()
-            if self.prefix_cache is not None:
-                self._take_hit(request)
+            if self.prefix_cache is not None and request.params.prompt_logprobs is None:
+                self._take_hit(request)  # a request scoring its prompt computes every position: no hit to skip them
 
     def _take_hit(self, request: Request) -> None:
         """Start the request from its cached prefix and pick where its prefill stores pages and GDN checkpoints."""
@@ -179,6 +183,7 @@ class Scheduler:
         # chunk plus the decode rows this step leaves unused ends in it: a step of its own for the last few tokens
         # reads every weight again (SmolLM2's 528-token prompt: 512 + 16 rows took ~0.85 + ~0.05 s, 528 at once ~0.88).
         spare = self.policy.state_slots - len(decode)
+        scored_rows = PROMPT_LOGPROB_ROWS  # prompt_logprobs rows this step may still return (the ledger's bound)
         for request in self.running:
             if budget <= 0:
                 break
@@ -191,6 +196,11 @@ class Scheduler:
                     n = min(n, request.images.ready_until(request.num_cached) - request.num_cached)
                     if n <= 0:
                         continue
+                if request.params.prompt_logprobs is not None:
+                    n = min(n, scored_rows)
+                    if n <= 0:
+                        continue
+                    scored_rows -= n
                 prefill.append((request, n))
                 spare -= max(0, n - budget)
                 budget -= n
@@ -278,8 +288,15 @@ class Scheduler:
                 if self.prefix_cache is not None and start < request.prompt_len:
                     self._store_checkpoints(request, start, snapshots)
         self.prompt_tokens_total += sum(n for _, n in plan.prefill)
+        for request, _ in plan.prefill:
+            if request.params.prompt_logprobs is not None and not request.finished:
+                self._add_prompt_logprobs(request, plan.prompt_scores.get(request, []))
         for request, choices in zip(plan.sampling, sampled):
             if request.finished:
+                continue
+            if request.max_new_tokens == 0:  # max_tokens 0: the prompt is scored, its sampled token dropped
+                request.stream.put(request.finish_after_prompt())
+                self._release(request, "length")
                 continue
             choices = choices if isinstance(choices, list) else [choices]
             if request in plan.drafts:
@@ -330,6 +347,16 @@ class Scheduler:
                 else:
                     key = (request, p)
                     self.prefix_cache.store(request, tokens, p, snapshot=key if key in snapshots else None)
+
+    def _add_prompt_logprobs(self, request: Request, scores: list[tuple[float, list[tuple[int, float]]]]) -> None:
+        """Name the scored prompt tokens (the ones after those already scored) and keep them for the first output."""
+        if request.prompt_logprobs[0] is None:  # the first token, named, with no log-prob (nothing predicts it)
+            request.prompt_logprobs[0] = TokenLogprob(request.prompt_ids[0], self.token_names(request.prompt_ids[0]),
+                                                      None, None)
+        first = len(request.prompt_logprobs)
+        for token_id, (logprob, top) in zip(request.prompt_ids[first:], scores):
+            request.prompt_logprobs.append(TokenLogprob(token_id, self.token_names(token_id), logprob,
+                                                        [(t, self.token_names(t), lp) for t, lp in top]))
 
     def _logprob(self, request: Request, choice: Sampled) -> TokenLogprob | None:
         if request.params.logprobs is None or choice.logprob is None:

@@ -44,6 +44,7 @@ class Generation:
         count = len(streams)
         self.texts: list[list[str]] = [[] for _ in range(count)]
         self.logprobs: list[list[TokenLogprob] | None] = [None] * count
+        self.prompt_logprobs: list[list[TokenLogprob] | None] = [None] * count  # echoed prompts' scores
         self.finish_reasons: list[str | None] = [None] * count
         self.completion_tokens = [0] * count
         self.token_ids: list[list[int]] = [[] for _ in range(count)]  # each choice's output ids (stop reasons)
@@ -109,6 +110,8 @@ class Generation:
         self.token_ids[i] += out.token_ids
         if out.logprobs:
             self.logprobs[i] = (self.logprobs[i] or []) + list(out.logprobs)
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs[i] = out.prompt_logprobs
         self.completion_tokens[i] = max(self.completion_tokens[i], out.completion_tokens)
         self.cached_tokens[i] = max(self.cached_tokens[i], out.cached_tokens)
         if out.speculative is not None:
@@ -127,7 +130,8 @@ class Generation:
 
     def results(self) -> list[openai_translate.ChoiceResult]:
         """Each finished choice's whole text, reason and logprobs."""
-        return [openai_translate.ChoiceResult(i, "".join(self.texts[i]), self.finish_reasons[i], self.logprobs[i])
+        return [openai_translate.ChoiceResult(i, "".join(self.texts[i]), self.finish_reasons[i], self.logprobs[i],
+                                              prompt_logprobs=self.prompt_logprobs[i])
                 for i in range(len(self.streams))]
 
     def usage(self) -> openai_translate.Usage:

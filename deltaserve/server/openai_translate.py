@@ -57,8 +57,15 @@ def _check_common(req: _SamplingFields) -> None:
         if req.best_of is not None and req.best_of != req.n:
             raise ProtocolError(f"best_of: only best_of == n is supported (got best_of={req.best_of}, n={req.n})",
                                 "best_of")
-        if req.echo and req.logprobs is not None:
-            raise ProtocolError("echo: echo with logprobs (prompt log-probabilities) is not supported", "echo")
+        scored = req.echo and req.logprobs is not None
+        if req.max_tokens == 0 and not scored:
+            raise ProtocolError("max_tokens: 0 only scores the prompt: it needs echo true and logprobs set",
+                                "max_tokens")
+        if scored and req.n != 1:
+            raise ProtocolError(f"n: echo with logprobs scores the prompt once: n must be 1, got {req.n}", "n")
+        if scored and req.stream:
+            raise ProtocolError("stream: echo with logprobs (prompt log-probabilities) is not streamed; "
+                                "send stream false", "stream")
 
 
 def stop_strings(req: _SamplingFields) -> tuple[str, ...]:
@@ -197,6 +204,7 @@ def sampling_params(req: _SamplingFields, choice: int, grammar: str | None = Non
         "stop": stop_strings(req), "stop_token_ids": tuple(req.stop_token_ids or ()),
         "ignore_eos": req.ignore_eos, "logprobs": logprobs_count(req),
         "skip_special_tokens": req.skip_special_tokens, "grammar": grammar, "logit_bias": logit_bias(req),
+        "prompt_logprobs": req.logprobs if isinstance(req, CompletionRequest) and req.echo else None,
     }
     if req.top_k is not None and req.top_k <= 0:
         options["top_k"] = None  # -1 / 0 mean "no top-k" in the OpenAI-compatible dialects
@@ -239,15 +247,21 @@ def chat_logprobs(entries: list[TokenLogprob], token_bytes) -> ChatLogprobs:
     return ChatLogprobs(content=content)
 
 
-def completion_logprobs(entries: list[TokenLogprob], text_start: int) -> CompletionLogprobs:
-    """Completions-style logprobs; `text_start` is the offset of the first token in the choice's text."""
-    offsets, offset = [], text_start
-    for e in entries:
-        offsets.append(offset)
-        offset += len(e.token)
+def completion_logprobs(entries: list[TokenLogprob], text_start: int,
+                        prompt: list[TokenLogprob] | None = None) -> CompletionLogprobs:
+    """Completions-style logprobs; `text_start` is the offset of the first token in the choice's text; `prompt`:
+    an echoed prompt's tokens before them, from offset 0 (the first one's log-prob and top None)."""
+    offsets = []
+    for start, part in ((0, prompt or []), (text_start, entries)):
+        for e in part:
+            offsets.append(start)
+            start += len(e.token)
+    both = (prompt or []) + entries
     return CompletionLogprobs(
-        tokens=[e.token for e in entries], token_logprobs=[_logprob(e.logprob) for e in entries],
-        top_logprobs=[{text: _logprob(lp) for _, text, lp in e.top} for e in entries], text_offset=offsets)
+        tokens=[e.token for e in both],
+        token_logprobs=[None if e.logprob is None else _logprob(e.logprob) for e in both],
+        top_logprobs=[None if e.top is None else {text: _logprob(lp) for _, text, lp in e.top} for e in both],
+        text_offset=offsets)
 
 
 def finish_reason(engine_reason: str | None, called: bool = False) -> FinishReason | None:
@@ -275,6 +289,7 @@ class ChoiceResult:
     finish_reason: str | None
     logprobs: list[TokenLogprob] | None
     reasoning: str | None = None
+    prompt_logprobs: list[TokenLogprob] | None = None  # an echoed prompt's (SamplingParams.prompt_logprobs)
     tool_calls: list | None = None  # text.tool_parsers.ToolCall
 
 
@@ -327,7 +342,8 @@ def completion(meta: ResponseMeta, choices: list[ChoiceResult], totals: Usage, e
     """The non-streamed completions body; `echoes[i]` is the prompt text echoed before choice i."""
     return Completion(id=meta.id, created=meta.created, model=meta.model, usage=totals, choices=[
         CompletionChoice(index=c.index, text=echoes[c.index] + c.text, finish_reason=finish_reason(c.finish_reason),
-                         logprobs=None if c.logprobs is None else completion_logprobs(c.logprobs, len(echoes[c.index])))
+                         logprobs=None if c.logprobs is None and c.prompt_logprobs is None
+                         else completion_logprobs(c.logprobs or [], len(echoes[c.index]), c.prompt_logprobs))
         for c in choices]).model_dump()
 
 
