@@ -162,7 +162,7 @@ def describe(engine) -> EngineInfo:
         max_prefill_tokens=engine.config.prefill_chunk_tokens, budget=engine.budget,
         accepts_images=engine.accepts_images, images_refusal=engine.images_refusal(),
         image_marker=_image_marker(engine), image_limits=engine.image_limits, image_settings=engine.image_settings,
-        admission=engine.scheduler.policy)
+        admission=engine.admission)
 
 
 def _image_marker(engine) -> str:

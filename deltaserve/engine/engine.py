@@ -147,7 +147,8 @@ class Engine:
         if c.speculative != "off":
             self.speculation = Speculation(self.mtp_drafter or NgramDrafter(), c.speculative_tokens, snapshot_pool=(
                 snapshots.view(ckpt_slots, draft_slots) if snapshots is not None else None))
-        policy = AdmissionPolicy.from_budget(budget, c.max_queue)
+        # the ledger's numbers admission decides by: the scheduler's, and EngineInfo's for the door's checks
+        self.admission = policy = AdmissionPolicy.from_budget(budget, c.max_queue)
         self.scheduler = Scheduler(self.kv_pool, self.state_pool, policy, prefill_chunk_tokens=c.prefill_chunk_tokens,
                                    token_names=self.tokenizer.token_str, prefix_cache=self.prefix_cache,
                                    checkpoint_interval_tokens=c.checkpoint_interval_tokens,
