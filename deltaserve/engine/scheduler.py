@@ -204,12 +204,13 @@ class Scheduler:
                 prefill.append((request, n))
                 spare -= max(0, n - budget)
                 budget -= n
-        plan = StepPlan([r for r in decode if r not in drafts], prefill, verify=[r for r in decode if r in drafts],
-                        drafts=drafts)
-        for request, n in plan.sequences:
+        verify = [r for r in decode if r in drafts]
+        decode = [r for r in decode if r not in drafts]
+        # pages first (in StepPlan.sequences' order), then the plan of what still runs: a growth can fail a request
+        for request, n in [(r, 1) for r in decode] + [(r, 1 + len(drafts[r])) for r in verify] + prefill:
             self._grow(request, request.num_cached + n)
-        verify = [r for r in plan.verify if not r.finished]
-        plan = StepPlan([r for r in plan.decode if not r.finished], [(r, n) for r, n in plan.prefill if not r.finished],
+        verify = [r for r in verify if not r.finished]
+        plan = StepPlan([r for r in decode if not r.finished], [(r, n) for r, n in prefill if not r.finished],
                         verify=verify, drafts={r: drafts[r] for r in verify})
         if self.prefix_cache is not None and self.prefix_cache.checkpoints is not None:
             plan.snapshots = self._reserve_snapshots(plan.prefill)
