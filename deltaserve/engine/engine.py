@@ -50,8 +50,9 @@ from deltaserve.engine.loader import LoadedModel, load_model, return_freed_memor
 from deltaserve.engine.multimodal import ImagePromptError, PromptImages, expand_prompt
 from deltaserve.engine.request import Request, RequestStream, SamplingParams, TokenLogprob
 from deltaserve.engine.runner import ModelRunner
+from deltaserve.engine.sampler import sample
 from deltaserve.engine.mtp_drafter import MtpDrafter
-from deltaserve.engine.speculative import NgramDrafter, Speculation, sample_step
+from deltaserve.engine.speculative import NgramDrafter, Speculation, verify_step
 from deltaserve.engine.scheduler import QueueFull, RequestRefused, Scheduler
 from deltaserve.kernels import decode_cpu, fused_cpu, int4_cpu, int4_int8, linear_cpu, paged_cpu, prefill_cpu
 from deltaserve.models.arena import pack_weights
@@ -520,7 +521,8 @@ class Engine:
             self._hook("after_schedule")
             logits, argmax = self.runner.forward(plan)
             self._hook("during_forward")
-            sampled = sample_step(logits, plan, argmax)
+            # a plain step samples each request's row; a step that verifies drafts is speculation's own
+            sampled = verify_step(logits, plan, argmax) if plan.drafts else sample(logits, plan.sampling, argmax)
             self._hook("after_sampling")
             self._hook("before_complete")
         except Exception as e:  # includes torch.OutOfMemoryError: this step's requests fail, not the process

@@ -272,7 +272,8 @@ class Scheduler:
     def complete(self, plan: StepPlan, sampled: list[Sampled | list[Sampled]]) -> list[tuple[Request, Exception]]:
         """Advance the caches' fill, append the sampled tokens, stream the deltas, finish what stopped.
 
-        `sampled`: per request of plan.sampling, its token, or its tokens (engine/speculative.py's sample_step).
+        `sampled`: per request of plan.sampling, its token (engine/sampler.py's `sample`), or its tokens
+        (engine/speculative.py's `verify_step`, in a step that verifies drafts).
 
         A request whose own token fails (decoding, a stop check) is returned with its error, for the engine to
         fail alone; the others in the step go on."""

@@ -286,13 +286,12 @@ class _Row:
     grammar: object
 
 
-def sample_step(logits: torch.Tensor, plan, argmax: torch.Tensor | None = None) -> list[list[Sampled]]:
-    """The tokens each of `plan.sampling` gets this step (one for a plain row, 1..k+1 for a verifying request),
-    from logits rows in the runner's order: one per plain request, 1 + k per verifying request (`argmax`: each row's
-    argmax where the model computed it, else None)."""
+def verify_step(logits: torch.Tensor, plan, argmax: torch.Tensor | None = None) -> list[list[Sampled]]:
+    """The tokens each of `plan.sampling` gets in a step that verifies drafts (one for a plain row, sampled by
+    engine/sampler.py's `sample`; 1..k+1 for a verifying request, by `verify`), from logits rows in the runner's
+    order: one per plain request, 1 + k per verifying request (`argmax`: each row's argmax where the model computed
+    it, else None). A step without drafts calls `sample` itself (Engine._run)."""
     drafts = plan.drafts
-    if not drafts:
-        return [[s] for s in sample(logits, plan.sampling, argmax)]
     plain_rows, spans, row = [], [], 0
     for request in plan.sampling:
         n = 1 + len(drafts.get(request, ()))
