@@ -21,6 +21,7 @@ The rules, in docs/architecture.md's words:
 from __future__ import annotations
 
 import ast
+import re
 from collections import defaultdict
 from pathlib import Path
 
@@ -214,3 +215,35 @@ def test_the_surface_rule_sees_engine_uses():
                for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.Attribute)
                and isinstance(node.value, ast.Name) and node.value.id == "engine"}
     assert {"info", "submit_all", "tokenizer"} <= touched
+
+
+# (f): docstrings under these units state contracts; measured timings live in bench/results and docs/benchmarks.md
+CONTRACT_UNITS = ("engine", "models")
+TIMING = re.compile(r"\d(?:[\d.,]*\d)?\s?(?:ms|us|µs|ns|tok/s|GB/s|MB/s)\b|~\d[\d.]*\s?s\b|\bmeasured on\b",
+                    re.IGNORECASE)
+
+
+def _timings_in_docstrings(path: Path) -> list[str]:
+    """`file:line: text` for each measured timing in the module's, its classes' and its functions' docstrings."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            doc = ast.get_docstring(node, clean=False) or ""
+            found += [f"{path}:{getattr(node, 'lineno', 1)}: {m.group(0)!r}" for m in TIMING.finditer(doc)]
+    return found
+
+
+def test_engine_and_model_docstrings_state_contracts_not_timings():
+    found = [hit for unit in CONTRACT_UNITS for path in sorted((PACKAGE / unit).rglob("*.py"))
+             for hit in _timings_in_docstrings(path)]
+    assert not found, ("a measured timing in a docstring of " + ", ".join(CONTRACT_UNITS) + "/ (move it to a "
+                       "bench/results lab-notes record, then python bench/results.py):\n" + "\n".join(found))
+
+
+def test_the_timing_rule_sees_timings(tmp_path):
+    """The timing rule is not vacuous: the forms the docstrings used before are found, a shape or a count is not."""
+    module = tmp_path / "planted.py"
+    module.write_text('"""A step is ~7.5 ms on 2 cores."""\n\n\ndef f():\n    """At 2.9x (145.7 against 50.8 tok/s); '
+                      'a pass ~155 us; built on first use (~0.5 s); Measured on Zen 4."""\n\n\n'
+                      'def g():\n    """[T, 1, rd] rows, 16 requests, 2 MB pages, 1 + k rows."""\n')
+    assert len(_timings_in_docstrings(module)) == 5

@@ -158,7 +158,7 @@ class Engine:
                                   paged_kernel=c.attention_backend == "paged",
                                   snapshot_pool=snapshots)
         if self.device.type == "cpu":
-            if c.dtype != "float32":  # measured on SmolLM2, Zen 4, 2 threads: decode 55 vs 165 tok/s, prefill no faster
+            if c.dtype != "float32":  # the native kernels are float32: the log line says what that costs
                 self._log(f"note: --dtype {c.dtype} on CPU: the native kernels take float32 only, so each step goes "
                           "op by op in torch (decode ~3x slower than float32 here); float32 is the CPU default")
             _keep_step_memory()

@@ -23,7 +23,7 @@ class GrammarError(ValueError):
 
 
 class Grammars:
-    """Matchers for one engine's tokenizer; the llguidance tokenizer is built on first use (~0.5 s)."""
+    """Matchers for one engine's tokenizer; the llguidance tokenizer is built on first use (not at load)."""
 
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, eos_token_ids: frozenset[int]):
         self.tokenizer, self.vocab_size, self.eos_token_ids = tokenizer, vocab_size, sorted(eos_token_ids)

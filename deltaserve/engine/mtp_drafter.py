@@ -5,8 +5,7 @@ After every step (`observe`), the head runs over each request's rows the step ke
 row t pairs the target's hidden state at t (every row's, kept by the model's forward) with the token at t + 1 (the
 prompt's next token, an accepted draft, or the token sampled this step), and writes the head's K/V at t (its layer
 of the KV pool, the request's own page slots). Rejected draft rows are never fed to it. The kept rows of all the
-step's requests go through the head in one pass (one read of its weights: a pass per request made 16 running
-requests of the weight-bound bench hybrid run at x0.67 of speculation off, one pass x0.92). The last kept row's
+step's requests go through the head in one pass (one read of its weights, not one a request). The last kept row's
 output is kept until the request's next step; it becomes the first draft (greedy, through the vocabulary projection)
 only when the request drafts, since a 248K-token projection costs a real model as much as a few layers. `propose`
 chains the head from there: draft j + 1 from (h' of draft j's row, draft j), at position num_cached + j - 1, its K/V
@@ -16,8 +15,7 @@ hidden state. A step too crowded for drafts to pay (engine/speculative.py observ
 are retired (`retire`), since the head's K/V of theirs now has a hole.
 
 On CPU the head's rows run as decode rows of the native blocks (models/mtp.py rows: its layer in one decode_stack
-call, the target's decode path), elsewhere op by op, one request at a time. Measured on the fitted tiny head (H 64,
-Sapphire Rapids, 2 threads): a pass of one row took ~155 us op by op, ~100 us so; a head this small is all call
+call, the target's decode path), elsewhere op by op, one request at a time: a head this small is mostly call
 overhead.
 
 Drafts are greedy (a point mass): the verifier's rejection sampling is exact for them at any temperature.

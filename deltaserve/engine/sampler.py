@@ -165,8 +165,7 @@ def _top_k_top_p(row: torch.Tensor, p: SamplingParams) -> None:
         kth = _largest(row, p.top_k)[-1]
         row.masked_fill_(row < kth, float("-inf"))
     if p.top_p < 1:
-        # what top-p chooses among: the row, or the values top-k kept (numpy's partition of a row of mostly -inf
-        # took ~0.4 ms)
+        # what top-p chooses among: the row, or the values top-k kept (a partition of a row of mostly -inf is slow)
         values = row if kth is None else row[row >= kth]
         size = values.shape[0]
         top = values.max()
@@ -187,14 +186,13 @@ def _top_k_top_p(row: torch.Tensor, p: SamplingParams) -> None:
 
 def _exp_below(values: torch.Tensor, top: torch.Tensor) -> torch.Tensor:
     """exp(values - top), the differences clamped at -87: a result below float32's smallest normal number (exp(-87.3))
-    took the CPU's slow path, ~250 us for a peaked 49,152-wide row instead of ~40; a token that far below the top
-    weighs under 1e-37 next to its 1."""
+    takes the CPU's slow path (denormals); a token that far below the top weighs under 1e-37 next to its 1."""
     return (values - top).clamp_(min=-87.0).exp_()
 
 
 def _largest(row: torch.Tensor, n: int) -> torch.Tensor:
-    """The n largest values of a row, largest first. On CPU numpy's partition and sort: torch's CPU sort of a
-    49,152-wide row took ~4 ms, numpy's ~0.25 ms, its partition to 256 and their sort ~0.05 ms."""
+    """The n largest values of a row, largest first. On CPU numpy's partition and sort, which beat torch's CPU sort of
+    a vocabulary-wide row (the timings: bench/results/2026-12-05T0000Z-lab-notes-sampler.json)."""
     if row.device.type != "cpu":
         return row.topk(n).values
     values = row.numpy()

@@ -181,7 +181,7 @@ class Scheduler:
         budget -= sum(map(len, drafts.values()))
         # The ledger prices a step of a chunk beside one decode row per state slot. A prompt whose rest fits in the
         # chunk plus the decode rows this step leaves unused ends in it: a step of its own for the last few tokens
-        # reads every weight again (SmolLM2's 528-token prompt: 512 + 16 rows took ~0.85 + ~0.05 s, 528 at once ~0.88).
+        # reads every weight again.
         spare = self.policy.state_slots - len(decode)
         scored_rows = PROMPT_LOGPROB_ROWS  # prompt_logprobs rows this step may still return (the ledger's bound)
         for request in self.running:

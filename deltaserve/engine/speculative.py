@@ -28,8 +28,9 @@ maximizes its expected tokens per unit of what they cost (`draft_len`), priced o
 (`Speculation.draft_costs`, from step times measured while serving, `StepCosts`): a request's plain token costs its
 share of a decode step of B requests, t(B) / B; k drafts add t(R + k) - t(R) to a decode-only step of R rows; in a
 step that carries a prompt chunk (run per op, not as decode rows) a verifying request costs more than it gains, so
-none drafts there. At batch 1 a draft row is ~0.2 of the step, so drafting pays; at batch 16 a row is ~0.9 of a
-request's share (a CPU decode step of many rows is arithmetic, not weight reads), so it almost never does. A request
+none drafts there. A draft row is cheap beside a lone request's step, so drafting pays there, and costs nearly a
+request's share of a crowded CPU step (a decode step of many rows is arithmetic, not weight reads), so it almost never
+does there (the numbers: bench/results/2026-12-07T1900Z-lab-notes-engine-models.json). A request
 at k = 0 probes with one draft now and then, so an estimate that recovers is seen. A drafter that reads every
 step's rows (the MTP head) costs a pass a step even where nobody drafts; where that pass costs more than drafts
 could gain in the step (`Speculation.observing_pays`: a crowded CPU step), the step's requests are retired from it.
@@ -57,12 +58,8 @@ NGRAM_MIN = 1
 ACCEPTANCE_SMOOTHING = 0.3  # weight of the newest verification in a request's acceptance estimate
 ACCEPTANCE_PRIOR = 0.6  # the estimate before a request's first verification
 # A decode step of R rows (decode rows and draft rows alike: a verifying request's rows run as decode rows of the
-# native one-call path, models/batch.py as_decode_rows) costs about STEP_FIXED_ROWS + R rows' worth until measured.
-# Measured on SmolLM2 (int4 projections, 2026-12-06): at batch 1 a draft row costs ~0.18 of a one-row step (900-token
-# context, 2 threads), which is 1 / (STEP_FIXED_ROWS + 1); one thread, 550-token context: 1, 2, 4, 8, 16 rows took
-# 19, 25, 32, 59, 104 ms, verifying steps the same for their total rows (4 verifying x 3 drafts beside 4 decode: 118
-# ms for 20 rows). So a draft row is cheap beside one request's step and costs nearly a whole request's share of a
-# 16-row step.
+# native one-call path, models/batch.py as_decode_rows) costs about STEP_FIXED_ROWS + R rows' worth until measured
+# (the prior's source, SmolLM2's step times by rows: bench/results/2026-12-07T1900Z-lab-notes-engine-models.json).
 STEP_FIXED_ROWS = 4.5
 STEP_TIME_SMOOTHING = 0.1  # weight of the newest step in the running step times
 STALE_STEPS = 256  # decode steps after which a row count's running time no longer prices drafts
@@ -125,7 +122,7 @@ class StepCosts:
     def observe(self, rows: int, seconds: float) -> None:
         """One decode step's wall time. The first step of each row count is not kept: it carries one-time costs
         (arguments built lazily for that shape, first touches), and a count measured slow once and then never drafted
-        again would keep a draft looking dear (seen with the MTP head: a 3-row step's first 1.8 ms against ~1.0)."""
+        again would keep a draft looking dear (seen with the MTP head's first steps)."""
         self.steps += 1
         first = rows not in self.last
         self.last[rows] = self.steps
@@ -206,8 +203,8 @@ class Speculation:
     def draft_costs(self, step: StepRows, k_max: int) -> list[float]:
         """What 1..k_max drafts of one request add to the step, in units of that request's plain token (its share of
         a decode step of step.requests rows). In a step that carries a prompt chunk the step runs per op, not as
-        decode rows, and a verifying request there cost ~0.1 s more than its rows at the chunk's rate (SmolLM2, one
-        thread, 16 requests: 1.13 s against 0.97 s, one to two drafts each): priced as not paying."""
+        decode rows, and a verifying request there costs more than its rows at the chunk's rate: priced as not
+        paying."""
         if step.prefill:
             return [math.inf] * k_max
         fixed, per_row = self.costs.decode_line(step.requests / 2, step.rows + k_max)
@@ -257,9 +254,7 @@ class Speculation:
         Where it does not pay (a crowded step on a CPU, where a draft row costs nearly a request's share), the
         step's requests are retired from drafting: a request the head skipped has holes in the head's K/V, so it is
         not drafted for again (requests that start later are). Not decided before both costs were measured, nor in
-        a step with a prompt chunk (drafts never ride there, and the chunk passes soon). Measured on the
-        weight-bound bench hybrid (bench/spec.py --method mtp): 16 requests at once x0.92 of speculation off while
-        read, ~x1.0 retired; 4 at once drafting pays (x1.3-1.5) and they stay read."""
+        a step with a prompt chunk (drafts never ride there, and the chunk passes soon)."""
         if not self.adaptive or self.observe_s is None or step.prefill or not self.costs.decode_s:
             return True
         fixed, per_row = self.costs.decode_line(step.requests / 2, step.rows)

@@ -4,10 +4,9 @@ A decode step reads every weight once, layer after layer. Held as the loader mad
 allocations in 4 KB pages: the step's ~100 MB of SmolLM2 cross ~24,000 pages, a page-table walk each, and each
 projection starts a new stream. Moved into one anonymous mapping that asks the kernel for transparent huge pages
 (madvise MADV_HUGEPAGE: Linux's THP in its default `madvise` mode), in the order the modules hold them (a layer's
-projections after one another, layer after layer), the same bytes read faster: measured on a 2-core Sapphire Rapids
-VM, a SmolLM2 Q4_1 decode step 4.36-4.76 -> 4.13-4.42 ms, the tiny hybrid's 1.17-1.20 -> 1.11-1.13 ms (a plain read
-of 98 MB: ~40 -> ~47 GB/s with 2 MB pages). It is what llama.cpp's one mapped file gives its weights, with the pages
-llama.cpp does not ask for.
+projections after one another, layer after layer), the same bytes read faster (the timings:
+bench/results/2026-12-07T1900Z-lab-notes-engine-models.json). It is what llama.cpp's one mapped file gives its
+weights, with the pages llama.cpp does not ask for.
 
 The values are the same tensors' bytes, copied once at load: every parameter and buffer becomes a view of the buffer
 (a tensor two modules share, as a tied head's codes, stays one view), so the ledger's weights line and the engine's

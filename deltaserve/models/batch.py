@@ -105,7 +105,7 @@ class ForwardBatch:
 
         Only the logits rows matter there: when those are at most one per sequence (a prefill's last token), its
         queries, attention and MLP run for them alone. A prefill chunk of one token is pruned too: as a decode row
-        its attention reads the pages in place instead of gathering its whole context (at 9.6K tokens: 3 ms)."""
+        its attention reads the pages in place instead of gathering its whole context."""
         rows = self.logits_indices
         fewer = len(rows) < len(self.input_ids) or self.num_decode < self.num_seqs
         return rows if len(rows) <= self.num_seqs and fewer else None

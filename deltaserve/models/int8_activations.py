@@ -5,11 +5,9 @@ block of 32 and multiplied by integer dot products; the rest keep their float32 
 The swap moves each weight's bytes into the kernel's 16-row panels (the same bytes: the ledger's weights line does
 not change) and makes each layer an Int8DotLinear (models/layers.py). A vocabulary projection tied to an int8
 embedding takes the panels too where the CPU has a dot-product instruction (AVX-512 VNNI, AVX-VNNI), and the
-embedding becomes a PanelEmbedding reading its rows from them, so the table is held once, as before. There 8-bit
-weights on the dot product decoded SmolLM2's Q8_0 file at 2.9x the float32 path (145.7 against 50.8 tok/s,
-Sapphire Rapids); on AVX2 alone, where vpmaddubsw takes a byte a nibble at a time, the float32 path is as fast or
-faster (its 49152 x 576 head on Zen 3, 2 threads: 1 row 1.66 ms float32 against 2.19 ms int8, 4 rows 3.99 against
-4.11), so a tied head stays there. The fused decode
+embedding becomes a PanelEmbedding reading its rows from them, so the table is held once, as before. On AVX2 alone,
+where vpmaddubsw takes a byte a nibble at a time, the float32 path is as fast or faster, so a tied head stays there
+(the timings: bench/results/2026-12-07T1900Z-lab-notes-engine-models.json). The fused decode
 blocks (kernels/decode_cpu.py) take those layers too (projection_parts): a block quantizes its normed input once for
 all the projections reading it, so a decode step stays one native call.
 """

@@ -115,8 +115,8 @@ class Rotary(nn.Module):
         return cos.unsqueeze(1), sin.unsqueeze(1)
 
     def rows(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos_sin's values as two contiguous [T, rd] tensors, what the fused decode blocks take (~10 us a decode
-        step where cos_sin's [T, 1, rd] and two copies of its rows took ~35)."""
+        """cos_sin's values as two contiguous [T, rd] tensors, what the fused decode blocks take (no [T, 1, rd] view
+        and copies of its rows)."""
         if positions.dim() == 2:
             freqs3 = positions.float().unsqueeze(2) * self.inv_freq  # [3, T, rd/2]
             index = self.mrope_axis.expand(1, positions.shape[1], -1)
@@ -131,9 +131,9 @@ class Rotary(nn.Module):
 
     def table(self, positions: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """rows() of every text position below `positions` ([P, rd] each, P >= positions), kept and grown by
-        doubling: a decode step's cos / sin are then two row gathers of it (~29 us of ops a step on a cache the
-        weights had just streamed through, ~3 so), the same values bit for bit; None past ROTARY_TABLE_POSITIONS
-        (then rows() computes them; the table stays within 2 x ROTARY_TABLE_POSITIONS x rd floats)."""
+        doubling: a decode step's cos / sin are then two row gathers of it, the same values bit for bit; None past
+        ROTARY_TABLE_POSITIONS (then rows() computes them; the table stays within 2 x ROTARY_TABLE_POSITIONS x rd
+        floats)."""
         if positions > ROTARY_TABLE_POSITIONS:
             return None
         if self._table is None or self._table[0].shape[0] < positions:
@@ -185,7 +185,7 @@ def embedding(num: int, dim: int) -> nn.Embedding:
     """A frozen embedding table whose weights come from a checkpoint (on the meta device until load_weights).
 
     Handed its meta weight, nn.Embedding skips its normal_ init: on a meta tensor that runs through torch's reference
-    ops, whose first call imports torch._dynamo (~1 s of every start, for numbers nobody reads)."""
+    ops, whose first call imports torch._dynamo (paid at every start, for numbers nobody reads)."""
     table = nn.Embedding(num, dim, _weight=torch.empty(num, dim, device="meta"))
     table.requires_grad_(False)
     return table
@@ -399,8 +399,8 @@ class FusedParts:
 
 def current_parts(layers: nn.ModuleList) -> list:
     """Every decoder layer's FusedParts for its input norm weight as it is now (a decode step's check that the parts
-    were built from the loaded weights), read through the module dictionaries: nn.Module's attribute fallback for
-    submodules and parameters made this ~60 us a step for SmolLM2's 30 layers, the dictionaries ~8."""
+    were built from the loaded weights), read through the module dictionaries, not nn.Module's slower attribute
+    fallback (a decode step asks it every step)."""
     return [layer.fused.get(layer._modules["input_layernorm"]._parameters["weight"])
             for layer in layers._modules.values()]
 

@@ -110,9 +110,8 @@ class MtpHead(nn.Module):
         to context_slots[i, :positions[i] + 1], the slots of its sequence's positions 0 .. positions[i] (every row's
         K/V is written before any row attends: rows of one sequence at consecutive positions attend causally).
         `caches`: the pool's tensors, the head's K/V at index kv_layer; `paged_kernel` False: the portable attention
-        backend, which these blocks do not serve. A pass of the fitted tiny head (H 64) took ~155 us as one call per
-        block and op, of which the norms' and the layer's Python was half; the rows of every request a step kept
-        go in one pass (engine/mtp_drafter.py observe), one read of the head's weights for them all."""
+        backend, which these blocks do not serve. The rows of every request a step kept go in one pass
+        (engine/mtp_drafter.py observe), one read of the head's weights for them all."""
         n = tokens.shape[0]
         batch = ForwardBatch(input_ids=tokens, positions=torch.tensor(positions, dtype=torch.long),
                              q_lens=[1] * n, cached_lens=positions, num_decode=n,
