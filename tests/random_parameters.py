@@ -1,5 +1,5 @@
 """Tiny random models with no constant parameter: transformers initialises biases to 0 (and norms to 0 or 1), and a
-parameter left at its initial constant proves nothing about how a loader reads it (DESIGN.md, how we prove)."""
+parameter left at its initial constant proves nothing about how a loader reads it."""
 
 from __future__ import annotations
 

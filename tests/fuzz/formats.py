@@ -37,7 +37,7 @@ MODEL_CLASSES = {
 
 def random_model(case: Case) -> torch.nn.Module:
     """The case's tiny random model: norms and dt_bias moved off their 0 / 1 initial values, and every other parameter
-    the config initialises to a constant (attention biases) drawn (DESIGN.md: a bias left at zero proves nothing)."""
+    the config initialises to a constant (attention biases) drawn (a bias left at zero proves nothing)."""
     config_cls, model_cls = MODEL_CLASSES[case.family]
     torch.manual_seed(case.seed)
     config = config_cls(**case.config)
