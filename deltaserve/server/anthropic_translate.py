@@ -18,7 +18,8 @@ from deltaserve.engine.request import SamplingParams
 from deltaserve.images import ImageSource, data_url
 from deltaserve.server.anthropic_wire import Block, MessagesRequest, _Body, error_body
 from deltaserve.server.chat import ChatRequest
-from deltaserve.server.protocol import ProtocolError, validation_message
+from deltaserve.server.output_request import forced_tool, format_schema
+from deltaserve.server.protocol import ProtocolError, sse_event, validation_message
 from deltaserve.text.chat_output import ChatOutputParser, OutputDelta
 from deltaserve.text.tool_parsers import ToolCall
 
@@ -58,13 +59,10 @@ def to_chat(req: MessagesRequest, image_marker: str | None = None) -> ChatReques
                                                "parameters": t.input_schema}} for t in req.tools or []] or None
     choice, name = "auto", None
     if req.tool_choice is not None:
-        choice = {"auto": "auto", "any": "required", "tool": "named", "none": "none"}[req.tool_choice.type]
-        name = req.tool_choice.name
-        if choice in ("required", "named") and not tools:
-            raise ProtocolError(f"tool_choice: {req.tool_choice.type!r} needs a non-empty 'tools' list", "tool_choice")
-        if choice == "named" and name not in {t.name for t in req.tools}:
-            raise ProtocolError(f"tool_choice.name: tool {name!r} is not among the tools "
-                                f"({', '.join(t.name for t in req.tools)})", "tool_choice.name")
+        kind = {"any": "required", "tool": "named"}.get(req.tool_choice.type)
+        forced = forced_tool(kind, req.tool_choice.name, [t.name for t in req.tools or []],
+                             repr(req.tool_choice.type))
+        choice, name = forced or ("none" if req.tool_choice.type == "none" else "auto", req.tool_choice.name)
     kwargs: dict = {"tools": tools} if tools else {}
     thinking = _thinking(req)
     if thinking is not None:
@@ -105,10 +103,7 @@ def _output_schema(req: MessagesRequest) -> dict | None:
     fmt = req.output_config.format if req.output_config else None
     if fmt is None:
         return None
-    if fmt.get("type") != "json_schema" or not isinstance(fmt.get("schema"), dict):
-        raise ProtocolError("output_config.format: must be {'type': 'json_schema', 'schema': {...}} "
-                            f"(got {json.dumps(fmt)[:80]})", "output_config.format")
-    return fmt["schema"]
+    return format_schema(fmt.get("type"), fmt.get("schema"), "output_config.format", kinds=("json_schema",))
 
 
 def _text_of(content: str | list[Block], where: str) -> str:
@@ -234,7 +229,7 @@ def _tool_id(call_id: str) -> str:
 
 def event(name: str, data: dict) -> bytes:
     """One server-sent event with Anthropic's `event:` line."""
-    return f"event: {name}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n".encode()
+    return sse_event(data, name)
 
 
 class BlockStream:
