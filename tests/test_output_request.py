@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from deltaserve.server import anthropic_translate, openai_translate, responses_translate
+from deltaserve.server import anthropic_stream, anthropic_translate, openai_translate, responses_translate
 from deltaserve.server.anthropic_wire import MessagesRequest
 from deltaserve.server.openai_wire import ChatCompletionRequest
 from deltaserve.server.protocol import ProtocolError, sse_event
@@ -98,7 +98,7 @@ def test_an_unknown_format_is_the_same_400(make, fields, param):
 
 def test_every_stream_is_framed_by_one_function():
     body = {"type": "ping", "text": "é"}
-    assert anthropic_translate.event("ping", body) == sse_event(body, "ping") == \
+    assert anthropic_stream.event("ping", body) == sse_event(body, "ping") == \
         f"event: ping\ndata: {json.dumps(body, ensure_ascii=False)}\n\n".encode()
     responses = ItemStream(ServedTools()).event("response.created", text="é")
     assert responses == sse_event({"type": "response.created", "sequence_number": 0, "text": "é"}, "response.created")

@@ -2,7 +2,7 @@
 
 The one shape every API has: parse (anthropic_wire.py, anthropic_translate.py), the chat request and its
 SamplingParams (the shared chat step, chat.py; generation.py `choice_params`), the engine's events (generation.py
-`submit`), render (anthropic_translate.py: the body, or the stream events).
+`submit`), render (anthropic_translate.py the body, anthropic_stream.py the stream events).
 Errors under these paths are answered in Anthropic's shape (app.py).
 """
 
@@ -14,6 +14,7 @@ import uuid
 from fastapi import FastAPI, Request
 
 from deltaserve.server import anthropic_translate
+from deltaserve.server.anthropic_stream import stream_events
 from deltaserve.server.anthropic_wire import CountTokensRequest, MessagesRequest
 from deltaserve.server.chat import encode_chat, prepare_chat
 from deltaserve.server.generation import EventStream, choice_params, collect, submit
@@ -35,8 +36,8 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
 
         if req.stream:
             outputs = (out async for _, out in gen.events())
-            return EventStream(anthropic_translate.stream_events(outputs, ChatOutputParser(chat.settings), msg_id,
-                                                                 model, gen.prompt_len(0)), gen)
+            return EventStream(stream_events(outputs, ChatOutputParser(chat.settings), msg_id, model,
+                                             gen.prompt_len(0)), gen)
         await collect(request, gen, state)
         reasoning, text, calls = parse_whole(chat.settings, gen.results()[0].text)
         stop, counts = anthropic_translate.stop_sequence(gen.stops[0]), gen.counts()

@@ -1,7 +1,7 @@
 """The engine requests behind one HTTP request (prompts × n choices), whatever API it came by: its SamplingParams
 checked, submitted through the engine's door, read on the event loop as one stream of engine outputs, counted, and
 collected whole or relayed as the API's server-sent events (EventStream). It knows no API's bodies: each API's
-adapter renders the outputs, results and counts (openai_stream.py, anthropic_translate.py, responses_stream.py)."""
+adapter renders the outputs, results and counts (openai_stream.py, anthropic_stream.py, responses_stream.py)."""
 
 from __future__ import annotations
 

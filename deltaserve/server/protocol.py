@@ -4,9 +4,9 @@ shape, which the admin routes, the guards and the drain answer in too) and serve
 stream).
 
 Each API's own field names live in its own modules: openai_wire.py (the bodies), openai_translate.py (to and from
-engine terms) and openai_stream.py; anthropic_wire.py and anthropic_translate.py; responses_wire.py,
-responses_translate.py, responses_tools.py and responses_stream.py. What a request asks of its output (a forced tool
-call, a JSON-schema format) is checked once for all of them in output_request.py.
+engine terms) and openai_stream.py; anthropic_wire.py, anthropic_translate.py and anthropic_stream.py;
+responses_wire.py, responses_translate.py, responses_tools.py and responses_stream.py. What a request asks of its
+output (a forced tool call, a JSON-schema format) is checked once for all of them in output_request.py.
 """
 
 from __future__ import annotations
