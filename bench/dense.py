@@ -62,14 +62,17 @@ def prompt(tokens: int, seed: int) -> list[int]:
 
 class Ours:
     def __init__(self, path: str, longest: int, dequantize: bool, prefill_dtype: str = "float32",
-                 activation_dtype: str | None = None):  # None: the default (int8 on CPU)
+                 activation_dtype: str | None = None, config=None):  # None: the default (int8 on CPU)
+        """An Engine on `path` sized for prompts of `longest` tokens, or on `config` when given (bench/real_size.py:
+        the defaults `serve` takes)."""
         from deltaserve.config import EngineConfig
         from deltaserve.engine.engine import Engine
 
         chosen = {} if activation_dtype is None else {"activation_dtype": activation_dtype}
-        config = EngineConfig(model=path, device="cpu", max_total_tokens=4 * longest, dequantize_weights=dequantize,
-                              prefill_chunk_tokens=longest, max_running_requests=4, prefill_dtype=prefill_dtype,
-                              **chosen, prefix_cache=False)  # each repeat reads its prompt again, as llama-bench does
+        config = config or EngineConfig(
+            model=path, device="cpu", max_total_tokens=4 * longest, dequantize_weights=dequantize,
+            prefill_chunk_tokens=longest, max_running_requests=4, prefill_dtype=prefill_dtype, **chosen,
+            prefix_cache=False)  # each repeat reads its prompt again, as llama-bench does
         self.engine = Engine(config, log=None)
         self.weight_bytes = self.engine.measured_bytes()["weights"]
         self.tokens: list[int] = []  # the last run's generated ids

@@ -9,6 +9,7 @@ import pytest
 from anthropic.lib.streaming._messages import accumulate_event
 
 from deltaserve.engine.request import RequestOutput
+from deltaserve.server import anthropic_stream
 from deltaserve.server import anthropic_translate as wire
 from deltaserve.server.protocol import ProtocolError
 from deltaserve.text.chat_output import ChatOutputParser, ChatOutputSettings, parse_whole
@@ -30,7 +31,7 @@ def stream_bytes(text: str, piece_chars: int) -> list[bytes]:
             yield RequestOutput("r", piece, [n], None, last, "stop" if last else None, 3, n + 1)
 
     async def collect():
-        events = wire.stream_events(outputs(), ChatOutputParser(SETTINGS), "msg_1", "m", 3)
+        events = anthropic_stream.stream_events(outputs(), ChatOutputParser(SETTINGS), "msg_1", "m", 3)
         return [e async for e in events]
 
     return asyncio.run(collect())

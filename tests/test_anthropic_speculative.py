@@ -5,6 +5,7 @@ import asyncio
 import json
 
 from deltaserve.engine.request import RequestOutput
+from deltaserve.server import anthropic_stream
 from deltaserve.server import anthropic_translate as wire
 from deltaserve.text.chat_output import ChatOutputParser, ChatOutputSettings
 
@@ -18,8 +19,8 @@ def final_usage(counts: list[dict | None]) -> dict:
             yield RequestOutput("r", "ab", [n], None, last, "stop" if last else None, 3, n + 1, speculative=spec)
 
     async def collect():
-        return [e async for e in wire.stream_events(outputs(), ChatOutputParser(ChatOutputSettings()), "msg_1", "m",
-                                                    3)]
+        parser = ChatOutputParser(ChatOutputSettings())
+        return [e async for e in anthropic_stream.stream_events(outputs(), parser, "msg_1", "m", 3)]
 
     events = [json.loads(e.split(b"data: ", 1)[1]) for e in asyncio.run(collect())]
     return next(e for e in events if e["type"] == "message_delta")["usage"]

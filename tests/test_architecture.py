@@ -14,8 +14,13 @@ The rules, in docs/architecture.md's words:
   (d) arrows point down deploy -> server -> engine -> (cache, models, text) -> kernels, never up; nothing imports
       server/ but deploy/ and cli, nothing imports deploy/ or the plan command but cli (so `plan` and `deploy`
       never import each other: both use budget/);
-  (e) the server enters the engine through one door (engine/door.py): of engine/ it imports only SERVER_DOOR, and
-      of an Engine it touches only ENGINE_SURFACE (any `engine.x`, `state.engine.x`, `self.engine.x` in server/).
+  (e) the server enters the engine through one door (engine/door.py): of engine/ it imports only SERVER_DOOR's
+      modules and of each only the names SERVER_DOOR lists (never a scheduler, a pool, a lock), and of an Engine it
+      touches only ENGINE_SURFACE (any `engine.x`, `state.engine.x`, `self.engine.x` in server/);
+  (f) one shape for every API: an API adapter (ADAPTERS: the openai*, anthropic* and responses* modules of server/)
+      imports no other adapter, and the shared modules every adapter stands on (SHARED_BY_APIS) import no adapter;
+  (g) docstrings of engine/ and models/ state contracts: a measured timing (ms, us, tok/s, "measured on") lives in a
+      bench/results record, not there.
 """
 
 from __future__ import annotations
@@ -45,11 +50,19 @@ IMPORTED_ONLY_BY = {
 # (d): arrows that break a rule today, each with the file, the issue that removes it, and why it waits. Entries are
 # (importing module, imported unit). None today.
 ALLOWED: set[tuple[str, str]] = set()
-# (e): the engine modules server/ may import: the Engine (its class, for loading it, and EngineStats), the door's
-# types (EngineInfo, Submission, Refused, prepare_images), SamplingParams and the streams, and internal_error (the
-# one wording of an internal error for clients)
-SERVER_DOOR = {"deltaserve.engine.engine", "deltaserve.engine.door", "deltaserve.engine.request",
-               "deltaserve.engine.errors"}
+# (e): the engine modules server/ may import, and the names it may import of each: the Engine (its class, for loading
+# it, and EngineStats), the door's types (EngineInfo, Submission, Refused, prepare_images, MAX_CHOICES),
+# SamplingParams, the streams and their outputs, and internal_error (the one wording of an internal error for clients)
+SERVER_DOOR = {
+    "deltaserve.engine.engine": {"Engine", "EngineStats"},
+    "deltaserve.engine.door": {"EngineInfo", "Submission", "Refused", "prepare_images", "MAX_CHOICES"},
+    "deltaserve.engine.request": {"SamplingParams", "RequestOutput", "RequestStream", "TokenLogprob"},
+    "deltaserve.engine.errors": {"internal_error"},
+}
+# (f): each API's adapter modules under server/, by name prefix; an adapter imports none of another API's
+ADAPTERS = {"openai": ("openai",), "anthropic": ("anthropic",), "responses": ("responses", "response_store")}
+# (f): the shared generation code every adapter uses, which knows no API (server/ modules, without the package)
+SHARED_BY_APIS = {"generation", "chat", "protocol", "state", "output_request"}
 # (e): what server/ may touch of an Engine: its description, its tokenizer (text/'s Tokenizer: encode, decode, chat
 # templates), the door, and the calls an operator's routes and the drain make
 ENGINE_SURFACE = {"info", "tokenizer", "submit_all", "abort", "stats", "flush_cache", "start", "shutdown"}
@@ -217,7 +230,56 @@ def test_the_surface_rule_sees_engine_uses():
     assert {"info", "submit_all", "tokenizer"} <= touched
 
 
-# (f): docstrings under these units state contracts; measured timings live in bench/results and docs/benchmarks.md
+def test_server_imports_only_the_doors_names():
+    """(e) by name: `from deltaserve.engine.x import y` in server/ names only what SERVER_DOOR lists for x, and
+    engine modules are not imported whole (`import deltaserve.engine.x` would reach anything in them)."""
+    wrong = []
+    for path in sorted((PACKAGE / "server").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            where = f"{path.relative_to(PACKAGE.parent)}:{getattr(node, 'lineno', 0)}"
+            if isinstance(node, ast.Import):
+                wrong += [f"{where} imports {a.name} whole" for a in node.names
+                          if a.name.startswith("deltaserve.engine")]
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("deltaserve.engine"):
+                allowed = SERVER_DOOR.get(node.module, set())
+                wrong += [f"{where} imports {a.name} from {node.module}" for a in node.names if a.name not in allowed]
+    assert not wrong, "server/ imports of engine/ only: " + \
+        "; ".join(f"{m}: {', '.join(sorted(n))}" for m, n in SERVER_DOOR.items()) + "\n" + "\n".join(wrong)
+
+
+def _api_of(module: str) -> str | None:
+    """The API whose adapter a server/ module is, or None (shared, or the app's own)."""
+    if _unit(module) != "server":
+        return None
+    name = module.removeprefix("deltaserve.server.")
+    return next((api for api, prefixes in ADAPTERS.items() if name.startswith(prefixes)), None)
+
+
+def test_api_adapters_import_no_other_adapter():
+    wrong = [f"{m} ({_api_of(m)}) imports {t} ({_api_of(t)})" for m, targets in _graph().items() if _api_of(m)
+             for t in targets if _api_of(t) not in (None, _api_of(m))]
+    assert not wrong, "an API's adapter imports only its own modules and the shared ones:\n" + "\n".join(wrong)
+
+
+def test_shared_generation_code_imports_no_api():
+    graph = _graph()
+    wrong = [f"server.{name} imports {t}" for name in sorted(SHARED_BY_APIS)
+             for t in graph[f"deltaserve.server.{name}"] if _api_of(t)]
+    assert not wrong, "the shared modules (" + ", ".join(sorted(SHARED_BY_APIS)) + ") know no API:\n" + \
+        "\n".join(wrong)
+
+
+def test_the_adapter_rules_see_every_api():
+    """The adapter rules are not vacuous: each API has its modules, and each stands on the shared generation code."""
+    graph = _graph()
+    for api in ADAPTERS:
+        modules = [m for m in graph if _api_of(m) == api]
+        assert len(modules) >= 3, (api, modules)
+        assert any("deltaserve.server.generation" in graph[m] for m in modules), api
+    assert all(f"deltaserve.server.{name}" in graph for name in SHARED_BY_APIS)
+
+
+# (g): docstrings under these units state contracts; measured timings live in bench/results and docs/benchmarks.md
 CONTRACT_UNITS = ("engine", "models")
 TIMING = re.compile(r"\d(?:[\d.,]*\d)?\s?(?:ms|us|µs|ns|tok/s|GB/s|MB/s)\b|~\d[\d.]*\s?s\b|\bmeasured on\b",
                     re.IGNORECASE)

@@ -318,9 +318,10 @@ def test_usage_reports_drafts_only_when_speculating(hybrid_folder, tmp_path):
     """A real server with --speculative ngram: /v1/completions' usage carries the drafted and accepted counts
     (the engine's per-request counters); a server without speculation sends no such key."""
     from deltaserve.server import openai_translate
+    from deltaserve.server.generation import TokenCounts
     from server_util import running_server
 
-    assert "speculative" not in openai_translate.usage(3, 4, 0).model_dump()
+    assert "speculative" not in openai_translate.usage(TokenCounts(3, 4, 0)).model_dump()
     prompt = random_prompt(20, 9, HYBRID_VOCAB) * 4  # repeats itself: prompt lookup finds drafts
     with running_server(tmp_path, "--model", hybrid_folder, "--speculative", "ngram", "--max-total-tokens", "4096",
                         "--max-running-requests", "2") as server:

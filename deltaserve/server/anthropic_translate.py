@@ -1,25 +1,24 @@
-"""Anthropic's Messages API in engine terms: a request as the shared chat step's ChatRequest (server/chat.py), its
-SamplingParams, and engine outputs as the response body and stream events (message_start, content blocks,
-message_delta, message_stop, ping).
+"""Anthropic's Messages API in engine terms: a request as the shared chat step's ChatRequest (server/chat.py) and
+its SamplingParams, and engine outputs as the response body, its stop reason and usage.
 
-Only this module and anthropic_wire.py know Anthropic's field names; the routes in anthropic.py hand it engine outputs.
+Only this module, anthropic_wire.py and anthropic_stream.py (the stream events) know Anthropic's field names; the
+routes in anthropic.py hand them engine outputs.
 """
 
 from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import AsyncIterator
 from typing import Any
 
 from pydantic import ValidationError
 
 from deltaserve.engine.request import SamplingParams
 from deltaserve.images import ImageSource, data_url
-from deltaserve.server.anthropic_wire import Block, MessagesRequest, _Body, error_body
+from deltaserve.server.anthropic_wire import Block, MessagesRequest, _Body
 from deltaserve.server.chat import ChatRequest
+from deltaserve.server.output_request import forced_tool, format_schema
 from deltaserve.server.protocol import ProtocolError, validation_message
-from deltaserve.text.chat_output import ChatOutputParser, OutputDelta
 from deltaserve.text.tool_parsers import ToolCall
 
 BILLING_HEADER = "x-anthropic-billing-header:"  # Claude Code's first system line (see _system_text)
@@ -58,13 +57,10 @@ def to_chat(req: MessagesRequest, image_marker: str | None = None) -> ChatReques
                                                "parameters": t.input_schema}} for t in req.tools or []] or None
     choice, name = "auto", None
     if req.tool_choice is not None:
-        choice = {"auto": "auto", "any": "required", "tool": "named", "none": "none"}[req.tool_choice.type]
-        name = req.tool_choice.name
-        if choice in ("required", "named") and not tools:
-            raise ProtocolError(f"tool_choice: {req.tool_choice.type!r} needs a non-empty 'tools' list", "tool_choice")
-        if choice == "named" and name not in {t.name for t in req.tools}:
-            raise ProtocolError(f"tool_choice.name: tool {name!r} is not among the tools "
-                                f"({', '.join(t.name for t in req.tools)})", "tool_choice.name")
+        kind = {"any": "required", "tool": "named"}.get(req.tool_choice.type)
+        forced = forced_tool(kind, req.tool_choice.name, [t.name for t in req.tools or []],
+                             repr(req.tool_choice.type))
+        choice, name = forced or ("none" if req.tool_choice.type == "none" else "auto", req.tool_choice.name)
     kwargs: dict = {"tools": tools} if tools else {}
     thinking = _thinking(req)
     if thinking is not None:
@@ -105,10 +101,7 @@ def _output_schema(req: MessagesRequest) -> dict | None:
     fmt = req.output_config.format if req.output_config else None
     if fmt is None:
         return None
-    if fmt.get("type") != "json_schema" or not isinstance(fmt.get("schema"), dict):
-        raise ProtocolError("output_config.format: must be {'type': 'json_schema', 'schema': {...}} "
-                            f"(got {json.dumps(fmt)[:80]})", "output_config.format")
-    return fmt["schema"]
+    return format_schema(fmt.get("type"), fmt.get("schema"), "output_config.format", kinds=("json_schema",))
 
 
 def _text_of(content: str | list[Block], where: str) -> str:
@@ -221,106 +214,13 @@ def message_body(msg_id: str, model: str, reasoning: str, text: str, calls: list
         content.append({"type": "thinking", "thinking": reasoning, "signature": ""})
     if text or not calls:
         content.append({"type": "text", "text": text})
-    content += [{"type": "tool_use", "id": _tool_id(c.id), "name": c.name, "input": json.loads(c.arguments)}
+    content += [{"type": "tool_use", "id": tool_id(c.id), "name": c.name, "input": json.loads(c.arguments)}
                 for c in calls]
     return {"id": msg_id, "type": "message", "role": "assistant", "model": model, "content": content,
             "stop_reason": reason, "stop_sequence": stop_sequence,
             "usage": {**usage(input_tokens, cached_tokens, speculative), "output_tokens": output_tokens}}
 
 
-def _tool_id(call_id: str) -> str:
+def tool_id(call_id: str) -> str:
+    """A call's id as Anthropic writes tool_use ids."""
     return "toolu_" + call_id.removeprefix("call_")
-
-
-def event(name: str, data: dict) -> bytes:
-    """One server-sent event with Anthropic's `event:` line."""
-    return f"event: {name}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n".encode()
-
-
-class BlockStream:
-    """Turns OutputDeltas into content_block_* events: one block per kind in order (thinking, text, each call)."""
-
-    def __init__(self):
-        self.index = -1
-        self.open: tuple | None = None  # ("thinking",) | ("text",) | ("tool", call index)
-        self.called = False
-
-    def events(self, delta: OutputDelta) -> list[bytes]:
-        out: list[bytes] = []
-        if delta.reasoning:
-            out += self._ensure(("thinking",), {"type": "thinking", "thinking": "", "signature": ""})
-            out.append(self._delta({"type": "thinking_delta", "thinking": delta.reasoning}))
-        if delta.content:
-            out += self._ensure(("text",), {"type": "text", "text": ""})
-            out.append(self._delta({"type": "text_delta", "text": delta.content}))
-        for piece in delta.calls:
-            if piece.name is not None:
-                self.called = True
-                out += self._ensure(("tool", piece.index), {"type": "tool_use", "id": _tool_id(piece.id),
-                                                            "name": piece.name, "input": {}})
-            if piece.arguments:
-                out.append(self._delta({"type": "input_json_delta", "partial_json": piece.arguments}))
-        return out
-
-    def close(self) -> list[bytes]:
-        """The stop of the open block (an answer with no block at all gets one empty text block)."""
-        out = [] if self.open is not None else self._ensure(("text",), {"type": "text", "text": ""})
-        out.append(event("content_block_stop", {"type": "content_block_stop", "index": self.index}))
-        self.open = None
-        return out
-
-    def _ensure(self, kind: tuple, block: dict) -> list[bytes]:
-        if self.open == kind:
-            return []
-        out = self.close() if self.open is not None else []
-        self.index += 1
-        self.open = kind
-        out.append(event("content_block_start", {"type": "content_block_start", "index": self.index,
-                                                 "content_block": block}))
-        return out
-
-    def _delta(self, delta: dict) -> bytes:
-        return event("content_block_delta", {"type": "content_block_delta", "index": self.index, "delta": delta})
-
-
-async def stream_events(outputs: AsyncIterator, parser: ChatOutputParser, msg_id: str, model: str,
-                        input_tokens: int) -> AsyncIterator[bytes]:
-    """The Messages stream: message_start, ping, content blocks, message_delta, message_stop.
-
-    `outputs` yields engine RequestOutputs and raises on failure (sent as an `error` event);
-    the last output's finish reason and stop (the stop sequence the engine matched) end it. The prefix
-    cache's part of the prompt is known once the request starts: message_start counts the whole prompt as read,
-    message_delta's cumulative usage says what the cache supplied.
-    """
-    start = {"id": msg_id, "type": "message", "role": "assistant", "model": model, "content": [],
-             "stop_reason": None, "stop_sequence": None, "usage": {**usage(input_tokens, 0), "output_tokens": 0}}
-    yield event("message_start", {"type": "message_start", "message": start})
-    yield event("ping", {"type": "ping"})
-    blocks, output_tokens, cached_tokens, speculative = BlockStream(), 0, 0, None
-    finish, stop = None, None
-    try:
-        async for out in outputs:
-            output_tokens = max(output_tokens, out.completion_tokens)
-            if out.speculative is not None:
-                speculative = out.speculative
-            cached_tokens = max(cached_tokens, out.cached_tokens)
-            delta = parser.push(out.text)
-            for piece in blocks.events(delta):
-                yield piece
-            if out.finished:
-                finish, stop = out.finish_reason, out.stop
-                for piece in blocks.events(parser.flush()):
-                    yield piece
-    except Exception as e:  # the status line has gone out: the failure is an error event
-        status = getattr(e, "status", 500)
-        yield event("error", error_body(status, getattr(e, "message", f"{type(e).__name__}: {e}")))
-        return
-    for piece in blocks.close():
-        yield piece
-    sequence = stop_sequence(stop)
-    reason = stop_reason(finish, parser.called, sequence)
-    yield event("message_delta", {"type": "message_delta", "delta": {"stop_reason": reason,
-                                                                     "stop_sequence": sequence},
-                                  "usage": {**usage(input_tokens, cached_tokens, speculative),
-                                            "output_tokens": output_tokens}})
-    yield event("message_stop", {"type": "message_stop"})

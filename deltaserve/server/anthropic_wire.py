@@ -1,6 +1,6 @@
 """Anthropic's Messages API wire types: the request bodies of /v1/messages and /v1/messages/count_tokens as pydantic
 models, and Anthropic's error shape. Turning a request into a chat for the template, and engine outputs into
-Anthropic's bodies and stream events, is anthropic_translate.py.
+Anthropic's bodies, is anthropic_translate.py; its stream events are anthropic_stream.py.
 """
 
 from __future__ import annotations

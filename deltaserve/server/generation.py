@@ -1,5 +1,7 @@
-"""The engine requests behind one HTTP request (prompts × n choices): submitted through the engine's door, read on
-the event loop as one stream, collected whole or relayed as server-sent events."""
+"""The engine requests behind one HTTP request (prompts × n choices), whatever API it came by: its SamplingParams
+checked, submitted through the engine's door, read on the event loop as one stream of engine outputs, counted, and
+collected whole or relayed as the API's server-sent events (EventStream). It knows no API's bodies: each API's
+adapter renders the outputs, results and counts (openai_stream.py, anthropic_stream.py, responses_stream.py)."""
 
 from __future__ import annotations
 
@@ -7,6 +9,7 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
+from dataclasses import dataclass
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
@@ -16,13 +19,35 @@ from deltaserve.engine.door import Refused, Submission
 from deltaserve.engine.engine import Engine
 from deltaserve.engine.errors import internal_error
 from deltaserve.engine.request import RequestOutput, RequestStream, SamplingParams, TokenLogprob
-from deltaserve.server import openai_translate, protocol
 from deltaserve.server.drain import REFUSED, RETRY_AFTER_S
 from deltaserve.server.metrics import ServerMetrics
+from deltaserve.server.protocol import ProtocolError
 from deltaserve.server.state import ApiError, ServerState, refused_error
-from deltaserve.text.chat_output import ChatOutputParser, OutputDelta
 
 DISCONNECT_POLL_S = 0.1  # how often a non-streamed request checks that its client is still there
+
+
+@dataclass
+class ChoiceResult:
+    """One finished choice, in engine terms."""
+
+    index: int
+    text: str
+    finish_reason: str | None
+    logprobs: list[TokenLogprob] | None
+    reasoning: str | None = None
+    prompt_logprobs: list[TokenLogprob] | None = None  # an echoed prompt's (SamplingParams.prompt_logprobs)
+    tool_calls: list | None = None  # text.tool_parsers.ToolCall
+
+
+@dataclass(frozen=True)
+class TokenCounts:
+    """A request's token counts, which every API's usage is rendered from."""
+
+    prompt_tokens: int  # each prompt once, as the engine counts it (images widened)
+    completion_tokens: int  # over all choices
+    cached_tokens: int = 0  # of prompt_tokens, what the prefix cache supplied
+    speculative: dict[str, int] | None = None  # {"drafted", "accepted"} draft tokens, only where speculating
 
 
 class GenerationFailed(Exception):
@@ -128,13 +153,13 @@ class Generation:
         if out.finish_reason == "abort":
             raise GenerationFailed("the request was aborted by the server (shutting down?)", 503, "aborted")
 
-    def results(self) -> list[openai_translate.ChoiceResult]:
+    def results(self) -> list[ChoiceResult]:
         """Each finished choice's whole text, reason and logprobs."""
-        return [openai_translate.ChoiceResult(i, "".join(self.texts[i]), self.finish_reasons[i], self.logprobs[i],
-                                              prompt_logprobs=self.prompt_logprobs[i])
+        return [ChoiceResult(i, "".join(self.texts[i]), self.finish_reasons[i], self.logprobs[i],
+                             prompt_logprobs=self.prompt_logprobs[i])
                 for i in range(len(self.streams))]
 
-    def usage(self) -> openai_translate.Usage:
+    def counts(self) -> TokenCounts:
         """Prompt tokens count once per prompt (not per choice); completion tokens add up over choices.
 
         A prompt's cached tokens are its first choice's (the choices of one prompt are computed once each)."""
@@ -145,7 +170,7 @@ class Generation:
         prompt_tokens = sum(self.prompt_len(i) for i in first_choice.values())
         counted = [s for s in self.speculative if s is not None]
         speculative = {k: sum(s[k] for s in counted) for k in ("drafted", "accepted")} if counted else None
-        return openai_translate.usage(prompt_tokens, sum(self.completion_tokens), cached, speculative)
+        return TokenCounts(prompt_tokens, sum(self.completion_tokens), cached, speculative)
 
     def prompt_len(self, i: int) -> int:
         """Choice i's prompt tokens as the engine counts them (image tokens included)."""
@@ -166,6 +191,17 @@ class Generation:
         for stream, reason in zip(self.streams, self.finish_reasons):
             if reason is None:
                 self.engine.abort(stream.request_id)
+
+
+def choice_params(build: Callable[[int], SamplingParams], n: int = 1) -> list[SamplingParams]:
+    """SamplingParams for choices 0..n-1 from an API's translator (`build(choice)`); a value SamplingParams refuses
+    is a 400 saying why (a ProtocolError keeps the field it names)."""
+    try:
+        return [build(j) for j in range(n)]
+    except ProtocolError:
+        raise
+    except ValueError as e:  # SamplingParams' own checks
+        raise ApiError(400, str(e)) from None
 
 
 async def submit(state: ServerState, engine: Engine, prompts: list[list[int]], params: list[SamplingParams],
@@ -222,71 +258,6 @@ async def collect(request: Request, gen: Generation, state: ServerState) -> None
     finally:
         task.cancel()
         gen.close()
-
-
-async def chat_events(gen: Generation, meta: openai_translate.ResponseMeta, include_usage: bool,
-                      token_bytes: Callable[[int], bytes],
-                      parsers: list[ChatOutputParser] | None = None) -> AsyncIterator[bytes]:
-    """The chat stream: each choice's role, its deltas (text, reasoning, tool calls, with logprobs), its finish;
-    usage; [DONE]. `parsers[i]` splits choice i's text (none: the text is all content)."""
-    for i in range(len(gen.streams)):
-        yield openai_translate.chat_chunk(meta, i, role=True)
-    async for i, out in _failures_as_events(gen):
-        if isinstance(out, bytes):
-            yield out
-            return
-        parser = parsers[i] if parsers else None
-        delta = parser.push(out.text) if parser else OutputDelta(content=out.text)
-        if out.finished and parser:
-            rest = parser.flush()
-            delta = OutputDelta(delta.reasoning + rest.reasoning, delta.content + rest.content,
-                                delta.calls + rest.calls)
-        if delta or out.logprobs:
-            yield openai_translate.chat_chunk(
-                meta, i, text=delta.content or (None if delta.reasoning or delta.calls else ""),
-                reasoning=delta.reasoning, calls=delta.calls, logprobs=out.logprobs, token_bytes=token_bytes)
-        if out.finished:
-            yield openai_translate.chat_chunk(meta, i, text=None, finish=out.finish_reason,
-                                              called=bool(parser and parser.called))
-    if include_usage:
-        yield openai_translate.chat_usage_chunk(meta, gen.usage())
-    yield protocol.SSE_DONE
-
-
-async def completion_events(gen: Generation, meta: openai_translate.ResponseMeta, include_usage: bool,
-                            echoes: list[str]) -> AsyncIterator[bytes]:
-    """The completions stream: echoed prompts, text deltas (with logprobs), finishes; usage; [DONE]."""
-    offsets = [len(e) for e in echoes]
-    for i, echo in enumerate(echoes):
-        if echo:
-            yield openai_translate.completion_chunk(meta, i, echo)
-    async for i, out in _failures_as_events(gen):
-        if isinstance(out, bytes):
-            yield out
-            return
-        if out.text or out.logprobs:
-            yield openai_translate.completion_chunk(meta, i, out.text, logprobs=out.logprobs,
-                                                    text_start=offsets[i])
-            offsets[i] += len(out.text)
-        if out.finished:
-            yield openai_translate.completion_chunk(meta, i, "", finish=out.finish_reason)
-    if include_usage:
-        yield openai_translate.completion_usage_chunk(meta, gen.usage())
-    yield protocol.SSE_DONE
-
-
-async def _failures_as_events(gen: Generation) -> AsyncIterator[tuple[int, RequestOutput | bytes]]:
-    """The merged outputs; a failure becomes one error event and [DONE] (the status line has already gone out)."""
-    try:
-        async for item in gen.events():
-            yield item
-    except GenerationFailed as e:
-        yield -1, protocol.sse_event(protocol.error_body(e.message, protocol.error_type(e.status),
-                                                         code=e.code)) + protocol.SSE_DONE
-    except Exception as e:  # an internal failure ends this stream only
-        message = internal_error(gen.log, "a stream failed", e)
-        yield -1, protocol.sse_event(protocol.error_body(message, "server_error", code="internal_error")) \
-            + protocol.SSE_DONE
 
 
 class EventStream(StreamingResponse):

@@ -1,8 +1,8 @@
 """OpenAI's routes: /v1/chat/completions, /v1/completions and /v1/models.
 
-Each route reads its body (openai_wire.py, openai_translate.py), prepares a chat through the shared step
-(chat.py) or encodes its prompts, submits through the engine's door (generation.py `submit`), and streams or collects
-the choices into OpenAI's bodies.
+Each route is the one shape every API has: parse (openai_wire.py, openai_translate.py), the chat request and its
+SamplingParams (the shared chat step, chat.py, or the prompts encoded; generation.py `choice_params`), the engine's
+events (generation.py `submit`), render (openai_stream.py streamed, openai_translate.py whole).
 """
 
 from __future__ import annotations
@@ -14,12 +14,11 @@ import uuid
 from fastapi import FastAPI, Request
 
 from deltaserve.engine.engine import Engine
-from deltaserve.engine.request import SamplingParams
 from deltaserve.server import openai_translate
 from deltaserve.server.chat import prepare_chat
-from deltaserve.server.generation import EventStream, chat_events, collect, completion_events, submit
+from deltaserve.server.generation import EventStream, choice_params, collect, submit
+from deltaserve.server.openai_stream import chat_events, completion_events
 from deltaserve.server.openai_wire import ChatCompletionRequest, CompletionRequest, body_schema
-from deltaserve.server.protocol import ProtocolError
 from deltaserve.server.state import ApiError, ServerState, receive
 from deltaserve.text.chat_output import ChatOutputParser, parse_whole
 
@@ -36,8 +35,9 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
     async def chat_completions(request: Request):
         received_s, engine, req = await receive(state, request, "chat", openai_translate.parse_request, ChatCompletionRequest)
         chat = await prepare_chat(state, engine, openai_translate.to_chat(req, engine.info.image_marker))
-        gen = await submit(state, engine, [chat.prompt_ids], _choice_params(req, chat.grammar), received_s,
-                     images=chat.images, boundaries=chat.boundaries, prompt_param="messages")
+        params = choice_params(lambda j: openai_translate.sampling_params(req, j, chat.grammar), req.n)
+        gen = await submit(state, engine, [chat.prompt_ids], params, received_s, images=chat.images,
+                           boundaries=chat.boundaries, prompt_param="messages")
         meta = openai_translate.ResponseMeta(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), state.served_name())
         token_bytes = engine.tokenizer.token_bytes
         if req.stream:
@@ -48,30 +48,21 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
         results = gen.results()
         for result in results:
             result.reasoning, result.text, result.tool_calls = parse_whole(chat.settings, result.text)
-        return openai_translate.chat_completion(meta, results, gen.usage(), token_bytes)
+        return openai_translate.chat_completion(meta, results, openai_translate.usage(gen.counts()), token_bytes)
 
     @app.post("/v1/completions", openapi_extra=body_schema("CompletionRequest"))
     async def completions(request: Request):
         received_s, engine, req = await receive(state, request, "completions", openai_translate.parse_request, CompletionRequest)
         prompts = await asyncio.to_thread(_completion_prompts, engine, req.prompt)
-        gen = await submit(state, engine, prompts, _choice_params(req), received_s)
+        params = choice_params(lambda j: openai_translate.sampling_params(req, j), req.n)
+        gen = await submit(state, engine, prompts, params, received_s)
         meta = openai_translate.ResponseMeta(f"cmpl-{uuid.uuid4().hex}", int(time.time()), state.served_name())
         echoes = [_echo_text(engine, req.prompt, prompts, p) if req.echo else "" for p in gen.choice_prompt]
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return EventStream(completion_events(gen, meta, include_usage, echoes), gen)
         await collect(request, gen, state)
-        return openai_translate.completion(meta, gen.results(), gen.usage(), echoes)
-
-
-def _choice_params(req, grammar: str | None = None) -> list[SamplingParams]:
-    """One SamplingParams per choice (n); a value SamplingParams refuses is a 400."""
-    try:
-        return [openai_translate.sampling_params(req, j, grammar) for j in range(req.n)]
-    except ProtocolError:
-        raise
-    except ValueError as e:  # SamplingParams' own checks
-        raise ApiError(400, str(e)) from None
+        return openai_translate.completion(meta, gen.results(), openai_translate.usage(gen.counts()), echoes)
 
 
 def _prompt_texts(prompt) -> list[str]:

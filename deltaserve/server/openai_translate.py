@@ -1,6 +1,7 @@
 """OpenAI's requests in engine terms, and engine outputs as OpenAI's bodies: the checks beyond the schema, chat
-messages for the template (an image part becomes the model's image placeholder), tool_choice and response_format,
-SamplingParams per choice; the completion bodies, streamed chunks, logprobs and usage.
+messages for the template (an image part becomes the model's image placeholder), tool_choice and response_format
+(read into output_request.py's shared checks), SamplingParams per choice; the completion bodies, streamed chunks
+(which openai_stream.py sends), logprobs and usage.
 """
 
 from __future__ import annotations
@@ -15,13 +16,16 @@ from pydantic import ValidationError
 
 from deltaserve.engine.request import SamplingParams, TokenLogprob
 from deltaserve.images import ImageSource
+from deltaserve.server import output_request
 from deltaserve.server.chat import ChatRequest
+from deltaserve.server.generation import ChoiceResult, TokenCounts
 from deltaserve.server.openai_wire import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletion,
                                            ChatCompletionChunk, ChatCompletionRequest, ChatDelta, ChatLogprobs,
                                            ChatTokenLogprob, Completion, CompletionChoice, CompletionLogprobs,
                                            CompletionRequest, FinishReason, FunctionCall, ModelCard, ModelList,
                                            PromptTokensDetails, SpeculativeUsage, ToolCallOut, TopLogprob, Usage,
                                            _Body, _SamplingFields)
+from deltaserve.server.output_request import ANY_OBJECT, format_schema
 from deltaserve.server.protocol import MAX_COUNT, MAX_STOPS, ProtocolError, sse_event, validation_message
 
 LOGPROB_FLOOR = -9999.0  # JSON has no -inf; OpenAI reports impossible tokens this way
@@ -120,20 +124,17 @@ def _template_tool_call(call: dict, where: str) -> dict:
 
 
 def response_format_schema(req: ChatCompletionRequest) -> dict | None:
-    """The JSON schema `response_format` asks for (json_object: any object), None for text."""
+    """The JSON schema `response_format` asks for (json_object: any object), None for text; a json_schema without a
+    schema is any object too."""
     fmt = req.response_format
-    if not fmt or fmt.get("type", "text") == "text":
+    if not fmt:
         return None
-    if fmt.get("type") == "json_object":
-        return {"type": "object"}
-    if fmt.get("type") == "json_schema":
-        spec = fmt.get("json_schema")
-        if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
-            raise ProtocolError("response_format.json_schema: must be an object with a 'schema' object",
-                                "response_format")
-        return spec.get("schema") or {"type": "object"}
-    raise ProtocolError(f"response_format.type: {fmt.get('type')!r} is not supported: choose text, json_object "
-                        f"or json_schema", "response_format")
+    spec = fmt.get("json_schema")
+    schema = spec.get("schema", {}) if isinstance(spec, dict) else None
+    if schema == {}:  # a json_schema format without a schema: any object
+        schema = dict(ANY_OBJECT)
+    return format_schema(fmt.get("type", "text"), schema, "response_format",
+                         schema_field="response_format.json_schema.schema")
 
 
 def tool_names(req: ChatCompletionRequest) -> list[str]:
@@ -145,18 +146,12 @@ def forced_tool(req: ChatCompletionRequest) -> tuple[str, str | None] | None:
     choice = req.tool_choice
     if choice is None or choice in ("auto", "none"):
         return None
-    if not req.tools:
-        raise ProtocolError(f"tool_choice: {json.dumps(choice)} needs a non-empty 'tools' list", "tool_choice")
-    if choice == "required":
-        return "required", None
     name = (choice.get("function") or {}).get("name") if isinstance(choice, dict) else None
-    if not isinstance(name, str):
+    if choice != "required" and not isinstance(name, str) and req.tools:
         raise ProtocolError("tool_choice: must be 'none', 'auto', 'required' or "
                             "{'type': 'function', 'function': {'name': ...}}", "tool_choice")
-    if name not in tool_names(req):
-        raise ProtocolError(f"tool_choice: function {name!r} is not among the tools "
-                            f"({', '.join(map(str, tool_names(req)))})", "tool_choice")
-    return "named", name
+    return output_request.forced_tool("required" if choice == "required" else "named", name, tool_names(req),
+                                      json.dumps(choice), name_param="tool_choice")
 
 
 def to_chat(req: ChatCompletionRequest, image_marker: str) -> ChatRequest:
@@ -224,13 +219,13 @@ def logit_bias(req: _SamplingFields) -> tuple[tuple[int, float], ...] | None:
     return tuple(pairs)
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0,
-          speculative: dict[str, int] | None = None) -> Usage:
-    """OpenAI's usage object; `cached_tokens` (of `prompt_tokens`) came from the prefix cache; `speculative`
+def usage(counts: TokenCounts) -> Usage:
+    """OpenAI's usage object; `cached_tokens` (of the prompt's) came from the prefix cache; `speculative`
     ({"drafted", "accepted"} draft tokens) only where the server speculates."""
-    return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                 total_tokens=prompt_tokens + completion_tokens,
-                 prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens),
+    speculative = counts.speculative
+    return Usage(prompt_tokens=counts.prompt_tokens, completion_tokens=counts.completion_tokens,
+                 total_tokens=counts.prompt_tokens + counts.completion_tokens,
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=counts.cached_tokens),
                  speculative=SpeculativeUsage(**speculative) if speculative is not None else None)
 
 
@@ -278,19 +273,6 @@ class ResponseMeta:
     id: str
     created: int
     model: str
-
-
-@dataclass
-class ChoiceResult:
-    """One finished choice, in engine terms."""
-
-    index: int
-    text: str
-    finish_reason: str | None
-    logprobs: list[TokenLogprob] | None
-    reasoning: str | None = None
-    prompt_logprobs: list[TokenLogprob] | None = None  # an echoed prompt's (SamplingParams.prompt_logprobs)
-    tool_calls: list | None = None  # text.tool_parsers.ToolCall
 
 
 def chat_completion(meta: ResponseMeta, choices: list[ChoiceResult], totals: Usage,

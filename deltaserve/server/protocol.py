@@ -1,9 +1,12 @@
 """What every wire format of the server shares: ProtocolError (a 400 naming the field at fault), pydantic's
 validation errors said in one line, the limits every API holds a request to, the default error body (OpenAI's
-shape, which the admin routes, the guards and the drain answer in too) and server-sent event framing.
+shape, which the admin routes, the guards and the drain answer in too) and server-sent event framing (every API's
+stream).
 
-Each API's own field names live in its own modules: openai_wire.py (the bodies) and openai_translate.py (to and from
-engine terms), anthropic_wire.py and anthropic_translate.py.
+Each API's own field names live in its own modules: openai_wire.py (the bodies), openai_translate.py (to and from
+engine terms) and openai_stream.py; anthropic_wire.py, anthropic_translate.py and anthropic_stream.py;
+responses_wire.py, responses_translate.py, responses_tools.py and responses_stream.py. What a request asks of its
+output (a forced tool call, a JSON-schema format) is checked once for all of them in output_request.py.
 """
 
 from __future__ import annotations
@@ -108,7 +111,9 @@ def error_body(message: str, type_: str, param: str | None = None, code: str | N
     return ErrorResponse(error=ErrorDetail(message=message, type=type_, param=param, code=code)).model_dump()
 
 
-def sse_event(body: BaseModel | dict) -> bytes:
-    """One server-sent event carrying a JSON body."""
-    data = body.model_dump_json() if isinstance(body, BaseModel) else json.dumps(body)
-    return b"data: " + data.encode() + b"\n\n"
+def sse_event(body: BaseModel | dict, name: str | None = None) -> bytes:
+    """One server-sent event carrying a JSON body (UTF-8, not escaped to ASCII), with an `event:` line when `name`
+    is given (Anthropic's and Responses' streams name theirs; OpenAI's do not)."""
+    data = body.model_dump_json() if isinstance(body, BaseModel) else json.dumps(body, ensure_ascii=False)
+    head = f"event: {name}\n" if name else ""
+    return f"{head}data: {data}\n\n".encode()

@@ -1,8 +1,9 @@
 """The Responses API's routes: `POST /v1/responses`, `GET` and `DELETE /v1/responses/{id}`.
 
-A request becomes a ChatRequest (responses_translate.py), takes the shared chat-preparation step (chat.py: images, template,
-output settings and grammar), enters the engine through its door (generation.py `submit`), and its output comes
-back as items, whole or as the Responses event stream (responses_stream.py).
+The one shape every API has: parse (responses_wire.py, responses_translate.py; a previous response's items from the
+store), the chat request and its SamplingParams (the shared chat step, chat.py: images, template, output settings
+and grammar; generation.py `choice_params`), the engine's events (generation.py `submit`), render (items whole,
+responses_translate.py, or the Responses event stream, responses_stream.py).
 """
 
 from __future__ import annotations
@@ -11,15 +12,14 @@ import time
 
 from fastapi import FastAPI, Request, Response
 
-from deltaserve.engine.request import SamplingParams
 from deltaserve.server import responses_translate as translate
 from deltaserve.server.chat import prepare_chat
-from deltaserve.server.generation import EventStream, collect, submit
+from deltaserve.server.generation import EventStream, choice_params, collect, submit
 from deltaserve.server.response_store import ResponseStore
 from deltaserve.server.responses_stream import stream_events
 from deltaserve.server.responses_tools import DROPPED_TOOLS_HEADER, ServedTools, served_tools
 from deltaserve.server.responses_wire import ResponsesRequest
-from deltaserve.server.state import ApiError, ServerState, read_json
+from deltaserve.server.state import ApiError, ServerState, receive
 from deltaserve.text.chat_output import ChatOutputParser, parse_whole
 
 
@@ -48,31 +48,22 @@ def add_routes(app: FastAPI, state: ServerState) -> ResponseStore:
 
     @app.post("/v1/responses", openapi_extra=_body_schema())
     async def create_response(request: Request, response: Response):
-        received_s = time.monotonic()
-        engine = state.ready_engine()
-        state.metrics.requests.labels("responses").inc()
-        req = translate.parse(await read_json(request, state.config))
-        state.check_model(req.model)
+        received_s, engine, req = await receive(state, request, "responses", translate.parse, ResponsesRequest)
         earlier = stored(req.previous_response_id, "previous_response_id").conversation \
             if req.previous_response_id else []
         conversation = earlier + translate.input_items(req)
         chat = await prepare_chat(state, engine, translate.to_chat(req, conversation, engine.info.image_marker))
-        try:
-            params = SamplingParams(max_tokens=req.max_output_tokens, grammar=chat.grammar,
-                                    temperature=1.0 if req.temperature is None else req.temperature,
-                                    top_p=1.0 if req.top_p is None else req.top_p)
-        except ValueError as e:
-            raise ApiError(400, str(e)) from None
-        gen = await submit(state, engine, [chat.prompt_ids], [params], received_s, images=chat.images,
-                     boundaries=chat.boundaries, prompt_param="input")
+        params = choice_params(lambda _: translate.sampling_params(req, chat.grammar))
+        gen = await submit(state, engine, [chat.prompt_ids], params, received_s, images=chat.images,
+                           boundaries=chat.boundaries, prompt_param="input")
         meta = translate.Meta(translate.new_id("resp"), int(time.time()), state.served_name(), req)
         tools = served_tools(req.tools)
 
         def usage_of(items: list[dict]) -> dict:
             thought = "".join(c["text"] for i in items if i["type"] == "reasoning" for c in i["content"])
             reasoning_tokens = len(engine.tokenizer.encode(thought, False)) if thought else 0
-            return translate.usage(gen.prompt_len(0), gen.cached_tokens[0], gen.completion_tokens[0],
-                                   min(reasoning_tokens, gen.completion_tokens[0]))
+            counts = gen.counts()
+            return translate.usage(counts, min(reasoning_tokens, counts.completion_tokens))
 
         def keep(body: dict) -> None:
             if req.store:

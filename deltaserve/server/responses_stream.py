@@ -8,9 +8,9 @@ package's types under openai/types/responses/, which tests/test_server_responses
 
 from __future__ import annotations
 
-import json
 from collections.abc import AsyncIterator, Callable
 
+from deltaserve.server.protocol import sse_event
 from deltaserve.server.responses_tools import ServedTools
 from deltaserve.server.responses_translate import (Meta, message_item, new_id, output_text_part, reasoning_item,
                                                    response_body, status_of)
@@ -32,7 +32,7 @@ class ItemStream:
     def event(self, kind: str, **fields) -> bytes:
         body = {"type": kind, "sequence_number": self.sequence, **fields}
         self.sequence += 1
-        return f"event: {kind}\ndata: {json.dumps(body, ensure_ascii=False)}\n\n".encode()
+        return sse_event(body, kind)
 
     def events(self, delta: OutputDelta) -> list[bytes]:
         out: list[bytes] = []

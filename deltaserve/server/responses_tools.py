@@ -15,6 +15,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from deltaserve.server import output_request
 from deltaserve.server.protocol import ProtocolError
 
 NAMESPACE_SEPARATOR = "."
@@ -156,20 +157,16 @@ def forced_tool(choice: Any, served: ServedTools) -> tuple[str, str | None] | No
     if kind in BUILT_IN_TOOLS:
         raise ProtocolError(f"tool_choice: {kind!r} is a built-in tool of OpenAI's service, which this server does "
                             f"not run: it cannot be forced", "tool_choice")
-    if not served.chat:
-        left = f" (only built-in tools this server does not run: {', '.join(served.dropped)})" if served.dropped else ""
-        raise ProtocolError(f"tool_choice: {json.dumps(choice)} needs a non-empty 'tools' list{left}", "tool_choice")
-    if choice == "required":
-        return "required", None
+    note = f" (only built-in tools this server does not run: {', '.join(served.dropped)})" if served.dropped else ""
+    shown, offered = json.dumps(choice), list(served.origins)
+    if choice == "required" or not served.chat:  # with no tools offered, any forced choice is the shared 400
+        return output_request.forced_tool("required", None, offered, shown, no_tools_note=note)
     if kind not in ("function", "custom") or not isinstance(choice.get("name"), str):
         raise ProtocolError("tool_choice: must be 'none', 'auto', 'required' or {'type': 'function' or 'custom', "
-                            f"'name': ...}} (got {json.dumps(choice)[:80]})", "tool_choice")
+                            f"'name': ...}} (got {shown[:80]})", "tool_choice")
     name, namespace = choice["name"], choice.get("namespace")
     flat = flat_name(name, namespace) if isinstance(namespace, str) else name
     if flat not in served.origins:  # a namespace's function may be named alone where no other has its name
         matches = [f for f, o in served.origins.items() if o.name == name and o.namespace]
         flat = matches[0] if len(matches) == 1 else flat
-    if flat not in served.origins:
-        raise ProtocolError(f"tool_choice.name: tool {flat!r} is not among the tools "
-                            f"({', '.join(served.origins)})", "tool_choice.name")
-    return "named", flat
+    return output_request.forced_tool("named", flat, offered, shown)

@@ -1,5 +1,6 @@
 """OpenAI's Responses API (`POST /v1/responses`, what Codex CLI and `client.responses` speak) in engine terms: a
-request as the shared chat step's ChatRequest (server/chat.py), and the response body and its output items.
+request as the shared chat step's ChatRequest (server/chat.py) and its SamplingParams, and the response body, its
+output items and usage.
 
 Only this module, responses_wire.py and responses_stream.py know the Responses field names; the routes in
 responses.py hand it engine outputs. The input items map onto chat messages as the chat templates read
@@ -16,8 +17,11 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from deltaserve.engine.request import SamplingParams
 from deltaserve.images import ImageSource
 from deltaserve.server.chat import ChatRequest
+from deltaserve.server.generation import TokenCounts
+from deltaserve.server.output_request import format_schema
 from deltaserve.server.protocol import ProtocolError, validation_message
 from deltaserve.server.responses_tools import (CUSTOM_INPUT, ServedTools, flat_name, forced_tool,
                                                served_tools)
@@ -29,10 +33,10 @@ NO_THINKING_EFFORTS = ("none", "minimal")
 MESSAGE_ROLES = ("user", "assistant", "system", "developer")
 
 
-def parse(body: Any) -> ResponsesRequest:
+def parse(model: type[ResponsesRequest], body: Any) -> ResponsesRequest:
     """Validate a decoded body; a problem becomes a ProtocolError naming the field."""
     try:
-        req = ResponsesRequest.model_validate(body)
+        req = model.model_validate(body)
     except ValidationError as e:
         raise ProtocolError(*validation_message(e)) from None
     forced_tool(req.tool_choice, served_tools(req.tools))
@@ -176,19 +180,8 @@ def _output_text(output: Any, where: str) -> str:
 
 def response_schema(req: ResponsesRequest) -> dict | None:
     """The JSON schema `text.format` holds the output to (json_object: any object), None for text."""
-    fmt = req.text.format if req.text else None
-    kind = (fmt or {}).get("type", "text")
-    if kind == "text":
-        return None
-    if kind == "json_object":
-        return {"type": "object"}
-    if kind == "json_schema":
-        schema = fmt.get("schema")
-        if not isinstance(schema, dict):
-            raise ProtocolError("text.format.schema: a json_schema format needs a 'schema' object", "text.format")
-        return schema
-    raise ProtocolError(f"text.format.type: {kind!r} is not supported: choose text, json_object or json_schema",
-                        "text.format")
+    fmt = (req.text.format if req.text else None) or {}
+    return format_schema(fmt.get("type", "text"), fmt.get("schema"), "text.format")
 
 
 def new_id(prefix: str) -> str:
@@ -221,13 +214,21 @@ def output_items(reasoning: str, text: str, calls: list[ToolCall], status: str, 
     return items
 
 
-def usage(input_tokens: int, cached_tokens: int, output_tokens: int, reasoning_tokens: int) -> dict:
-    """Responses usage; `cached_tokens` (of `input_tokens`) came from the prefix cache, which is written without a
+def sampling_params(req: ResponsesRequest, grammar: str | None) -> SamplingParams:
+    """The engine's sampling settings for a Responses request (temperature and top_p default to 1)."""
+    return SamplingParams(max_tokens=req.max_output_tokens, grammar=grammar,
+                          temperature=1.0 if req.temperature is None else req.temperature,
+                          top_p=1.0 if req.top_p is None else req.top_p)
+
+
+def usage(counts: TokenCounts, reasoning_tokens: int) -> dict:
+    """Responses usage; the cached tokens (of the input's) came from the prefix cache, which is written without a
     charge (cache_write_tokens 0)."""
-    return {"input_tokens": input_tokens,
-            "input_tokens_details": {"cached_tokens": cached_tokens, "cache_write_tokens": 0},
-            "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
-            "total_tokens": input_tokens + output_tokens}
+    return {"input_tokens": counts.prompt_tokens,
+            "input_tokens_details": {"cached_tokens": counts.cached_tokens, "cache_write_tokens": 0},
+            "output_tokens": counts.completion_tokens,
+            "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
+            "total_tokens": counts.prompt_tokens + counts.completion_tokens}
 
 
 @dataclass(frozen=True)
