@@ -110,12 +110,12 @@ def repack_int8(w: Int8Rows, perm: torch.Tensor | None = None) -> PanelWeight:
     reason = declines(n, k, w.group_size, bits=8)
     if reason:
         raise ValueError(f"int4_int8: cannot take a {n} x {k} 8-bit weight in groups of {w.group_size}: {reason}")
-    biased = (w.codes.view(torch.uint8) ^ 0x80)  # q + 128 as two's complement bytes read unsigned
-    codes = biased.view(n // PANEL_ROWS, PANEL_ROWS, k // BLOCK, 8, 4).permute(0, 2, 3, 1, 4)
+    rows = w.codes.view(torch.uint8).view(n // PANEL_ROWS, PANEL_ROWS, k // BLOCK, 8, 4).permute(0, 2, 3, 1, 4)
+    codes = torch.empty(rows.shape, dtype=torch.uint8).copy_(rows).view(n // PANEL_ROWS, k * 16)
+    codes ^= 0x80  # q + 128 as two's complement bytes read unsigned, in place: one copy of the codes, not two
     scales = w.scales.to(torch.float32)
     offsets = None if not bool(w.offsets.any()) else _panel_params(w.offsets.to(torch.float32) - 128.0 * scales)
-    return PanelWeight(codes.reshape(n // PANEL_ROWS, k * 16).contiguous(), _panel_params(scales), offsets,
-                       w.group_size, perm, bits=8)
+    return PanelWeight(codes, _panel_params(scales), offsets, w.group_size, perm, bits=8)
 
 
 def gather_rows(w: PanelWeight, ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
