@@ -16,22 +16,27 @@ all the projections reading it, so a decode step stays one native call.
 
 from __future__ import annotations
 
-from torch import nn
+from collections import Counter
 
-RELEASE_EVERY = 32 << 20  # bytes swapped between two calls of `release`
+from torch import nn
 
 from deltaserve.kernels import int4_int8
 from deltaserve.kernels.int4 import PackedInt4
 from deltaserve.models.layers import FusedParts, Int4Linear, Int8DotLinear, Int8Embedding, Int8Linear, PanelEmbedding
 
+RELEASE_EVERY = 32 << 20  # bytes swapped between two calls of `release`
 
-def use_int8_activations(model: nn.Module, tied_heads: bool | None = None, release=None) -> tuple[int, list[str]]:
+
+def use_int8_activations(model: nn.Module, tied_heads: bool | None = None, release=None,
+                        in_place: bool = False) -> tuple[int, list[str]]:
     """Swap every Int4Linear and Int8Linear the kernel serves (int4_int8.declines, asked per layer) for an
     Int8DotLinear (a tied one, where `tied_heads`, with its embedding for a PanelEmbedding over the same panels;
     None: where the build has a dot-product instruction, the module docstring); the number swapped and a log line
     per distinct refusal. The caller loaded the kernel (int4_int8.built()). Each layer's old weight is freed as its
     panels replace it; `release()`, called after every RELEASE_EVERY bytes swapped, gives the freed pages back to the
-    OS (the allocator keeps them otherwise, and the swap would peak near twice the weights)."""
+    OS (the allocator keeps them otherwise, and the swap would peak near twice the weights). `in_place`: nothing
+    outside the model holds its weights (a fresh load), so an 8-bit layer's panels are made in its codes' own storage
+    where no other module reads them (a 248K-row head is not held twice)."""
     if tied_heads is None:
         tied_heads = int4_int8.isa() != "avx2"
     forget_fused(model)  # parts built before the swap would hold every old weight until its end
@@ -41,6 +46,8 @@ def use_int8_activations(model: nn.Module, tied_heads: bool | None = None, relea
     # (parent, name) of each candidate, no reference to the layer itself: a swapped layer's weight is freed at once
     slots = [(parent, name) for parent in model.modules() for name, child in parent.named_children()
              if type(child) in (Int4Linear, Int8Linear)]
+    holders = Counter(t.data_ptr() for _, m in model.named_modules(remove_duplicate=False)
+                      for t in (*m._parameters.values(), *m._buffers.values()) if t is not None)
     for parent, name in slots:
         child = getattr(parent, name)
         if type(child) is Int4Linear:
@@ -65,7 +72,9 @@ def use_int8_activations(model: nn.Module, tied_heads: bool | None = None, relea
             panel = int4_int8.repack(PackedInt4(child.packed, child.scales, child.offsets, child.group_size, child.lut,
                                                 child.perm))
         else:
-            panel = int4_int8.repack_int8(child.rows(), child.perm)
+            # in the codes' own storage where nothing but this layer (and the table it replaces) reads them
+            alone = in_place and holders[child.codes.data_ptr()] == (2 if child.tied else 1)
+            panel = int4_int8.repack_int8(child.rows(), child.perm, in_place=alone)
         head = Int8DotLinear(panel, child.bias)
         setattr(parent, name, head)
         if type(child) is Int8Linear and child.tied:
