@@ -201,3 +201,15 @@ def test_table_and_json(spec27):
     assert data == budget.to_json() and data["kv_tokens"] == budget.kv_tokens
     assert [line["name"] for line in data["lines"]] == [line.name for line in budget.lines]
     assert dataclasses.asdict(budget.line("kv_pool")) in data["lines"]
+
+
+def test_cpu_attention_workspace_is_one_gathered_context_not_a_chunk_of_scores(spec27):
+    """On CPU prefill attention scores a chunk in tiles (kernels/prefill_cpu.py, or torch's flash kernel): the line is
+    one sequence's gathered K,V (float16 cache and its float32 copy) and a decode row of scores per head, not the
+    [chunk x context] masked score matrix (15,488 MiB at the 27B's 262K context, which refused it on 24 GiB)."""
+    context = 262_144
+    cpu = plan(spec27, kind="cpu", device_memory=256 * GiB, context_length=context)
+    row = spec27.num_kv_heads * spec27.head_dim * 2 * (4 + 2) + spec27.num_attention_heads * 4
+    assert cpu.line("attention_workspace").bytes == context * row  # 3,096 MiB for the 27B
+    cuda = plan(spec27, device_memory=256 * GiB, context_length=context, attention_backend="portable")
+    assert cuda.line("attention_workspace").bytes > 4 * cpu.line("attention_workspace").bytes  # the portable path

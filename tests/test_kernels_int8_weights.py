@@ -157,6 +157,20 @@ def test_repacking_keeps_codes_and_scales_bytes():
         int4_int8.repack_int8(int8_weight((50, 256, 32, True, False), 0))
 
 
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_an_in_place_repack_equals_a_copying_one(case, monkeypatch):
+    """repack_int8(in_place=True) (a fresh load's swap: a 248K-row head not held twice) makes the same panels in the
+    codes' own storage, a few panels at a time (3 here: the last chunk a partial one where the panel count is not a
+    multiple)."""
+    monkeypatch.setattr(int4_int8, "PANELS_AT_ONCE", 3)
+    w = int8_weight(case, 11)
+    expect = int4_int8.repack_int8(w)
+    mine = Int8Rows(w.codes.clone(), w.scales, w.offsets, w.group_size)
+    got = int4_int8.repack_int8(mine, in_place=True)
+    assert got.codes.data_ptr() == mine.codes.data_ptr() and torch.equal(got.codes, expect.codes)
+    assert torch.equal(got.scales, expect.scales)
+
+
 def test_the_model_swap_takes_int8_layers_and_a_tied_table_once():
     from torch import nn
 

@@ -135,7 +135,7 @@ def _fixed_lines(spec: ModelMemorySpec, c: EngineConfig, context: int, kind: str
                                 f"one step of {rows} rows ({c.prefill_chunk_tokens} prefill + "
                                 f"{c.max_running_requests} decode) through the widest layer, {c.dtype}"),
         "gdn_workspace": _gdn_workspace_line(spec, rows),
-        "attention_workspace": _attention_line(spec, c, context),
+        "attention_workspace": _attention_line(spec, c, context, kind),
         "sampler": (spec.vocab_size * 4 * (logits_rows * SAMPLER_PASSES + PROMPT_LOGPROB_ROWS * PROMPT_LOGPROB_PASSES),
                     f"vocab {spec.vocab_size:,} x {logits_rows} logits rows x 4 bytes x {SAMPLER_PASSES} passes"
                     + (f" ({c.max_running_requests} requests x (1 + {c.speculative_tokens} drafts))"
@@ -269,16 +269,19 @@ def _gdn_workspace_line(spec: ModelMemorySpec, rows: int) -> tuple[int, str]:
                    f"[{GDN_CHUNK}, {GDN_CHUNK}] chunk matrices, conv input, state in/out")
 
 
-def _attention_line(spec: ModelMemorySpec, c: EngineConfig, context: int) -> tuple[int, str]:
+def _attention_line(spec: ModelMemorySpec, c: EngineConfig, context: int, kind: str) -> tuple[int, str]:
     if not spec.attention_layers:
         return 0, "no attention layers"
     if cuda_paged(c):
         return PAGED_ATTENTION_WORKSPACE_BYTES, "paged kernel reads KV pages in place; split-KV scratch"
-    # CPU: decode reads pages in place (kernels/paged_cpu.py) or gathers one sequence; prefill gathers and masks
+    # decode reads pages in place (kernels/paged_cpu.py) or gathers one sequence; prefill gathers one sequence
     cb, kvb = DTYPE_BYTES[c.dtype], DTYPE_BYTES[c.kv_dtype]
     row = spec.num_kv_heads * spec.head_dim * 2 * (cb + (kvb if kvb != cb else 0))  # gathered K,V (+ cast copy)
     # one sequence at a time (kernels/attention.py): its K,V gathered, plus its scores (decode: one row per head)
     decode = context * (row + spec.num_attention_heads * 4)
+    if kind == "cpu":  # prefill's scores in tiles (kernels/prefill_cpu.py, or torch's flash kernel): none whole
+        return decode, (f"one layer, one sequence at a time: K,V of a context of {context:,} gathered (prefill "
+                        f"scores in tiles, kernels/prefill_cpu.py)")
     prefill = context * row + c.prefill_chunk_tokens * context * (spec.num_attention_heads * 4 + 1)
     return max(decode, prefill), (f"portable path, one layer, one sequence at a time: K,V of a context of "
                                   f"{context:,} gathered, and the masked scores of one chunk")

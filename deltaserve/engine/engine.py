@@ -255,7 +255,8 @@ class Engine:
         if int4_int8.load(self._log) is None:
             self._log("note: --activation-dtype int8 needs the int8 dot-product kernel, not built here: float32 stays")
             return
-        swapped, refusals = use_int8_activations(model)
+        # a fresh load: nothing outside the model holds its weights
+        swapped, refusals = use_int8_activations(model, release=return_freed_memory, in_place=True)
         for line in refusals:
             self._log(line)
         kinds = Counter("8-bit" if m.bits == 8 else "IQ4" if m.levels is not None else "4-bit"

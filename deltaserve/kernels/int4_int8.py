@@ -101,21 +101,33 @@ def repack(w: PackedInt4) -> PanelWeight:
                        _panel_params(w.offsets), w.group_size, w.perm, levels=levels)
 
 
-def repack_int8(w: Int8Rows, perm: torch.Tensor | None = None) -> PanelWeight:
+PANELS_AT_ONCE = 256  # panels rearranged at a time by an in-place repack_int8 (16 rows each: 40 MiB at K = 5,120)
+
+
+def repack_int8(w: Int8Rows, perm: torch.Tensor | None = None, in_place: bool = False) -> PanelWeight:
     """The panel layout of an 8-bit weight (module docstring, csrc/int4_int8dot.cpp's header): codes q + 128 with
     row r's columns 4L .. 4L + 3 of each 32-column block at bytes 4r .. 4r + 3 of its chunk L; offsets only where some
     are not zero (o - 128 s); the kernel must not decline it. `perm`: the input permutation the weight's columns
-    follow (None: in order)."""
+    follow (None: in order). `in_place`: the panels are made in the codes' own storage, PANELS_AT_ONCE at a time (a
+    panel's 16 rows occupy the same bytes in both layouts), so a 248K-row head is never held twice; `w.codes` is
+    overwritten (the caller's last use of it)."""
     n, k = w.shape
     reason = declines(n, k, w.group_size, bits=8)
     if reason:
         raise ValueError(f"int4_int8: cannot take a {n} x {k} 8-bit weight in groups of {w.group_size}: {reason}")
-    biased = (w.codes.view(torch.uint8) ^ 0x80)  # q + 128 as two's complement bytes read unsigned
-    codes = biased.view(n // PANEL_ROWS, PANEL_ROWS, k // BLOCK, 8, 4).permute(0, 2, 3, 1, 4)
+    rows = w.codes.view(torch.uint8).view(n // PANEL_ROWS, PANEL_ROWS, k // BLOCK, 8, 4)
+    if in_place and w.codes.is_contiguous():
+        codes = rows.view(n // PANEL_ROWS, k * 16)
+        for start in range(0, n // PANEL_ROWS, PANELS_AT_ONCE):
+            part = rows[start:start + PANELS_AT_ONCE]
+            codes[start:start + PANELS_AT_ONCE] = part.permute(0, 2, 3, 1, 4).reshape(part.shape[0], k * 16)
+    else:
+        rows = rows.permute(0, 2, 3, 1, 4)
+        codes = torch.empty(rows.shape, dtype=torch.uint8).copy_(rows).view(n // PANEL_ROWS, k * 16)
+    codes ^= 0x80  # q + 128 as two's complement bytes read unsigned, in place: one copy of the codes at most
     scales = w.scales.to(torch.float32)
     offsets = None if not bool(w.offsets.any()) else _panel_params(w.offsets.to(torch.float32) - 128.0 * scales)
-    return PanelWeight(codes.reshape(n // PANEL_ROWS, k * 16).contiguous(), _panel_params(scales), offsets,
-                       w.group_size, perm, bits=8)
+    return PanelWeight(codes, _panel_params(scales), offsets, w.group_size, perm, bits=8)
 
 
 def gather_rows(w: PanelWeight, ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -6,6 +6,7 @@ transformers' GGUF loader undoes them, so the tensors equal what transformers lo
 """
 
 import math
+import mmap
 from pathlib import Path
 
 import numpy as np
@@ -267,6 +268,7 @@ def load_gguf(path: Path, dtype: torch.dtype, skip_prefixes: tuple[str, ...], ke
             raise CheckpointError(path, f"tensor {tensor.name} has GGUF type {tensor.tensor_type.name}, which we "
                                         f"cannot dequantize; supported: {', '.join(t.name for t in SUPPORTED_TYPES)}")
         value = _read(tensor, name, config, dtype, keep_int4)
+        _drop_pages(reader, tensor)
         if gguf_hybrid.qkvz_part(config, name):  # held back until its other half arrives
             halves[name] = value
             stem = name.rpartition(".linear_attn.")[0]
@@ -314,6 +316,19 @@ def _read(tensor, name: str, config: dict, dtype: torch.dtype, keep_int4: bool):
     if hybrid:
         values = gguf_hybrid.to_checkpoint(config, name, values)
     return torch.from_numpy(np.array(values, dtype=np.float32)).to(dtype)
+
+
+def _drop_pages(reader: GGUFReader, tensor) -> None:
+    """Unmap the file pages a read tensor touched from this process (they stay in the page cache): mapped, they count
+    in its resident memory, and a 15 GB file read whole would hold its size beside the weights made from it. Pages
+    a later read needs fault back in from the cache; where the platform has no madvise, nothing is dropped."""
+    area = getattr(reader.data, "_mmap", None)
+    if area is None or not hasattr(mmap, "MADV_DONTNEED"):
+        return
+    start = int(tensor.data_offset) // mmap.PAGESIZE * mmap.PAGESIZE
+    end = min(int(tensor.data_offset) + int(tensor.n_bytes), len(area))
+    if end > start:
+        area.madvise(mmap.MADV_DONTNEED, start, end - start)
 
 
 def _held(name: str, value):
