@@ -222,6 +222,25 @@ def test_utf8_split_across_tokens_streams_whole_characters(eng):
     assert request.finish_reason == "stop"
 
 
+def test_reasoning_tokens_are_those_before_the_think_end_ids(eng):
+    """The count a thinking request reports: tokens before its reasoning_end ids, matched as a sequence (a
+    partial match is thinking), all of them while the marker has not come, and none for a request that does not
+    think."""
+    from deltaserve.engine.engine import RequestStream
+    from deltaserve.engine.request import Request
+
+    end = (7, 8, 9)
+    ids = [1, 7, 8, 2, 3, 7, 8, 9, 4, 5]
+
+    def counts(params: SamplingParams) -> list[int]:
+        request = Request("think", [1], params, len(ids), 100, RequestStream("think"), eng.tokenizer, frozenset(),
+                          torch.Generator(), 0.0)
+        return [request.append_token(token_id, None).reasoning_tokens for token_id in ids]
+
+    assert counts(SamplingParams(reasoning_end=end)) == [1, 2, 3, 4, 5, 6, 7, 5, 5, 5]
+    assert counts(SamplingParams()) == [0] * len(ids)
+
+
 def test_a_prefill_step_reuses_the_memory_the_last_one_freed(eng, long_ids):
     """glibc gave a step's freed activations and widened weight tiles back to the OS, and the next step took them
     again as fresh zeroed pages: ~70,000 page faults per 528-token prompt on the engine's thread (~0.1 s of ~0.75),

@@ -39,6 +39,8 @@ class SamplingParams:
     # None: off; n: each prompt token's log-probability and the top n (the first token's is None); with it
     # max_tokens may be 0: the prompt is scored and nothing generated
     prompt_logprobs: int | None = None
+    # the ids that close a thinking block (`</think>`): the output is thinking until they come; (): it does not think
+    reasoning_end: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         problems = []
@@ -70,6 +72,7 @@ class SamplingParams:
         object.__setattr__(self, "logit_bias", tuple(sorted(bias.items())))
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        object.__setattr__(self, "reasoning_end", tuple(self.reasoning_end))
 
     @property
     def greedy(self) -> bool:
@@ -109,6 +112,8 @@ class RequestOutput:
     stop: str | int | None = None  # what ended a "stop": the stop string matched, or the stop / EOS token id
     # with the request's first output when it asked for prompt_logprobs: one per prompt token, the first None
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    # of completion_tokens, those before params.reasoning_end (all of them while it has not come); 0: no thinking
+    reasoning_tokens: int = 0
 
 
 class RequestStream:
@@ -200,6 +205,7 @@ class Request:
     speculative: object = None  # engine/speculative.py SpecState, when the engine speculates
     # the prompt's log-probabilities scored so far (params.prompt_logprobs), until the first output carries them
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    reasoning_tokens: int = 0  # generated tokens before params.reasoning_end (RequestOutput.reasoning_tokens)
     detokenizer: IncrementalDetokenizer = field(init=False)
     stop_matcher: StopStringMatcher = field(init=False)
 
@@ -207,6 +213,7 @@ class Request:
         self.detokenizer = IncrementalDetokenizer(self.tokenizer, self.prompt_ids,
                                                   skip_special_tokens=self.params.skip_special_tokens)
         self.stop_matcher = StopStringMatcher(list(self.params.stop))
+        self._thinking = bool(self.params.reasoning_end)  # until the output ends with params.reasoning_end
         self._stop_ids = frozenset(self.params.stop_token_ids) | (
             frozenset() if self.params.ignore_eos else self.eos_token_ids)
         if self.params.prompt_logprobs is not None:
@@ -243,7 +250,7 @@ class Request:
         return RequestOutput(self.request_id, text, token_ids or [], logprobs, finish_reason is not None,
                              finish_reason, self.prompt_len, len(self.output_ids), error, self.cached_tokens,
                              None if spec is None else {"drafted": spec.drafted, "accepted": spec.accepted}, stop,
-                             prompt)
+                             prompt, self.reasoning_tokens)
 
     def finish_after_prompt(self) -> RequestOutput:
         """End a request of max_tokens 0 once its prompt is read: "length", no token generated."""
@@ -257,6 +264,8 @@ class Request:
         until it is clear, and released when the request ends.
         """
         self.output_ids.append(token_id)
+        if self._thinking:
+            self._count_reasoning()
         reason = stop = None
         text = ""
         if token_id in self._stop_ids:
@@ -271,3 +280,12 @@ class Request:
             text += tail + self.stop_matcher.flush()
             self.finish_reason = reason
         return self.output(text, [token_id], [logprob] if logprob is not None else None, reason, stop=stop)
+
+    def _count_reasoning(self) -> None:
+        """Count the new token as thinking, or end the thinking when the output now ends with its closing ids."""
+        end = self.params.reasoning_end
+        if self.output_ids[-len(end):] == list(end):
+            self._thinking = False
+            self.reasoning_tokens = len(self.output_ids) - len(end)
+        else:
+            self.reasoning_tokens = len(self.output_ids)

@@ -29,14 +29,14 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
     async def messages(request: Request):
         received_s, engine, req = await receive(state, request, "messages", anthropic_translate.parse, MessagesRequest)
         chat = await prepare_chat(state, engine, anthropic_translate.to_chat(req, engine.info.image_marker))
-        params = choice_params(lambda _: anthropic_translate.sampling_params(req, chat.grammar))
+        params = choice_params(lambda _: anthropic_translate.sampling_params(req, chat.grammar),
+                               reasoning_end=chat.reasoning_end)
         gen = await submit(state, engine, [chat.prompt_ids], params, received_s, images=chat.images,
                            boundaries=chat.boundaries, prompt_param="messages")
         msg_id, model = f"msg_{uuid.uuid4().hex}", state.served_name()
 
         if req.stream:
-            outputs = (out async for _, out in gen.events())
-            return EventStream(stream_events(outputs, ChatOutputParser(chat.settings), msg_id, model,
+            return EventStream(stream_events(gen.outputs(), ChatOutputParser(chat.settings), msg_id, model,
                                              gen.prompt_len(0)), gen)
         await collect(request, gen, state)
         reasoning, text, calls = parse_whole(chat.settings, gen.results()[0].text)

@@ -21,7 +21,7 @@ from deltaserve.engine.engine import Engine
 from deltaserve.images import ImageSource, PreparedImage
 from deltaserve.server.state import ApiError, ServerState, refused_error
 from deltaserve.text.chat_output import ChatOutputSettings
-from deltaserve.text.reasoning import prompt_opens_thinking, template_reasons
+from deltaserve.text.reasoning import THINK_CLOSE, prompt_opens_thinking, template_reasons
 from deltaserve.text.structured import named_call_schema, required_calls_schema, schema_grammar
 from deltaserve.text.tokenizer import ChatTemplateError, Tokenizer
 from deltaserve.text.tool_parsers import pick_tool_parser
@@ -56,6 +56,7 @@ class PreparedChat:
     images: list[PreparedImage]
     settings: ChatOutputSettings
     grammar: str | None
+    reasoning_end: tuple[int, ...] = ()  # `</think>`'s ids when the output is split into reasoning, else ()
 
 
 async def prepare_chat(state: ServerState, engine: Engine, chat: ChatRequest) -> PreparedChat:
@@ -76,7 +77,9 @@ async def prepare_chat(state: ServerState, engine: Engine, chat: ChatRequest) ->
                                         response_schema=chat.response_schema, parallel=chat.parallel)
     except OutputRequestError as e:
         raise ApiError(400, e.message, param=e.param) from None
-    return PreparedChat(prompt_ids, boundaries, images, settings, grammar)
+    thinks = settings.reasoning and not settings.forced
+    reasoning_end = tuple(engine.tokenizer.encode(THINK_CLOSE, False)) if thinks else ()
+    return PreparedChat(prompt_ids, boundaries, images, settings, grammar, reasoning_end)
 
 
 def encode_chat(engine: Engine, messages: list[dict], add_generation_prompt: bool, kwargs: dict) -> list[int]:

@@ -9,7 +9,8 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
+from contextlib import aclosing
+from dataclasses import dataclass, replace
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
@@ -48,6 +49,7 @@ class TokenCounts:
     completion_tokens: int  # over all choices
     cached_tokens: int = 0  # of prompt_tokens, what the prefix cache supplied
     speculative: dict[str, int] | None = None  # {"drafted", "accepted"} draft tokens, only where speculating
+    reasoning_tokens: int = 0  # of completion_tokens, those before the think-end marker, as the engine counted them
 
 
 class GenerationFailed(Exception):
@@ -76,6 +78,7 @@ class Generation:
         self.stops: list[str | int | None] = [None] * count  # what ended each "stop": a stop string or token id
         self.cached_tokens = [0] * count  # prompt tokens each choice took from the prefix cache
         self.speculative: list[dict[str, int] | None] = [None] * count  # each choice's draft counts (--speculative)
+        self.reasoning_tokens = [0] * count  # each choice's thinking tokens (RequestOutput.reasoning_tokens)
         # each choice's prompt as the engine counts it (an image's placeholder widened into its tokens)
         self.engine_prompt_tokens = [stream.prompt_tokens for stream in streams]
         self._seen_token = [False] * count
@@ -126,6 +129,12 @@ class Generation:
                 task.cancel()
             self.close()
 
+    async def outputs(self) -> AsyncIterator[RequestOutput]:
+        """The output deltas of an API with one choice (Anthropic, Responses); raises as `events` does."""
+        async with aclosing(self.events()) as events:
+            async for _, out in events:
+                yield out
+
     def _record(self, i: int, out: RequestOutput) -> None:
         now_s = time.monotonic()
         if out.token_ids and not self._seen_token[i]:
@@ -139,6 +148,7 @@ class Generation:
             self.prompt_logprobs[i] = out.prompt_logprobs
         self.completion_tokens[i] = max(self.completion_tokens[i], out.completion_tokens)
         self.cached_tokens[i] = max(self.cached_tokens[i], out.cached_tokens)
+        self.reasoning_tokens[i] = out.reasoning_tokens  # the latest: a partly matched marker counted until it ends
         if out.speculative is not None:
             self.speculative[i] = out.speculative
         if not out.finished:
@@ -170,7 +180,8 @@ class Generation:
         prompt_tokens = sum(self.prompt_len(i) for i in first_choice.values())
         counted = [s for s in self.speculative if s is not None]
         speculative = {k: sum(s[k] for s in counted) for k in ("drafted", "accepted")} if counted else None
-        return TokenCounts(prompt_tokens, sum(self.completion_tokens), cached, speculative)
+        return TokenCounts(prompt_tokens, sum(self.completion_tokens), cached, speculative,
+                           sum(self.reasoning_tokens))
 
     def prompt_len(self, i: int) -> int:
         """Choice i's prompt tokens as the engine counts them (image tokens included)."""
@@ -193,11 +204,13 @@ class Generation:
                 self.engine.abort(stream.request_id)
 
 
-def choice_params(build: Callable[[int], SamplingParams], n: int = 1) -> list[SamplingParams]:
-    """SamplingParams for choices 0..n-1 from an API's translator (`build(choice)`); a value SamplingParams refuses
-    is a 400 saying why (a ProtocolError keeps the field it names)."""
+def choice_params(build: Callable[[int], SamplingParams], n: int = 1,
+                  reasoning_end: tuple[int, ...] = ()) -> list[SamplingParams]:
+    """SamplingParams for choices 0..n-1 from an API's translator (`build(choice)`), with a chat's think-end ids
+    (PreparedChat.reasoning_end) for the engine to count thinking tokens by; a value SamplingParams refuses is a 400
+    saying why (a ProtocolError keeps the field it names)."""
     try:
-        return [build(j) for j in range(n)]
+        return [replace(build(j), reasoning_end=reasoning_end) if reasoning_end else build(j) for j in range(n)]
     except ProtocolError:
         raise
     except ValueError as e:  # SamplingParams' own checks

@@ -35,7 +35,8 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
     async def chat_completions(request: Request):
         received_s, engine, req = await receive(state, request, "chat", openai_translate.parse_request, ChatCompletionRequest)
         chat = await prepare_chat(state, engine, openai_translate.to_chat(req, engine.info.image_marker))
-        params = choice_params(lambda j: openai_translate.sampling_params(req, j, chat.grammar), req.n)
+        params = choice_params(lambda j: openai_translate.sampling_params(req, j, chat.grammar), req.n,
+                               chat.reasoning_end)
         gen = await submit(state, engine, [chat.prompt_ids], params, received_s, images=chat.images,
                            boundaries=chat.boundaries, prompt_param="messages")
         meta = openai_translate.ResponseMeta(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), state.served_name())

@@ -53,25 +53,23 @@ def add_routes(app: FastAPI, state: ServerState) -> ResponseStore:
             if req.previous_response_id else []
         conversation = earlier + translate.input_items(req)
         chat = await prepare_chat(state, engine, translate.to_chat(req, conversation, engine.info.image_marker))
-        params = choice_params(lambda _: translate.sampling_params(req, chat.grammar))
+        params = choice_params(lambda _: translate.sampling_params(req, chat.grammar), reasoning_end=chat.reasoning_end)
         gen = await submit(state, engine, [chat.prompt_ids], params, received_s, images=chat.images,
                            boundaries=chat.boundaries, prompt_param="input")
         meta = translate.Meta(translate.new_id("resp"), int(time.time()), state.served_name(), req)
         tools = served_tools(req.tools)
 
         def usage_of(items: list[dict]) -> dict:
-            thought = "".join(c["text"] for i in items if i["type"] == "reasoning" for c in i["content"])
-            reasoning_tokens = len(engine.tokenizer.encode(thought, False)) if thought else 0
-            counts = gen.counts()
-            return translate.usage(counts, min(reasoning_tokens, counts.completion_tokens))
+            counts = gen.counts()  # an output the parser read no thinking in (the model never opened one) has none
+            thought = any(i["type"] == "reasoning" for i in items)
+            return translate.usage(counts, counts.reasoning_tokens if thought else 0)
 
         def keep(body: dict) -> None:
             if req.store:
                 store.put(body, conversation + body["output"])
 
         if req.stream:
-            outputs = (out async for _, out in gen.events())
-            stream = EventStream(stream_events(outputs, ChatOutputParser(chat.settings), meta, tools,
+            stream = EventStream(stream_events(gen.outputs(), ChatOutputParser(chat.settings), meta, tools,
                                                lambda: gen.finish_reasons[0], usage_of, keep), gen)
             name_dropped(tools, stream)
             return stream
