@@ -124,3 +124,16 @@ def test_real_size_27b_gguf_plans_at_the_defaults(capsys):
     assert budget.context_length >= FIT_CONTEXT_FLOOR and budget.line("free").bytes >= 0
     assert main(["--model", str(REAL_27B[0]), "--device", "cpu", "--device-memory", f"{HOST}"]) == 0
     assert budget.notes[0] in capsys.readouterr().out
+
+
+def test_engine_logs_the_fit_once_and_runs_with_it():
+    from deltaserve.engine.engine import Engine
+
+    logs = []
+    engine = Engine(EngineConfig(device="cpu", device_memory=1 * GiB), log=logs.append)  # the built-in SmolLM2
+    try:
+        fitted = [line for line in logs if "fitted to this machine" in line]
+        assert len(fitted) == 1 and f"--mem-fraction {CPU_FIT_MEM_FRACTION} (" in fitted[0]
+        assert engine.config.mem_fraction == CPU_FIT_MEM_FRACTION == engine.budget.mem_fraction
+    finally:
+        engine.shutdown()
