@@ -35,6 +35,7 @@ PREFILL_DTYPES = ("float32", "bfloat16")  # the packed 4-bit GEMM's arithmetic (
 ACTIVATION_DTYPES = ("float32", "int8")  # what packed 4-bit and int8 weights multiply on CPU (kernels/int4_int8.py)
 
 DEFAULT_MAX_NEW_TOKENS_CAP = 16384
+DEFAULT_MAX_RUNNING_REQUESTS = 16  # when not given and the device holds it (budget/fit.py halves it where not)
 # Host RAM is shared with the OS, the page cache of the checkpoint, the tokenizer and the HTTP server.
 CPU_MEM_FRACTION = 0.5
 # Stock engines use 0.9 on a dedicated card; incident 4 shows why the rest must stay free.
@@ -116,7 +117,7 @@ class EngineConfig:
     headroom: int | None = None  # bytes kept for other processes; None: 0 CPU, 512 MiB GPU
     max_total_tokens: int | None = None  # None: the KV pool is what remains
     context_length: int | None = None  # None: the model's max_position_embeddings, capped at the pool
-    max_running_requests: int = 16
+    max_running_requests: int | None = None  # None: 16, fewer where the device cannot hold them (budget/fit.py)
     prefill_chunk_tokens: int | None = None  # None: 512 CPU, 2048 GPU
     kv_dtype: str = "auto"  # auto: float16 on CPU (float32 arithmetic), the compute dtype on CUDA
     state_dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
@@ -172,6 +173,7 @@ class EngineConfig:
             device=self.device if self.device.startswith(kind) else kind,
             dtype=dtype,
             mem_fraction=self.mem_fraction or (GPU_MEM_FRACTION if gpu else CPU_MEM_FRACTION),
+            max_running_requests=self.max_running_requests or DEFAULT_MAX_RUNNING_REQUESTS,
             headroom=self.headroom if self.headroom is not None else (GPU_HEADROOM_BYTES if gpu else 0),
             prefill_chunk_tokens=self.prefill_chunk_tokens
             or (GPU_PREFILL_CHUNK_TOKENS if gpu else CPU_PREFILL_CHUNK_TOKENS),
@@ -311,12 +313,15 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                    "(on CPU the native kernels are float32 only: others go op by op, decode ~3x slower)")
     g.add_argument("--page-size", type=int, help="KV tokens per page (16)")
     g.add_argument("--mem-fraction", type=float,
-                   help="fraction of the device TOTAL memory to budget (0.9 GPU, 0.5 CPU)")
+                   help="fraction of the device TOTAL memory to budget (0.9 GPU, 0.5 CPU; on CPU raised up to 0.9 "
+                   "where the model does not fit at 0.5)")
     g.add_argument("--headroom", help="bytes kept free for other processes, e.g. 1.5GiB (512MiB GPU, 0 CPU)")
     g.add_argument("--max-total-tokens", type=int, help="KV pool size in tokens, rounded down to whole "
                    "pages (default: what remains)")
-    g.add_argument("--context-length", type=int, help="longest request, prompt + completion (default: the model's)")
-    g.add_argument("--max-running-requests", type=int, help="requests decoded at once = GDN state slots (16)")
+    g.add_argument("--context-length", type=int, help="longest request, prompt + completion (default: the model's, "
+                   "shortened where the device cannot hold one request of it)")
+    g.add_argument("--max-running-requests", type=int, help="requests decoded at once = GDN state slots "
+                   "(16, halved where the device cannot hold them)")
     g.add_argument("--prefill-chunk-tokens", type=int, help="prompt tokens read per step (512 CPU, 2048 GPU)")
     g.add_argument("--kv-dtype", help="KV cache dtype: auto (float16 on CPU, the compute dtype on GPU), float32, "
                    "bfloat16, float16, fp8; 16-bit halves the cache (storage only: on CPU the arithmetic stays "

@@ -42,7 +42,8 @@ def run(args: argparse.Namespace) -> int:
         kind = config.device_kind()
         total = config.device_memory or device_memory_bytes(kind)[0]
         budget = plan_budget(spec, config, device_total_bytes=total, device_kind=kind)
-        config = dataclasses.replace(config, speculative=budget.speculative)  # what --speculative auto became
+        # what --speculative auto became, and the settings fitted to the device (budget/fit.py)
+        config = dataclasses.replace(config, speculative=budget.speculative, **budget.fitted)
         host_tier = parse_bytes(args.host_tier)
         if args.request_context is not None and args.request_context <= 0:
             raise ConfigError(f"--request-context {args.request_context} must be a positive number")

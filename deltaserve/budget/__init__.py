@@ -8,6 +8,7 @@ ledger that turns spec, settings and device into named lines, and the advice whe
   load.py     load_spec (which of the two a path gets), default_model_path
   lines.py    each consumer line of the ledger
   advice.py   the fixes a refusal names; option_costs
+  fit.py      the settings not given, fitted to the device where the defaults do not fit (before any refusal)
   ledger.py   Budget, plan_budget, measure_vs_predicted
 
 It imports nothing of deltaserve but config and, inside the header readers, weights/ (docs/architecture.md: a leaf that

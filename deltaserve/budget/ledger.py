@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from deltaserve.budget.advice import auto_speculation, fixes_for
 from deltaserve.budget.errors import BudgetError
+from deltaserve.budget.fit import fit_to_device
 from deltaserve.budget.lines import Draft, draft_ledger, mib
 from deltaserve.budget.spec import ModelMemorySpec
 from deltaserve.config import DEFAULT_MAX_NEW_TOKENS_CAP, EngineConfig, GiB, MiB
@@ -56,6 +57,7 @@ class Budget:
     notes: list[str] = field(default_factory=list)
     checkpoint_slots: int = 0  # GDN state checkpoints of the prefix cache (0: dense model or no prefix cache)
     speculative: str = "off"  # the drafter the ledger priced: off, ngram or mtp (--speculative auto decided)
+    fitted: dict = field(default_factory=dict)  # settings not given that were fitted to the device (budget/fit.py)
 
     def line(self, name: str) -> BudgetLine:
         """The line called `name` (KeyError if there is none)."""
@@ -106,10 +108,12 @@ def plan_budget(spec: ModelMemorySpec, config: EngineConfig, *, device_total_byt
                 device_free_bytes: int | None = None) -> Budget:
     """The ledger for `spec` on a device of `device_total_bytes` (config.device_memory overrides it).
 
-    Raises BudgetError (shortfall in MiB and two fixes) when the ledger does not fit, or when
-    `device_free_bytes`, what is free at start, is less than the consumers need.
+    Where the ledger does not fit at the defaults, the settings not given are fitted first (budget/fit.py; the
+    Budget's `fitted` and first note say which). Raises BudgetError (shortfall in MiB and two fixes) when it still
+    does not fit, or when `device_free_bytes`, what is free at start, is less than the consumers need.
     """
     config, note = auto_speculation(spec, config, device_total_bytes, device_kind)
+    config, fitted, fit_note = fit_to_device(spec, config, device_total_bytes, device_kind)
     draft = draft_ledger(spec, config, device_total_bytes, device_kind)
     if draft.shortfall > 0:
         fixes = fixes_for(spec, draft, device_kind, lambda d: d.shortfall <= 0)
@@ -121,6 +125,8 @@ def plan_budget(spec: ModelMemorySpec, config: EngineConfig, *, device_total_byt
         raise BudgetError(f"the ledger needs {mib(draft.required)} MiB at start but the device has "
                           f"{mib(device_free_bytes)} MiB free: short by {mib(short)} MiB. {fixes}")
     budget = _finish(spec, draft, device_kind)
+    budget.fitted = fitted
+    budget.notes[:0] = [fit_note] if fit_note else []
     if note:
         budget.notes.append(note)
     return budget

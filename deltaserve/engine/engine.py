@@ -105,8 +105,9 @@ class Engine:
         total, free = device_memory_bytes(kind)
         self.budget: Budget = plan_budget(spec_from_checkpoint(path), config, device_total_bytes=total,
                                           device_kind=kind, device_free_bytes=free)
-        # --speculative auto is decided by the ledger (budget/advice.py auto_speculation)
-        self.config = dataclasses.replace(self.config, speculative=self.budget.speculative)
+        # --speculative auto is decided by the ledger (budget/advice.py auto_speculation), and so are the settings
+        # fitted to the device (budget/fit.py; its note is logged below, once)
+        self.config = dataclasses.replace(self.config, speculative=self.budget.speculative, **self.budget.fitted)
         self._log(self.budget.to_table())
         for note in self.budget.notes:  # e.g. --max-total-tokens rounded down to whole pages
             self._log(f"note: {note}")
