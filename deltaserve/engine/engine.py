@@ -125,6 +125,8 @@ class Engine:
         self.context_length = budget.max_context_tokens
         self.eos_token_ids = loaded.eos_token_ids
         self.device = torch.device(c.device)
+        if self.device.type == "cpu":
+            self._prepare_cpu_weights(loaded)
         geometry = loaded.model.geometry
         self.kv_pool = KVPool(geometry, budget.kv_pages, budget.page_size, dtype=getattr(torch, c.kv_dtype),
                               device=self.device)
@@ -158,29 +160,6 @@ class Engine:
         self.runner = ModelRunner(loaded.model, self.kv_pool, self.state_pool, self.device,
                                   paged_kernel=c.attention_backend == "paged",
                                   snapshot_pool=snapshots)
-        if self.device.type == "cpu":
-            if c.dtype != "float32":  # the native kernels are float32: the log line says what that costs
-                self._log(f"note: --dtype {c.dtype} on CPU: the native kernels take float32 only, so each step goes "
-                          "op by op in torch (decode ~3x slower than float32 here); float32 is the CPU default")
-            _keep_step_memory()
-            fused_cpu.load(self._log)  # each built once per machine (~1 min), then loaded from torch's cache
-            linear_cpu.load(self._log)
-            int4_cpu.load(self._log)
-            if c.prefill_dtype == "bfloat16" and c.activation_dtype == "int8":
-                self._log("note: --prefill-dtype bfloat16 rounds float32 activations: under --activation-dtype int8 "
-                          "(the default) packed 4-bit layers take prefill rows as int8 already (faster); pass "
-                          "--activation-dtype float32 for the bfloat16 prefill")
-            elif c.prefill_dtype == "bfloat16":
-                self._bf16_prefill(loaded.model)
-            if c.activation_dtype == "int8":
-                self._int8_activations(loaded.model)
-            if c.attention_backend == "paged":
-                paged_cpu.load(self._log)
-                prefill_cpu.load(self._log)
-                decode_cpu.load(self._log)  # a decode step's layers in two native calls each
-            moved = pack_weights(loaded.model, return_freed_memory)  # in one buffer of 2 MB pages (models/arena.py)
-            if moved:
-                self._log(f"weights: {moved / 2 ** 20:,.1f} MiB moved into one buffer, transparent huge pages asked for")
         self.vocab_size = int(loaded.model.lm_head.out_features)
         self._setup_images(loaded)
         self.grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_token_ids)
@@ -196,6 +175,34 @@ class Engine:
         measured = {name: n for name, n in self.measured_bytes().items() if n or budget.line(name).bytes}
         for check in measure_vs_predicted(budget, measured):
             self._log(f"measured {check}")
+
+    def _prepare_cpu_weights(self, loaded: LoadedModel) -> None:
+        """The CPU kernels loaded and the weights in their final form (int8-activation layers, one buffer of 2 MB
+        pages) before any pool is allocated: a conversion's transient copy (one tensor) then sits beside the weights
+        alone, never beside the KV, state and checkpoint pools, so the load peaks below the ledger's total."""
+        c = self.config
+        if c.dtype != "float32":  # the native kernels are float32: the log line says what that costs
+            self._log(f"note: --dtype {c.dtype} on CPU: the native kernels take float32 only, so each step goes "
+                      "op by op in torch (decode ~3x slower than float32 here); float32 is the CPU default")
+        _keep_step_memory()
+        fused_cpu.load(self._log)  # each built once per machine (~1 min), then loaded from torch's cache
+        linear_cpu.load(self._log)
+        int4_cpu.load(self._log)
+        if c.prefill_dtype == "bfloat16" and c.activation_dtype == "int8":
+            self._log("note: --prefill-dtype bfloat16 rounds float32 activations: under --activation-dtype int8 "
+                      "(the default) packed 4-bit layers take prefill rows as int8 already (faster); pass "
+                      "--activation-dtype float32 for the bfloat16 prefill")
+        elif c.prefill_dtype == "bfloat16":
+            self._bf16_prefill(loaded.model)
+        if c.activation_dtype == "int8":
+            self._int8_activations(loaded.model)
+        if c.attention_backend == "paged":
+            paged_cpu.load(self._log)
+            prefill_cpu.load(self._log)
+            decode_cpu.load(self._log)  # a decode step's layers in two native calls each
+        moved = pack_weights(loaded.model, return_freed_memory)  # in one buffer of 2 MB pages (models/arena.py)
+        if moved:
+            self._log(f"weights: {moved / 2 ** 20:,.1f} MiB moved into one buffer, transparent huge pages asked for")
 
     def _setup_images(self, loaded: LoadedModel) -> None:
         """Image input, where the model has a vision tower loaded: the limits and the checkpoint's preprocessing."""
