@@ -132,8 +132,8 @@ class DecodeStackPath:
         x = x.contiguous()  # the residual stream, updated in place
         positions = batch.positions if batch.rope_positions is None else batch.rope_positions
         cos_sin = model.rotary.decode_rows(positions, max(batch.context_lens))
-        head = lm.fused_head.get(model.norm, lm.lm_head) if args is not None else None
-        if head is not None:  # every layer, the final norm and the LM head in one native call
+        head = lm.fused_head.get(model.norm, lm.lm_head)  # built on the first decode step, whichever way it goes
+        if args is not None and head is not None:  # every layer, the final norm and the LM head in one native call
             normed = torch.empty_like(x) if all_rows else None
             batch.logits_argmax = torch.empty(rows.shape[0], dtype=torch.long)  # the sampler's greedy tokens
             logits = self.stack.run_with(args, x, *cos_sin, flat, head, rows, normed, batch.logits_argmax)
