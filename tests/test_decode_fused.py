@@ -278,3 +278,26 @@ def test_a_projection_of_no_rows_widens_nothing(monkeypatch):
     codes = Int4Codes(torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8),
                       torch.rand(n, k // 32, generator=gen), None, 32)
     assert int4_linear(torch.empty(0, k), pack(codes), torch.randn(n)).shape == (0, n)
+
+
+def test_the_runner_takes_the_native_path_for_decode_steps(monkeypatch):
+    """The runner, not the model, picks the path: an engine's decode steps go through one decode_stack call each
+    (models/decode_stack_path.py); its 5-token prompt too, as 5 decode rows (batch.as_decode_rows: a short chunk)."""
+    from test_engine_support import engine, run_all, tokens_of
+
+    from deltaserve.engine.request import SamplingParams
+
+    assert decode_cpu.load() is not None
+    calls = []
+    real = decode_cpu.Stack.run_with
+
+    def counted(*args, **kwargs):
+        calls.append(args[4].num_decode)  # the batch the call served
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(decode_cpu.Stack, "run_with", staticmethod(counted))
+    eng = engine(None, max_running_requests=2, max_total_tokens=1024)
+    ids = eng.tokenizer.encode("The capital of France is")
+    out = run_all(eng, [(ids, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))])[0]
+    assert len(tokens_of(out)) == 4
+    assert calls == [5, 1, 1, 1]  # the prompt's rows, then each of the 3 decode steps
