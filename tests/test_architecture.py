@@ -20,7 +20,9 @@ The rules, in docs/architecture.md's words:
   (f) one shape for every API: an API adapter (ADAPTERS: the openai*, anthropic* and responses* modules of server/)
       imports no other adapter, and the shared modules every adapter stands on (SHARED_BY_APIS) import no adapter;
   (g) docstrings of engine/ and models/ state contracts: a measured timing (ms, us, tok/s, "measured on") lives in a
-      bench/results record, not there.
+      bench/results record, not there;
+  (h) the runner picks the execution path, models are their math: the model files (MODEL_MATH) import no native
+      decode path (NATIVE_DECODE: kernels/decode_cpu.py, models/decode_stack_path.py); the runner asks the path.
 """
 
 from __future__ import annotations
@@ -65,6 +67,10 @@ ADAPTERS = {"openai": ("openai",), "anthropic": ("anthropic",), "responses": ("r
 SHARED_BY_APIS = {"generation", "chat", "protocol", "state", "output_request"}
 # (e): what server/ may touch of an Engine: its description, its tokenizer (text/'s Tokenizer: encode, decode, chat
 # templates), the door, and the calls an operator's routes and the drain make
+# (h): the model files, their math only, and what picks a decode step's native path instead of them
+MODEL_MATH = ("deltaserve.models.llama", "deltaserve.models.hybrid", "deltaserve.models.qwen3_5",
+              "deltaserve.models.qwen3_next")
+NATIVE_DECODE = ("deltaserve.kernels.decode_cpu", "deltaserve.models.decode_stack_path")
 ENGINE_SURFACE = {"info", "tokenizer", "submit_all", "abort", "stats", "flush_cache", "start", "shutdown"}
 
 
@@ -309,3 +315,24 @@ def test_the_timing_rule_sees_timings(tmp_path):
                       'a pass ~155 us; built on first use (~0.5 s); Measured on Zen 4."""\n\n\n'
                       'def g():\n    """[T, 1, rd] rows, 16 requests, 2 MB pages, 1 + k rows."""\n')
     assert len(_timings_in_docstrings(module)) == 5
+
+
+def _native_decode_imports(graph: dict[str, set[str]], modules) -> list[str]:
+    """`module imports target` for each of `modules` that imports a native decode path module (rule h)."""
+    return [f"{m} imports {t}" for m in modules for t in sorted(graph.get(m, ())) if t in NATIVE_DECODE]
+
+
+def test_models_are_their_math_and_the_runner_picks_the_path():
+    graph = _graph()
+    assert all(m in graph for m in MODEL_MATH)
+    wrong = _native_decode_imports(graph, MODEL_MATH)
+    assert not wrong, ("a model file picks its own execution path; the runner asks models/decode_stack_path.py "
+                       "(docs/architecture.md):\n" + "\n".join(wrong))
+    assert "deltaserve.models.decode_stack_path" in graph["deltaserve.engine.runner"]
+
+
+def test_the_path_rule_sees_the_imports():
+    """The path rule is not vacuous: the path module itself imports decode_cpu, and the rule says so of it."""
+    graph = _graph()
+    assert _native_decode_imports(graph, ["deltaserve.models.decode_stack_path"]) == [
+        "deltaserve.models.decode_stack_path imports deltaserve.kernels.decode_cpu"]

@@ -19,6 +19,7 @@ from deltaserve.kernels import decode_cpu
 from deltaserve.kernels.int4 import Int4Codes
 from deltaserve.models import build_model
 from deltaserve.models.batch import ForwardBatch, allocate_caches, single_sequence_batch
+from deltaserve.models.decode_stack_path import DecodeStackPath, step_logits
 from tolerance import logits_rtol
 
 transformers = pytest.importorskip("transformers")
@@ -79,7 +80,8 @@ def prefilled(model, prompts: list[list[int]], dtype: torch.dtype):
     last = []
     for i, ids in enumerate(prompts):
         slots = torch.arange(i * SLOTS_PER_SEQ, (i + 1) * SLOTS_PER_SEQ)
-        last.append(int(model(single_sequence_batch(ids, 0, slots, state_slot=i), caches)[-1].argmax()))
+        logits = step_logits(model, single_sequence_batch(ids, 0, slots, state_slot=i), caches)
+        last.append(int(logits[-1].argmax()))
     return caches, last
 
 
@@ -93,12 +95,12 @@ def steps_both_ways(model, prompts, dtype, steps: int):
     fused, plain, row_argmax = [], [], []
     for _ in range(steps):
         batch = decode_batch(tokens, lens)
-        fused.append(model(batch, caches))
+        fused.append(step_logits(model, batch, caches))
         row_argmax.append(batch.logits_argmax is not None)
         if batch.logits_argmax is not None:
             assert torch.equal(batch.logits_argmax, fused[-1].argmax(-1))
         with decode_cpu.disabled():
-            plain.append(model(decode_batch(tokens, lens), other))
+            plain.append(step_logits(model, decode_batch(tokens, lens), other))
         tokens = plain[-1].argmax(-1).tolist()
         lens = [n + 1 for n in lens]
     return torch.stack(fused), torch.stack(plain), caches, other, set(row_argmax)
@@ -115,7 +117,7 @@ def test_fused_decode_equals_the_per_op_path(kind, weights, cache, isa):
     prompts = [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in (5, 17, 1, 40, 9)]
     fused, plain, caches, other, row_argmax = steps_both_ways(model, prompts, getattr(torch, cache), steps=6)
     assert model.model.layers[0].fused.parts is not None  # the blocks served (they take these weights)
-    assert model.model.stack._args is not None  # all layers in one call (decode_stack)
+    assert DecodeStackPath.of(model).stack._args is not None  # all layers in one call (decode_stack)
     assert model.fused_head.args is not None  # ... the final norm and the LM head at its end (and their argmax)
     assert row_argmax == {True}  # ... and their argmax, every step (steps_both_ways compared it with torch's)
     hidden = model.config["hidden_size"]
@@ -168,10 +170,10 @@ def test_a_short_chunk_beside_decode_rows_gives_the_logits_of_its_last_row():
         state_slots=torch.arange(3), logits_indices=torch.tensor([0, 1, 4]))
     assert as_decode_rows(batch, decode_cpu.MAX_ROWS) is not None  # the fused path takes this step
     other = copy.deepcopy(caches)
-    fused = model(batch, caches)
+    fused = step_logits(model, batch, caches)
     assert model.fused_head.args is not None
     with decode_cpu.disabled():
-        plain = model(batch, other)
+        plain = step_logits(model, batch, other)
     assert fused.shape == plain.shape == (3, VOCAB)
     assert (fused - plain).abs().max().item() <= logits_rtol(3, 192) * plain.abs().max().item()
 
@@ -212,7 +214,7 @@ def test_hybrid_fused_decode_equals_the_per_op_path(name, cache, tmp_path):
         fused_mixer = layer.kind != "linear_attention" or name.startswith("qwen3_5")
         assert (layer.fused.parts[0] is not None) == fused_mixer
     # every layer in one call (decode_stack) where all blocks are fused; Qwen3-Next's steps go layer by layer
-    assert (model.model.stack._args is not None) == name.startswith("qwen3_5")
+    assert (DecodeStackPath.of(model).stack._args is not None) == name.startswith("qwen3_5")
     assert model.fused_head.args is not None  # the head joins that call where there is one
     assert row_argmax == {name.startswith("qwen3_5")}  # with its argmax (steps_both_ways compared it with torch's)
     tol = logits_rtol(ref.config.num_hidden_layers, 64 * 16) * plain.abs().max().item()
@@ -276,3 +278,26 @@ def test_a_projection_of_no_rows_widens_nothing(monkeypatch):
     codes = Int4Codes(torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8),
                       torch.rand(n, k // 32, generator=gen), None, 32)
     assert int4_linear(torch.empty(0, k), pack(codes), torch.randn(n)).shape == (0, n)
+
+
+def test_the_runner_takes_the_native_path_for_decode_steps(monkeypatch):
+    """The runner, not the model, picks the path: an engine's decode steps go through one decode_stack call each
+    (models/decode_stack_path.py); its 5-token prompt too, as 5 decode rows (batch.as_decode_rows: a short chunk)."""
+    from test_engine_support import engine, run_all, tokens_of
+
+    from deltaserve.engine.request import SamplingParams
+
+    assert decode_cpu.load() is not None
+    calls = []
+    real = decode_cpu.Stack.run_with
+
+    def counted(*args, **kwargs):
+        calls.append(args[4].num_decode)  # the batch the call served
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(decode_cpu.Stack, "run_with", staticmethod(counted))
+    eng = engine(None, max_running_requests=2, max_total_tokens=1024)
+    ids = eng.tokenizer.encode("The capital of France is")
+    out = run_all(eng, [(ids, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))])[0]
+    assert len(tokens_of(out)) == 4
+    assert calls == [5, 1, 1, 1]  # the prompt's rows, then each of the 3 decode steps

@@ -27,6 +27,7 @@ from deltaserve.kernels.cpp_build import cpu_features
 from deltaserve.kernels.int4 import Int4Codes, pack
 from deltaserve.models.int8_activations import use_int8_activations
 from deltaserve.models.layers import FusedParts, Int8DotLinear, Int4Linear, Linear, projection_parts
+from deltaserve.models.decode_stack_path import DecodeStackPath, step_logits
 
 U = 2.0**-24
 
@@ -161,11 +162,11 @@ def assert_fused_int8_equals_per_op(model, prompts, cache, layers: int, reductio
     per_op = Counting(int4_int8.KERNELS.module, ["int4_int8_linear"])
     lens = [len(p) + 4 for p in prompts]
     with decode_cpu.KERNELS.using(counting), int4_int8.KERNELS.using(per_op):
-        model(decode_batch(fused[-1].argmax(-1).tolist(), lens), caches)
+        step_logits(model, decode_batch(fused[-1].argmax(-1).tolist(), lens), caches)
     assert counting.calls == {"decode_stack": 1, "attention_block": 0, "mlp_block": 0, "gdn_block": 0}
     assert per_op.calls == {"int4_int8_linear": 0}
     with decode_cpu.disabled(), int4_int8.KERNELS.using(per_op):  # the per-op path does take the int8 kernel
-        model(decode_batch(fused[-1].argmax(-1).tolist(), [n + 1 for n in lens]), caches)
+        step_logits(model, decode_batch(fused[-1].argmax(-1).tolist(), [n + 1 for n in lens]), caches)
     assert per_op.calls["int4_int8_linear"] > 0
     return fused
 
@@ -181,7 +182,7 @@ def test_fused_int8_decode_equals_the_per_op_int8_path(kind, cache, int8_isa):
     fused = assert_fused_int8_equals_per_op(model, prompts, getattr(torch, cache), 3, 192)
     attn, mlp = model.model.layers[0].fused.parts
     assert all(group < 0 for group in attn[1][4:]) and all(group < 0 for group in mlp[1])  # panel weights served
-    assert model.model.stack._args is not None
+    assert DecodeStackPath.of(model).stack._args is not None
     # and not the float32 packed arithmetic: the same steps of the unswapped model differ by the activation rounding
     float_fused, _, _, _, _ = steps_both_ways(float_model, prompts, getattr(torch, cache), steps=1)
     assert (fused[0] - float_fused[0]).abs().max() > logits_rtol(3, 192) * float_fused.abs().max()

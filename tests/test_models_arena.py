@@ -14,6 +14,7 @@ from deltaserve.kernels import decode_cpu, int4_int8
 from deltaserve.models import arena
 from deltaserve.models.batch import allocate_caches, single_sequence_batch
 from deltaserve.models.int8_activations import use_int8_activations
+from deltaserve.models.decode_stack_path import DecodeStackPath, step_logits
 
 pytestmark = pytest.mark.skipif(not arena.huge_pages_available(), reason="no madvise(MADV_HUGEPAGE) on this platform")
 
@@ -28,10 +29,10 @@ def tensors_of(model: nn.Module) -> dict[str, torch.Tensor]:
 def run(model, prompt: list[int], steps: int) -> torch.Tensor:
     """Logits of a prefill and `steps` greedy decode steps (the one-call path) on fresh caches, stacked."""
     caches = allocate_caches(model.geometry, SLOTS_PER_SEQ, 1, torch.float32, state_dtype=torch.float32)
-    logits = [model(single_sequence_batch(prompt, 0, torch.arange(SLOTS_PER_SEQ)), caches)[-1]]
+    logits = [step_logits(model, single_sequence_batch(prompt, 0, torch.arange(SLOTS_PER_SEQ)), caches)[-1]]
     tokens, n = [int(logits[-1].argmax())], len(prompt)
     for _ in range(steps):
-        logits.append(model(decode_batch(tokens, [n]), caches)[0])
+        logits.append(step_logits(model, decode_batch(tokens, [n]), caches)[0])
         tokens, n = [int(logits[-1].argmax())], n + 1
     return torch.stack(logits)
 
@@ -61,7 +62,7 @@ def test_packed_weights_give_the_same_logits_and_lie_in_one_buffer(weights):
                                                             for start, end in spans)
     assert spans[0][0] % arena.HUGE_PAGE == 0  # the buffer starts on a 2 MB boundary
     # the one-call decode step's cached arguments were rebuilt from the views
-    assert model.model.stack._args is not None
+    assert DecodeStackPath.of(model).stack._args is not None
     for layer in model.model.layers:
         (attn, _), (mlp, _) = layer.fused.parts  # each block's weight tensors (the stack adds the caches)
         assert {t.data_ptr() for t in attn + mlp if t.numel()} <= {t.data_ptr() for t in moved.values()}

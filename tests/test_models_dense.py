@@ -8,6 +8,7 @@ import torch
 from deltaserve.models import build_model
 from deltaserve.models.batch import allocate_caches, single_sequence_batch
 from deltaserve.weights import load_checkpoint
+from deltaserve.models.decode_stack_path import step_logits
 from tolerance import config_rtol
 
 transformers = pytest.importorskip("transformers")
@@ -23,7 +24,8 @@ def our_logits(model, ids: list[int], chunks: list[int] | None = None) -> torch.
     slots = torch.arange(len(ids) + 8)
     out, start = [], 0
     for size in chunks or [len(ids)]:
-        out.append(model(single_sequence_batch(ids[start:start + size], start, slots, all_logits=True), caches))
+        chunk = single_sequence_batch(ids[start:start + size], start, slots, all_logits=True)
+        out.append(step_logits(model, chunk, caches))
         start += size
     return torch.cat(out)
 
@@ -31,12 +33,12 @@ def our_logits(model, ids: list[int], chunks: list[int] | None = None) -> torch.
 def our_greedy(model, ids: list[int], n: int) -> list[int]:
     caches = allocate_caches(model.geometry, len(ids) + n + 1, 1, torch.float32)
     slots = torch.arange(len(ids) + n + 1)
-    logits = model(single_sequence_batch(ids, 0, slots), caches)
+    logits = step_logits(model, single_sequence_batch(ids, 0, slots), caches)
     out = []
     for i in range(n):
         token = int(logits[-1].argmax())
         out.append(token)
-        logits = model(single_sequence_batch([token], len(ids) + i, slots), caches)
+        logits = step_logits(model, single_sequence_batch([token], len(ids) + i, slots), caches)
     return out
 
 

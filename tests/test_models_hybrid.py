@@ -27,6 +27,7 @@ from transformers import (
 from deltaserve.models import build_model, skip_prefixes
 from deltaserve.models.batch import ForwardBatch, allocate_caches, single_sequence_batch
 from deltaserve.weights import load_checkpoint
+from deltaserve.models.decode_stack_path import step_logits
 from tolerance import config_rtol
 
 VOCAB = 160
@@ -115,7 +116,7 @@ def rel_error(ours: torch.Tensor, ref: torch.Tensor) -> float:
 def prefill_logits(model, ids: list[int]) -> torch.Tensor:
     caches = fresh_caches(model, len(ids))
     with torch.inference_mode():
-        return model(single_sequence_batch(ids, 0, torch.arange(len(ids)), all_logits=True), caches)
+        return step_logits(model, single_sequence_batch(ids, 0, torch.arange(len(ids)), all_logits=True), caches)
 
 
 def greedy(model, ids: list[int], steps: int) -> list[int]:
@@ -124,11 +125,11 @@ def greedy(model, ids: list[int], steps: int) -> list[int]:
     caches = fresh_caches(model, len(slots))
     out = []
     with torch.inference_mode():
-        logits = model(single_sequence_batch(ids, 0, slots), caches)
+        logits = step_logits(model, single_sequence_batch(ids, 0, slots), caches)
         for step in range(steps):
             out.append(int(logits[-1].argmax()))
             if step + 1 < steps:
-                logits = model(single_sequence_batch([out[-1]], len(ids) + step, slots), caches)
+                logits = step_logits(model, single_sequence_batch([out[-1]], len(ids) + step, slots), caches)
     return out
 
 
@@ -176,7 +177,7 @@ def test_chunked_prefill_equals_one_shot(pair, splits, cpu_kernels):
     with torch.inference_mode():
         for lo, hi in zip(bounds, bounds[1:]):
             batch = single_sequence_batch(ids[lo:hi], lo, slots, all_logits=True)
-            parts.append(ours(batch, caches))
+            parts.append(step_logits(ours, batch, caches))
     assert rel_error(torch.cat(parts), whole) <= rtol(ref)
 
 
@@ -190,8 +191,8 @@ def test_last_row_only_and_no_rows_equal_all_rows(pair):
     with torch.inference_mode():
         first = single_sequence_batch(ids[:60], 0, slots)
         first.logits_indices = torch.tensor([], dtype=torch.long)
-        assert ours(first, caches).shape == (0, VOCAB)
-        last = ours(single_sequence_batch(ids[60:], 60, slots), caches)
+        assert step_logits(ours, first, caches).shape == (0, VOCAB)
+        last = step_logits(ours, single_sequence_batch(ids[60:], 60, slots), caches)
     assert rel_error(last[0], whole[-1]) <= rtol(ref)
 
 
@@ -224,12 +225,12 @@ def test_decode_and_prefill_in_one_batch_equal_each_alone(pair):
     slots_a, slots_b = perm[:64], perm[64:]
     with torch.inference_mode():
         alone = fresh_caches(ours, 128, state_slots=2)
-        next_a = int(ours(single_sequence_batch(a, 0, slots_a), alone)[-1].argmax())
-        expected_a = ours(single_sequence_batch([next_a], len(a), slots_a), alone)[-1]
-        expected_b = ours(single_sequence_batch(b, 0, slots_b, state_slot=1), alone)[-1]
+        next_a = int(step_logits(ours, single_sequence_batch(a, 0, slots_a), alone)[-1].argmax())
+        expected_a = step_logits(ours, single_sequence_batch([next_a], len(a), slots_a), alone)[-1]
+        expected_b = step_logits(ours, single_sequence_batch(b, 0, slots_b, state_slot=1), alone)[-1]
 
         mixed = fresh_caches(ours, 128, state_slots=2)
-        ours(single_sequence_batch(a, 0, slots_a), mixed)
+        step_logits(ours, single_sequence_batch(a, 0, slots_a), mixed)
         logits = ours(two_sequence_batch(next_a, len(a), slots_a, b, slots_b), mixed)
     assert rel_error(logits[0], expected_a) <= rtol(ref)
     assert rel_error(logits[1], expected_b) <= rtol(ref)
@@ -246,14 +247,14 @@ def test_two_decodes_in_one_batch_equal_each_alone(pair):
 
     def prefilled():
         caches = fresh_caches(ours, 128, state_slots=2)
-        ta = int(ours(single_sequence_batch(a, 0, slots_a), caches)[-1].argmax())
-        tb = int(ours(single_sequence_batch(b, 0, slots_b, state_slot=1), caches)[-1].argmax())
+        ta = int(step_logits(ours, single_sequence_batch(a, 0, slots_a), caches)[-1].argmax())
+        tb = int(step_logits(ours, single_sequence_batch(b, 0, slots_b, state_slot=1), caches)[-1].argmax())
         return caches, ta, tb
 
     with torch.inference_mode():
         caches, ta, tb = prefilled()
-        alone_a = ours(single_sequence_batch([ta], len(a), slots_a), caches)[-1]
-        alone_b = ours(single_sequence_batch([tb], len(b), slots_b, state_slot=1), caches)[-1]
+        alone_a = step_logits(ours, single_sequence_batch([ta], len(a), slots_a), caches)[-1]
+        alone_b = step_logits(ours, single_sequence_batch([tb], len(b), slots_b, state_slot=1), caches)[-1]
 
         caches, ta, tb = prefilled()
         context = torch.zeros(2, len(b) + 1, dtype=torch.long)
@@ -263,7 +264,7 @@ def test_two_decodes_in_one_batch_equal_each_alone(pair):
             cached_lens=[len(a), len(b)], num_decode=2, cu_q=torch.tensor([0, 1, 2]),
             slot_mapping=torch.stack([slots_a[len(a)], slots_b[len(b)]]), context_slots=context,
             state_slots=torch.tensor([0, 1]), logits_indices=torch.tensor([0, 1]))
-        both = ours(batch, caches)
+        both = step_logits(ours, batch, caches)
     assert rel_error(both[0], alone_a) <= rtol(ref)
     assert rel_error(both[1], alone_b) <= rtol(ref)
 

@@ -14,6 +14,7 @@ import torch
 
 from deltaserve.kernels import decode_cpu
 from deltaserve.models.batch import ForwardBatch, as_decode_rows
+from deltaserve.models.decode_stack_path import DecodeStackPath, step_logits
 from test_decode_fused import SLOTS_PER_SEQ, VOCAB, prefilled, tiny_dense
 from tolerance import logits_rtol
 
@@ -44,12 +45,12 @@ def verify_batch(lens: list[int], chunks: list[list[int]], decode_tokens: list[i
 
 def both_ways(model, batch: ForwardBatch, caches):
     """(fused logits, per-op logits, fused caches, per-op caches) of one step from the same caches; the fused side
-    with a fresh decode_stack argument cache, so `model.model.stack._args` says whether the one-call path ran."""
+    with a fresh decode_stack argument cache, so the path's `stack._args` says whether the one-call path ran."""
     other = copy.deepcopy(caches)
-    model.model.stack = decode_cpu.Stack()
-    fused = model(batch, caches)
+    DecodeStackPath.of(model).forget()
+    fused = step_logits(model, batch, caches)
     with decode_cpu.disabled():
-        plain = model(batch, other)
+        plain = step_logits(model, batch, other)
     return fused, plain, caches, other
 
 
@@ -69,7 +70,7 @@ def test_verify_rows_take_the_fused_path_and_equal_the_per_op_path(kind, weights
               [last[3], *torch.randint(0, VOCAB, (8,), generator=gen).tolist()]]
     batch = verify_batch([len(p) for p in prompts], chunks, [last[0]])
     fused, plain, caches, other = both_ways(model, batch, caches)
-    assert model.model.stack._args is not None  # one decode_stack call served the step
+    assert DecodeStackPath.of(model).stack._args is not None  # one decode_stack call served the step
     assert fused.shape == plain.shape == (1 + 4 + 2 + 9, VOCAB)
     tol = logits_rtol(3, 192) * plain.abs().max().item()
     assert (fused - plain).abs().max().item() <= tol
@@ -137,7 +138,7 @@ def test_hybrid_verify_rows_chain_the_gdn_state_and_keep_snapshots(tmp_path):
     lens = [len(p) for p in prompts]
     batch = verify_batch(lens, chunks, [last[0]], snapshots)
     fused, plain, caches, other = both_ways(model, batch, caches)
-    assert model.model.stack._args is not None  # one decode_stack call served the step
+    assert DecodeStackPath.of(model).stack._args is not None  # one decode_stack call served the step
     tol = logits_rtol(layers, 64 * 16) * plain.abs().max().item()
     assert (fused - plain).abs().max().item() <= tol
     assert torch.equal(fused.argmax(-1), plain.argmax(-1))

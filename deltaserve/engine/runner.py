@@ -1,4 +1,5 @@
-"""One forward per step: pack the plan's sequences (decode first) into a ForwardBatch and run the model once.
+"""One forward per step: pack the plan's sequences (decode first) into a ForwardBatch and run the model once, on
+the native decode stack where it serves the step (models/decode_stack_path.py), else the model's per-op forward.
 
 Index tensors are built with torch ops from each request's slot tensor (kv_pool keeps it a page at a time), so a
 step costs a few small ops per sequence, never Python work per token of context.
@@ -14,6 +15,7 @@ from deltaserve.engine.sampler import prompt_logprobs
 from deltaserve.engine.scheduler import StepPlan
 from deltaserve.kernels.int4 import decode_rows_first
 from deltaserve.models.batch import ForwardBatch, ModelCaches
+from deltaserve.models.decode_stack_path import DecodeStackPath
 
 
 class ModelRunner:
@@ -22,6 +24,7 @@ class ModelRunner:
     def __init__(self, model, kv_pool: KVPool, state_pool: StatePool, device: torch.device | str = "cpu", *,
                  paged_kernel: bool = True, snapshot_pool: StatePool | None = None):
         self.model = model
+        self.decode_path = DecodeStackPath.of(model)  # asked each step before the model's per-op forward
         self.paged_kernel = paged_kernel  # False: --attention-backend portable
         self.kv_pool = kv_pool
         self.state_pool = state_pool
@@ -146,7 +149,8 @@ class ModelRunner:
         verifying request with k drafts; their argmax int64 [rows] where the model's head computed it, else None)."""
         batch = self.build_batch(plan)
         with decode_rows_first(batch.num_decode):  # --prefill-dtype bfloat16 rounds the prefill rows only
-            logits = self.model(batch, self.caches)
+            out = self.decode_path.run(batch, self.caches)  # None: the native blocks do not serve this step
+            logits = out.logits if out is not None else self.model(batch, self.caches)
         argmax = batch.logits_argmax
         sampled_rows = len(batch.logits_indices) - self.score_prompts(plan, logits)
         if sampled_rows < len(logits):

@@ -11,7 +11,8 @@ weights, with the pages llama.cpp does not ask for.
 The values are the same tensors' bytes, copied once at load: every parameter and buffer becomes a view of the buffer
 (a tensor two modules share, as a tied head's codes, stays one view), so the ledger's weights line and the engine's
 measured bytes are unchanged; each original is freed as soon as its copy is made (its pages given back every
-RELEASE_EVERY bytes), so the move holds at most that much beyond the weights, never twice them. The kernels' argument caches built from the old tensors (FusedParts, FusedHead, decode_cpu.Stack) are
+RELEASE_EVERY bytes), so the move holds at most that much beyond the weights, never twice them. The kernels'
+argument caches built from the old tensors (FusedParts, FusedHead, decode_cpu.Stack, DecodeStackPath) are
 forgotten first and rebuilt at the next step.
 """
 
@@ -23,6 +24,7 @@ import torch
 from torch import nn
 
 from deltaserve.kernels import decode_cpu
+from deltaserve.models.decode_stack_path import DecodeStackPath
 from deltaserve.models.layers import FusedHead, FusedParts, Int4Embedding, Int8Embedding, PanelEmbedding
 
 EMBEDDINGS = (nn.Embedding, Int4Embedding, Int8Embedding, PanelEmbedding)  # a step reads one row of their tables
@@ -65,7 +67,7 @@ def pack_weights(model: nn.Module, release=None) -> int:
         return 0
     for module in model.modules():  # the argument caches hold the old tensors: rebuilt from the views
         for value in vars(module).values():
-            if isinstance(value, (FusedParts, FusedHead, decode_cpu.Stack)):
+            if isinstance(value, (FusedParts, FusedHead, decode_cpu.Stack, DecodeStackPath)):
                 value.forget()
     whole = huge_page_buffer(total)
     views: dict[tuple, torch.Tensor] = {}

@@ -19,15 +19,13 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from deltaserve.kernels import (conv_decode, conv_prefill, decode_cpu, fused_cpu, gated_delta_decode_in_place,
-                                gated_delta_prefill)
+from deltaserve.kernels import conv_decode, conv_prefill, fused_cpu, gated_delta_decode_in_place, gated_delta_prefill
 from deltaserve.kernels.attention import paged_attention, write_kv
-from deltaserve.models.batch import (ATTENTION, GDN, CacheGeometry, ForwardBatch, ModelCaches, as_decode_rows,
-                                     rows_as_decode)
+from deltaserve.models.batch import ATTENTION, GDN, CacheGeometry, ForwardBatch, ModelCaches, rows_as_decode
 from deltaserve.models.layers import (FusedHead, FusedParts, Rotary, SwiGLU, add_then_norm, announce_refusals,
-                                     apply_rotary, attention_parts, attention_refusals, current_parts,
-                                     embedding, linear, mlp_parts, mlp_refusals, projection_parts, refusal,
-                                     rope_parameters)
+                                     apply_rotary, attention_parts, attention_refusals, embedding,
+                                     gdn_block_declines, gdn_block_refusal, linear, mlp_parts, mlp_refusals,
+                                     projection_parts, refusal, rope_parameters)
 
 log = logging.getLogger(__name__)
 
@@ -178,15 +176,14 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = linear(self.value_dim, hidden)
         self.layer_idx = layer_idx
         # asked once, here: a shape gdn_block does not serve runs op by op from the first step on
-        self.block_declines = decode_cpu.gdn_block_declines(hidden, self.num_k_heads, self.num_v_heads,
-                                                            self.head_v_dim, self.conv_width)
+        self.block_declines = gdn_block_declines(hidden, self)
 
     def refusals(self) -> list[str]:
         """The native GDN kernels' refusals of this mixer's shapes, as load-time log lines (layers.refusal)."""
         lines = [refusal(fused_cpu.KERNELS, "gdn_prefill / gdn_decode",
                          fused_cpu.gdn_declines(self.num_k_heads, self.num_v_heads, self.head_v_dim))]
         if not self.fused_projections:  # Qwen3-Next's packed layout never takes the block: no shape to explain
-            lines.append(refusal(decode_cpu.KERNELS, "gdn_block", self.block_declines))
+            lines.append(gdn_block_refusal(self.block_declines))
         return [line for line in lines if line]
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -205,7 +202,7 @@ class GatedDeltaNet(nn.Module):
         return mixed, z.reshape(t, self.num_v_heads, self.head_v_dim), b.reshape(t, -1), a.reshape(t, -1)
 
     def block_parts(self, norm: nn.Module) -> tuple[list, list[int]] | None:
-        """kernels/decode_cpu.py's gdn_block tensors and sizes for this mixer after `norm`, or None (Qwen3-Next's
+        """The native decode path's gdn_block tensors and sizes for this mixer after `norm`, or None (Qwen3-Next's
         packed in-projections, or projections not in a form it takes): then it runs op by op."""
         if self.fused_projections or self.block_declines is not None:
             return None
@@ -386,47 +383,6 @@ class HybridDecoderLayer(nn.Module):
             mixer = attention_parts(self.input_layernorm, self.self_attn, gated=True)
         return mixer, mlp_parts(self.post_attention_layernorm, self.mlp) if isinstance(self.mlp, SwiGLU) else None
 
-    def stack_args(self, caches: ModelCaches) -> tuple | None:
-        """This layer's share of decode_cpu.decode_stack's arguments, or None where a block does not take it (the
-        step then goes layer by layer through `decode`)."""
-        mixer, mlp = self.fused.get(self.input_layernorm.weight)
-        if mixer is None or mlp is None:
-            return None
-        norm, mlp_eps = self.input_layernorm, self.post_attention_layernorm.eps
-        if self.kind == LINEAR_ATTENTION:
-            i = self.linear_attn.layer_idx
-            snaps = (caches.snapshot_conv[i], caches.snapshot_recurrent[i]) if caches.snapshot_conv else (None, None)
-            if not decode_cpu.serves_gdn(caches.conv[i], caches.recurrent[i], *(t for t in snaps if t is not None)):
-                return None
-            return (decode_cpu.gdn_args(mixer, caches.conv[i], caches.recurrent[i], norm.eps, 1.0,
-                                        self.linear_attn.norm.eps, *snaps), decode_cpu.mlp_args(mlp, mlp_eps, 1.0))
-        i = self.self_attn.layer_idx
-        return (decode_cpu.attention_args(mixer, caches.k[i], caches.v[i], norm.eps, 1.0, self.self_attn.scale),
-                decode_cpu.mlp_args(mlp, mlp_eps, 1.0))
-
-    def decode(self, x, cos_sin, batch: ForwardBatch, caches: ModelCaches) -> None:
-        """This layer for decode rows, x updated in place: the token mixer and the SwiGLU MLP one native call each
-        (kernels/decode_cpu.py) where they take it, else op by op."""
-        mixer, mlp = self.fused.get(self.input_layernorm.weight)
-        norm, i = self.input_layernorm, getattr(self.linear_attn if self.kind == LINEAR_ATTENTION else self.self_attn,
-                                                "layer_idx")
-        if self.kind == LINEAR_ATTENTION:
-            if mixer is not None and decode_cpu.serves_gdn(caches.conv[i], caches.recurrent[i]):
-                decode_cpu.gdn_block(x, *mixer, caches.conv[i], caches.recurrent[i], batch.state_slots, norm.eps, 1.0,
-                                     self.linear_attn.norm.eps)
-            else:
-                x.add_(self.linear_attn(norm(x), batch, caches))
-        elif mixer is not None:
-            cos, sin = cos_sin
-            decode_cpu.attention_block(x, *mixer, cos, sin, caches.k[i], caches.v[i], batch, norm.eps, 1.0,
-                                       self.self_attn.scale)
-        else:
-            x.add_(self.self_attn(norm(x), (cos_sin[0][:, None], cos_sin[1][:, None]), batch, caches))
-        if mlp is None:
-            x.add_(self.mlp(self.post_attention_layernorm(x)))
-        else:
-            decode_cpu.mlp_block(x, *mlp, self.post_attention_layernorm.eps, 1.0)
-
 
 class HybridModel(nn.Module):
     def __init__(self, config: dict, mlp_of_layer, fused_projections: bool):
@@ -447,52 +403,25 @@ class HybridModel(nn.Module):
             for i, kind in enumerate(self.layer_types)
         )
         self.norm = ZeroCentredRMSNorm(hidden, config["rms_norm_eps"])
-        self.stack = decode_cpu.Stack()
         announce_refusals([layer.refusals() for layer in self.layers])
 
-    def forward(self, batch: ForwardBatch, caches: ModelCaches, all_rows: bool = False) -> torch.Tensor:
-        """Hidden states [R, hidden] of the batch's logits rows (before the final norm); of every row if `all_rows`
-        (what an MTP head reads)."""
-        return self.run(batch, caches, all_rows)[0]
-
-    def run(self, batch: ForwardBatch, caches: ModelCaches, all_rows: bool = False,
-            head=None) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-        """(forward's hidden states, None, None); with `head` (layers.FusedHead's arguments: the final norm and the
-        LM head), where the step goes in one native call: (None, the logits rows' logits float32, and with `all_rows`
-        every row's final-norm output, else None) from that call."""
+    def embed(self, batch: ForwardBatch) -> torch.Tensor:
+        """The step's rows [T, hidden]: the token embeddings, an image token's the vision tower's instead."""
         x = self.embed_tokens(batch.input_ids)
-        if batch.image_rows is not None:  # image tokens read the vision tower's embeddings instead
+        if batch.image_rows is not None:
             x = x.index_copy(0, batch.image_rows, batch.image_embeds.to(x.dtype))
-        positions = batch.positions if batch.rope_positions is None else batch.rope_positions
-        rows = batch.logits_indices
-        k_cache = next((k for k in caches.k if k is not None), None)
-        # a decode-only step, or one whose chunks are short (a verifying request's rows) as decode rows: those only
-        # where every layer goes in one call (gdn_block chains a sequence's rows; the per-op decode path does not)
-        flat = as_decode_rows(batch, decode_cpu.MAX_ROWS)
-        args = None
-        if flat is not None and decode_cpu.serves(x, flat, k_cache):
-            parts = current_parts(self.layers)
-            args = self.stack.args_for((caches, *parts), lambda: [layer.stack_args(caches) for layer in self.layers])
-        if args is not None or (flat is batch and decode_cpu.serves(x, batch, k_cache)):
-            x = x.contiguous()  # the residual stream updated in place
-            cos_sin = self.rotary.decode_rows(positions, max(batch.context_lens))  # rows() for image positions
-            if args is not None:  # every layer in one native call (and the head, where given)
-                if head is not None:  # the sampler's greedy tokens come with the logits
-                    normed = torch.empty_like(x) if all_rows else None
-                    batch.logits_argmax = torch.empty(rows.shape[0], dtype=torch.long)
-                    logits = self.stack.run_with(args, x, *cos_sin, flat, head, rows, normed, batch.logits_argmax)
-                    return None, logits, normed
-                self.stack.run_with(args, x, *cos_sin, flat)
-            else:  # a block some layer's weights do not take: layer by layer
-                for layer in self.layers:
-                    layer.decode(x, cos_sin, batch, caches)
-            return (x if all_rows else x.index_select(0, rows)), None, None
-        cos_sin = self.rotary.cos_sin(positions)
+        return x
+
+    def forward(self, batch: ForwardBatch, caches: ModelCaches, all_rows: bool = False) -> torch.Tensor:
+        """Hidden states [R, hidden] of the batch's logits rows (before the final norm), op by op; of every row if
+        `all_rows` (what an MTP head reads)."""
+        x = self.embed(batch)
+        cos_sin = self.rotary.cos_sin(batch.positions if batch.rope_positions is None else batch.rope_positions)
         for layer in self.layers[:-1]:
             x = layer(x, cos_sin, batch, caches)
         keep = None if all_rows else batch.last_layer_rows
         x = self.layers[-1](x, cos_sin, batch, caches, keep)
-        return (x if keep is not None or all_rows else x.index_select(0, rows)), None, None
+        return x if keep is not None or all_rows else x.index_select(0, batch.logits_indices)
 
 
 class HybridForCausalLM(nn.Module):
@@ -516,14 +445,14 @@ class HybridForCausalLM(nn.Module):
         return {"lm_head.weight": "model.embed_tokens.weight"} if self.tie_word_embeddings else {}
 
     def forward(self, batch: ForwardBatch, caches: ModelCaches) -> torch.Tensor:
-        head = self.fused_head.get(self.model.norm, self.lm_head)
+        """The logits rows float32, op by op (the runner takes models/decode_stack_path.py where it serves)."""
+        return self.logits(self.model(batch, caches, all_rows=self.mtp is not None), batch)
+
+    def logits(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """The final norm and the LM head: float32 [R, vocab] of the logits rows. With an MTP head `hidden` is every
+        row's [T, hidden], and every row's final-norm output is kept for the drafter (engine/mtp_drafter.py)."""
         if self.mtp is None:
-            hidden, logits, _ = self.model.run(batch, caches, head=head)
-            return logits if logits is not None else self.lm_head(self.model.norm(hidden)).float()
-        hidden, logits, normed = self.model.run(batch, caches, all_rows=True, head=head)
-        if logits is not None:
-            self.mtp.target_hidden = normed  # every row's, for the MTP drafter (engine/mtp_drafter.py)
-            return logits
+            return self.lm_head(self.model.norm(hidden)).float()
         hidden = self.model.norm(hidden)
         self.mtp.target_hidden = hidden
         return self.lm_head(hidden.index_select(0, batch.logits_indices)).float()

@@ -278,6 +278,16 @@ def attention_block_declines(hidden: int, attn: nn.Module) -> str | None:
                                                2 * attn.rotary.inv_freq.numel())
 
 
+def gdn_block_declines(hidden: int, gdn: nn.Module) -> str | None:
+    """decode_cpu.gdn_block's answer for this Gated DeltaNet mixer's shapes (float32 projections), asked at load."""
+    return decode_cpu.gdn_block_declines(hidden, gdn.num_k_heads, gdn.num_v_heads, gdn.head_v_dim, gdn.conv_width)
+
+
+def gdn_block_refusal(reason: str | None) -> str | None:
+    """gdn_block's refusal line for a reason gdn_block_declines gave (refusal's line), or None."""
+    return refusal(decode_cpu.KERNELS, "gdn_block", reason)
+
+
 def mlp_refusals(hidden: int, intermediate: int) -> list[str]:
     """The fused MLP block's refusal of a SwiGLU MLP's widths (refusal's lines)."""
     line = refusal(decode_cpu.KERNELS, "mlp_block", decode_cpu.mlp_block_declines(hidden, intermediate))

@@ -9,13 +9,11 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from deltaserve.kernels import decode_cpu
 from deltaserve.kernels.attention import paged_attention, write_kv
-from deltaserve.models.batch import (ATTENTION, CacheGeometry, ForwardBatch, ModelCaches, as_decode_rows,
-                                     rows_as_decode)
+from deltaserve.models.batch import ATTENTION, CacheGeometry, ForwardBatch, ModelCaches, rows_as_decode
 from deltaserve.models.layers import (FusedHead, FusedParts, Int8DotLinear, Int4Linear, Int8Linear, RMSNorm, Rotary,
                                      SwiGLU, TorchInt4Linear, announce_refusals, apply_rotary, attention_parts,
-                                     attention_refusals, current_parts, embedding, linear, mlp_parts,
+                                     attention_refusals, embedding, linear, mlp_parts,
                                      mlp_refusals, rope_parameters)
 
 
@@ -89,13 +87,6 @@ class LlamaDecoderLayer(nn.Module):
         mlp = mlp_parts(self.post_attention_layernorm, self.mlp)
         return None if attn is None or mlp is None else (attn, mlp)
 
-    def stack_args(self, caches) -> tuple:
-        """This layer's share of decode_cpu.decode_stack's arguments (its two blocks and its caches)."""
-        attn, mlp = self.fused.get(self.input_layernorm.weight)
-        i = self.self_attn.layer_idx
-        return (decode_cpu.attention_args(attn, caches.k[i], caches.v[i], self.eps, 0.0, self.self_attn.scale),
-                decode_cpu.mlp_args(mlp, self.eps, 0.0))
-
 
 class LlamaModel(nn.Module):
     def __init__(self, config: dict):
@@ -108,36 +99,21 @@ class LlamaModel(nn.Module):
             LlamaDecoderLayer(config, i, self.rotary) for i in range(config["num_hidden_layers"])
         )
         self.norm = RMSNorm(hidden, config["rms_norm_eps"])
-        self.stack = decode_cpu.Stack()
         announce_refusals([layer.refusals() for layer in self.layers])
 
-    def forward(self, batch: ForwardBatch, caches: ModelCaches) -> torch.Tensor:
-        """Hidden states [R, hidden] of the batch's logits rows (before the final norm)."""
-        return self.run(batch, caches)[0]
+    def embed(self, batch: ForwardBatch) -> torch.Tensor:
+        """The step's rows [T, hidden] in the compute dtype (a bf16-held vocabulary: back to compute)."""
+        return self.embed_tokens(batch.input_ids).to(self.norm.weight.dtype)
 
-    def run(self, batch: ForwardBatch, caches: ModelCaches,
-            head=None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """(forward's hidden states, None); with `head` (layers.FusedHead's arguments: the final norm and the LM
-        head), where the step goes in one native call, (None, the logits rows' logits float32) from that call."""
-        x = self.embed_tokens(batch.input_ids).to(self.norm.weight.dtype)  # a bf16-held vocab: back to compute
-        rows = batch.logits_indices
-        # a decode-only step, or one whose chunks are short (a verifying request's rows), as decode rows
-        flat = as_decode_rows(batch, decode_cpu.MAX_ROWS)
-        parts = current_parts(self.layers) if flat is not None and decode_cpu.serves(x, flat, caches.k[0]) else None
-        if parts is not None and all(p is not None for p in parts):
-            x = x.contiguous()  # every layer in one native call, the residual stream in place
-            cos, sin = self.rotary.decode_rows(batch.positions, max(batch.context_lens))
-            if head is not None:  # the sampler's greedy tokens come with the logits
-                batch.logits_argmax = torch.empty(rows.shape[0], dtype=torch.long)
-            out = self.stack.run(x, (caches, *parts), lambda: [layer.stack_args(caches) for layer in self.layers],
-                                 cos, sin, flat, head, rows, batch.logits_argmax)  # and the head, where given: its logits
-            return (None, out) if head is not None else (x.index_select(0, rows), None)
+    def forward(self, batch: ForwardBatch, caches: ModelCaches) -> torch.Tensor:
+        """Hidden states [R, hidden] of the batch's logits rows (before the final norm), op by op."""
+        x = self.embed(batch)
         cos_sin = self.rotary.cos_sin(batch.positions)
         for layer in self.layers[:-1]:
             x = layer(x, cos_sin, batch, caches)
         keep = batch.last_layer_rows  # a prefill's last layer for its sampled row only (1/30 of SmolLM2's work)
         x = self.layers[-1](x, cos_sin, batch, caches, keep)
-        return (x if keep is not None else x.index_select(0, rows)), None
+        return x if keep is not None else x.index_select(0, batch.logits_indices)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -161,11 +137,12 @@ class LlamaForCausalLM(nn.Module):
         return {"lm_head.weight": "model.embed_tokens.weight"} if self.config.get("tie_word_embeddings") else {}
 
     def forward(self, batch: ForwardBatch, caches: ModelCaches) -> torch.Tensor:
-        # Only the rows the sampler needs pass the final norm and the vocab projection: in the decode step's native
-        # call where it goes in one (FusedHead), else here.
-        hidden, logits = self.model.run(batch, caches, head=self.fused_head.get(self.model.norm, self.lm_head))
-        if logits is not None:
-            return logits
+        """The logits rows float32, op by op (the runner takes models/decode_stack_path.py where it serves)."""
+        return self.logits(self.model(batch, caches), batch)
+
+    def logits(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """The final norm and the LM head over the logits rows' hidden states [R, hidden]: float32 [R, vocab]. Only
+        the rows the sampler needs pass them (in a decode step's native call where it goes in one: FusedHead)."""
         hidden = self.model.norm(hidden)
         head = self.lm_head
         held = isinstance(head, (Int4Linear, Int8DotLinear, Int8Linear, TorchInt4Linear))  # any input dtype

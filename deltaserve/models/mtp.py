@@ -24,6 +24,7 @@ import torch.nn as nn
 
 from deltaserve.kernels import decode_cpu, fused_cpu
 from deltaserve.models.batch import ATTENTION, ForwardBatch, ModelCaches
+from deltaserve.models.decode_stack_path import layer_args
 from deltaserve.models.hybrid import (FULL_ATTENTION, HybridDecoderLayer, SparseMoeBlock, SwiGLU,
                                       ZeroCentredRMSNorm)
 from deltaserve.models.layers import apply_rotary, current_parts, linear
@@ -122,7 +123,7 @@ class MtpHead(nn.Module):
         if not (decode_cpu.serves(embeds, batch, k_cache) and fused_cpu.serves(hidden)):
             return None
         layer = self.layers[0]
-        args = self.stack.args_for((caches, *current_parts(self.layers)), lambda: [layer.stack_args(caches)])
+        args = self.stack.args_for((caches, *current_parts(self.layers)), lambda: [layer_args(layer, caches)])
         if args is None:  # a block the layer's weights do not take (a mixture of experts)
             return None
         norm_e, norm_h = self.pre_fc_norm_embedding, self.pre_fc_norm_hidden
