@@ -78,11 +78,17 @@ class StepPlan:
 
     @property
     def sequences(self) -> list[tuple[Request, int]]:
-        return [(r, 1) for r in self.decode] + [(r, 1 + len(self.drafts[r])) for r in self.verify] + self.prefill
+        return step_sequences(self.decode, self.verify, self.drafts, self.prefill)
 
     @property
     def requests(self) -> list[Request]:
         return self.decode + self.verify + [r for r, _ in self.prefill]
+
+
+def step_sequences(decode: list[Request], verify: list[Request], drafts: dict[Request, list[int]],
+                   prefill: list[tuple[Request, int]]) -> list[tuple[Request, int]]:
+    """(request, rows it feeds) in a step's order: decode rows, verifying rows (last token and drafts), prefill."""
+    return [(r, 1) for r in decode] + [(r, 1 + len(drafts[r])) for r in verify] + prefill
 
 
 class Scheduler:
@@ -206,8 +212,8 @@ class Scheduler:
                 budget -= n
         verify = [r for r in decode if r in drafts]
         decode = [r for r in decode if r not in drafts]
-        # pages first (in StepPlan.sequences' order), then the plan of what still runs: a growth can fail a request
-        for request, n in [(r, 1) for r in decode] + [(r, 1 + len(drafts[r])) for r in verify] + prefill:
+        # pages first (in the step's order), then the plan of what still runs: a growth can fail a request
+        for request, n in step_sequences(decode, verify, drafts, prefill):
             self._grow(request, request.num_cached + n)
         verify = [r for r in verify if not r.finished]
         plan = StepPlan([r for r in decode if not r.finished], [(r, n) for r, n in prefill if not r.finished],
