@@ -86,18 +86,32 @@ def run_bench(root: Path, gguf: Path, *, prompts: list[int] = (), gen: int = 0, 
               repeats: int = 2, extra: tuple[str, ...] = ()) -> dict[str, float]:
     """tokens/s per test from llama-bench, the best of its `repeats` runs (as our side's best of its runs):
     {"pp512": ..., "tg128": ...}."""
-    args = [str(bench_binary(root)), "-m", str(gguf), "-t", str(threads), "-r", str(repeats), "-o", "json", *extra]
-    args += ["-p", ",".join(map(str, prompts)) if prompts else "0", "-n", str(gen)]
-    done = subprocess.run(args, check=True, capture_output=True, text=True)
-    rates = {}
-    for row in json.loads(done.stdout):
+    return rates(run_json(bench_args(root, gguf, prompts, gen, threads, repeats, extra)))
+
+
+def bench_args(root: Path, gguf: Path, prompts: list[int], gen: int, threads: int, repeats: int,
+               extra: tuple[str, ...]) -> list[str]:
+    """llama-bench's command line for these tests, JSON out."""
+    return [str(bench_binary(root)), "-m", str(gguf), "-t", str(threads), "-r", str(repeats), "-o", "json", *extra,
+            "-p", ",".join(map(str, prompts)) if prompts else "0", "-n", str(gen)]
+
+
+def run_json(args: list[str]) -> list[dict]:
+    """llama-bench's own JSON rows of one run."""
+    return json.loads(subprocess.run(args, check=True, capture_output=True, text=True).stdout)
+
+
+def rates(rows: list[dict]) -> dict[str, float]:
+    """{test name: best tokens/s} of llama-bench's rows ("pp512", "tg128", "tg128@4096" after a depth)."""
+    out = {}
+    for row in rows:
         name = f"pp{row['n_prompt']}" if row["n_prompt"] else f"tg{row['n_gen']}"
         if str(row.get("test", "")).startswith("tg") and "@pp" in str(row["test"]):  # ik_llama.cpp's -gp
             name = f"tg{row['n_gen']}@{row['n_prompt']}"
         elif row.get("n_depth"):  # llama.cpp's -d
             name += f"@{row['n_depth']}"
-        rates[name] = max(map(float, row.get("samples_ts") or [row["avg_ts"]]))
-    return rates
+        out[name] = max(map(float, row.get("samples_ts") or [row["avg_ts"]]))
+    return out
 
 
 @functools.cache
@@ -110,11 +124,15 @@ def run_one(root: Path, gguf: Path, test: str, threads: int, extra: tuple[str, .
     """tokens/s of one llama-bench run of one test ("pp512", "tg128", or "tg128@4096": after 4,096 cached tokens, its
     -d): a bench alternates it with its own side's runs, so that both see the same machine (on a shared 2-core VM
     llama.cpp's tg128 moved between 133 and 166 tok/s within an hour)."""
+    return rates(run_json(one_test_args(root, gguf, test, threads, extra)))[test]
+
+
+def one_test_args(root: Path, gguf: Path, test: str, threads: int, extra: tuple[str, ...] = ()) -> list[str]:
+    """The llama-bench command line of one run of `test` (run_one's; bench/real_size.py keeps the JSON it prints)."""
     kind, _, depth = test.partition("@")
     n = int(kind[2:])
-    if depth:  # llama.cpp's -d N; ik_llama.cpp's llama-bench has -gp N,n instead (its tg after an N-token prompt)
-        if takes_gp(root):
-            return run_bench(root, gguf, threads=threads, repeats=1, extra=(*extra, "-gp", f"{depth},{n}"))[test]
-        extra = (*extra, "-d", depth)
-    return run_bench(root, gguf, prompts=[n] if kind.startswith("pp") else [], gen=n if kind.startswith("tg") else 0,
-                     threads=threads, repeats=1, extra=extra)[test]
+    if depth and takes_gp(root):  # ik_llama.cpp's -gp N,n: its tg after an N-token prompt
+        return bench_args(root, gguf, [], 0, threads, 1, (*extra, "-gp", f"{depth},{n}"))
+    extra = (*extra, "-d", depth) if depth else extra  # llama.cpp's -d N
+    return bench_args(root, gguf, [n] if kind.startswith("pp") else [], n if kind.startswith("tg") else 0, threads,
+                      1, extra)

@@ -22,7 +22,6 @@ JSON rows are kept in the record (`peer_json`).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import statistics
@@ -65,18 +64,10 @@ class Peer:
         self.rows: list[dict] = []
 
     def args(self, test: str) -> list[str]:
-        kind, _, depth = test.partition("@")
-        n = int(kind[2:])
-        args = [str(llamacpp.bench_binary(self.root)), "-m", str(self.gguf), "-t", str(self.threads), "-r", "1",
-                "-o", "json", *self.flags]
-        if depth and llamacpp.takes_gp(self.root):
-            return args + ["-p", "0", "-n", "0", "-gp", f"{depth},{n}"]
-        args += ["-d", depth] if depth else []
-        return args + (["-p", str(n), "-n", "0"] if kind.startswith("pp") else ["-p", "0", "-n", str(n)])
+        return llamacpp.one_test_args(self.root, self.gguf, test, self.threads, self.flags)
 
     def rate(self, test: str) -> float:
-        done = subprocess.run(self.args(test), check=True, capture_output=True, text=True)
-        row = json.loads(done.stdout)[-1]
+        row = llamacpp.run_json(self.args(test))[-1]
         self.rows.append({"test": test, **row})
         return float(row["avg_ts"])
 
