@@ -115,10 +115,12 @@ class DecodeStackPath:
         """The step on the native blocks, or None where they do not serve it (the caller runs the model's per-op
         forward): not built here, not float32, a prefill chunk, more than MAX_ROWS rows, a cache they do not read."""
         lm, model = self.lm, self.lm.model
-        x = model.embed(batch)
         flat = as_decode_rows(batch, decode_cpu.MAX_ROWS)
+        if flat is None:  # a prefill chunk or too many rows: declined before embedding (the per-op forward embeds)
+            return None
+        x = model.embed(batch)
         k_cache = next((k for k in caches.k if k is not None), None)
-        if flat is None or not decode_cpu.serves(x, flat, k_cache):
+        if not decode_cpu.serves(x, flat, k_cache):
             return None
         parts = current_parts(model.layers)
         args = None
