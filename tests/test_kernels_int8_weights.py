@@ -125,12 +125,12 @@ def test_groups_of_16_sum_each_half_block():
     assert bool(((gsum.double() - halves).abs() <= U * halves.abs()).all())
 
 
-def test_a_group_of_16_is_taken_only_with_8_bit_codes():
+def test_a_group_of_16_is_taken_only_with_6_or_8_bit_codes():
     assert int4_int8.declines(96, 512, 16, bits=8) is None
     assert "16" in int4_int8.declines(96, 512, 16)  # 4-bit codes: their blocks have no halves to scale apart
     assert int4_int8.declines(96, 520, 16, bits=8) is not None
     nibbles = int4_int8.PanelWeight(torch.zeros(6, 512 * 8, dtype=torch.uint8), torch.ones(6, 32, 16), None, 16)
-    with pytest.raises(RuntimeError, match="groups of 16 with 8-bit codes only"):  # the kernel's own check agrees
+    with pytest.raises(RuntimeError, match="or 16, with 6- or 8-bit codes"):  # the kernel's own check agrees
         int4_int8.linear(torch.ones(1, 512), nibbles)
 
 

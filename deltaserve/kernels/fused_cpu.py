@@ -126,14 +126,14 @@ def int8_rows(codes: torch.Tensor, scales: torch.Tensor, ids: torch.Tensor) -> t
     return KERNELS.module.int8_rows(codes, scales, ids.long().contiguous())
 
 
-def int8_panel_rows(codes: torch.Tensor, scales: torch.Tensor, ids: torch.Tensor) -> torch.Tensor | None:
-    """Rows `ids` [R] of a symmetric 8-bit panel table (kernels/int4_int8.py's layout: codes [N / 16, K * 16] uint8,
-    float32 scales [N / 16, K / group, 16]) as float32 [R, K], or None where the kernel is not built or does not take
-    these tensors (the caller then gathers with torch ops, the same values)."""
+def int8_panel_rows(codes: torch.Tensor, scales: torch.Tensor, ids: torch.Tensor, bits: int = 8) -> torch.Tensor | None:
+    """Rows `ids` [R] of a symmetric 8- or 6-bit panel table (kernels/int4_int8.py's layouts: codes [N / 16, K * 2 *
+    bits] uint8, float32 scales [N / 16, K / group, 16] or int8 super scales) as float32 [R, K], or None where the
+    kernel is not built or does not take these tensors (the caller then gathers with torch ops, the same values)."""
     if (KERNELS.module is None or codes.device.type != "cpu" or codes.dtype != torch.uint8 or ids.dim() != 1
-            or scales.dtype != torch.float32):
+            or scales.dtype not in (torch.float32, torch.int8)):
         return None
-    return KERNELS.module.int8_panel_rows(codes, scales, ids.long().contiguous())
+    return KERNELS.module.int8_panel_rows(codes, scales, ids.long().contiguous(), bits)
 
 
 # The value head sizes the GDN kernels are compiled for: any multiple of 16 up to 128 (csrc/gdn.h's gdn_value_dim_ok).

@@ -15,6 +15,15 @@ panel form holds exactly the packed layout's bytes, so the ledger's weights line
 the same for an 8-bit weight (kernels/int8.Int8Rows: Q8_0, compressed-tensors INT8): each code q becomes q + 128, a
 byte vpdpbusd takes unsigned, and the offset o - 128 s carries the shift (symmetric weights store none: the kernel
 takes -128 s), so a code's byte and a scale per group are all it holds, as the Int8Rows' own codes and scales.
+
+GGUF's K-quants are held as compactly as their file holds them (what a decode step reads: a Q4_K_M's 1,211 MiB file
+was 1,723 MiB of panels): scales (and offsets) that are exactly a float32 per 256 columns times an int8 per group
+(Q4_K / Q5_K's d x sc and dmin x m, IQ4_XS's d x (ls - 32), Q6_K's d x sc: products of a float16 and a small integer,
+so exact in float32) are held as those two (`int4_int8_super` finds them: per 256 columns, the greatest common
+divisor of the scales' significands; a scale that does not factor so keeps the float form), and 8-bit codes that fit in
+6 bits with such scales (Q6_K's q - 32, Q5_K's q) as 6-bit codes in groups of 16 (a Q5_K group of 32 is two): the
+kernel multiplies the same scales by the same codes (a 4-bit result is the same bits as the float form's; a 6-bit
+one sums c = q + 32 where the 8-bit panels sum q + 128: within the same bound, not the same bits).
 """
 
 from __future__ import annotations
@@ -31,9 +40,11 @@ from deltaserve.kernels.int8 import Int8Rows
 PANEL_ROWS = 16  # output rows interleaved in one panel
 EMPTY_LEVELS = torch.empty(0, dtype=torch.uint8)  # no level table
 QUANT_BLOCK = 32  # activation columns sharing one int8 scale
+SUPER_COLUMNS = 256  # columns sharing one float32 super-scale (a GGUF K-quant's block)
 
 KERNELS = CompiledKernels("deltaserve_int4_int8dot", CSRC / "int4_int8dot.cpp",
-                          ["int4_int8_linear", "int4_int8_quantize", "int4_int8_isa"],
+                          ["int4_int8_linear", "int4_int8_quantize", "int4_int8_isa", "int4_int8_pack6",
+                           "int4_int8_super"],
                           "CPU 4-bit x int8 dot-product kernel", "the float32 packed 4-bit kernel")
 
 
@@ -68,8 +79,9 @@ def declines(out_features: int, in_features: int, group_size: int, lut: torch.Te
 
 @dataclass
 class PanelWeight:
-    """A 4- or 8-bit weight in the kernel's panel layout: codes [N / 16, K * bits * 2] uint8, scales and offsets
-    [N / 16, K / group, 16] in the packed weight's dtype (offsets None: symmetric), the input permutation as packed."""
+    """A 4-, 6- or 8-bit weight in the kernel's panel layout: codes [N / 16, K * bits * 2] uint8, scales and offsets
+    [N / 16, K / group, 16] in the packed weight's dtype, or int8 super scales [N / 16, K / 256, 64 + 16 * 256 /
+    group] (module docstring; offsets None: symmetric), the input permutation as packed."""
 
     codes: torch.Tensor
     scales: torch.Tensor
@@ -97,8 +109,10 @@ def repack(w: PackedInt4) -> PanelWeight:
         raise ValueError(f"int4_int8: cannot take a {n} x {k} weight in groups of {w.group_size}: {reason}")
     codes = w.packed.view(n // PANEL_ROWS, PANEL_ROWS, k // BLOCK, 4, 4).permute(0, 2, 3, 1, 4)
     levels = None if w.lut is None else (w.lut.round().to(torch.int16) + 128).to(torch.uint8).contiguous()
-    return PanelWeight(codes.reshape(n // PANEL_ROWS, k * 8).contiguous(), _panel_params(w.scales),
-                       _panel_params(w.offsets), w.group_size, w.perm, levels=levels)
+    compact = _super_params(w.scales, w.offsets, w.group_size, k) if w.group_size == QUANT_BLOCK else None
+    scales, offsets = compact or (_panel_params(w.scales), _panel_params(w.offsets))
+    return PanelWeight(codes.reshape(n // PANEL_ROWS, k * 8).contiguous(), scales, offsets, w.group_size, w.perm,
+                       levels=levels)
 
 
 PANELS_AT_ONCE = 256  # panels rearranged at a time by an in-place repack_int8 (16 rows each: 40 MiB at K = 5,120)
@@ -115,6 +129,9 @@ def repack_int8(w: Int8Rows, perm: torch.Tensor | None = None, in_place: bool = 
     reason = declines(n, k, w.group_size, bits=8)
     if reason:
         raise ValueError(f"int4_int8: cannot take a {n} x {k} 8-bit weight in groups of {w.group_size}: {reason}")
+    six = _six_bits(w)
+    if six is not None:
+        return PanelWeight(*six, QUANT_BLOCK // 2, perm, bits=6)
     rows = w.codes.view(torch.uint8).view(n // PANEL_ROWS, PANEL_ROWS, k // BLOCK, 8, 4)
     if in_place and w.codes.is_contiguous():
         codes = rows.view(n // PANEL_ROWS, k * 16)
@@ -130,23 +147,106 @@ def repack_int8(w: Int8Rows, perm: torch.Tensor | None = None, in_place: bool = 
     return PanelWeight(codes, _panel_params(scales), offsets, w.group_size, perm, bits=8)
 
 
-def gather_rows(w: PanelWeight, ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The float rows `ids` [...] -> [..., K] of a symmetric 8-bit panel weight in input order (an embedding table whose
-    codes are held once, as the tied vocabulary projection's panels): row t's codes lie in panel t // 16 at lane
-    t % 16 of each chunk, columns 4L .. 4L + 3 of each 32-column block in chunk L; w = s (c - 128) = s q, the table's
-    own rows exactly (an asymmetric one's s c + (o - 128 s) would round otherwise: not served)."""
-    if w.bits != 8 or w.perm is not None or w.offsets is not None:
-        raise ValueError("gather_rows: a symmetric 8-bit panel weight with its columns in order")
+def _super_params(scales: torch.Tensor, offsets: torch.Tensor | None, group: int,
+                  k: int) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """(scales, offsets) [N, K / group] float32 in the super form (module docstring), or None where either does not
+    factor exactly, is not float32 or K is not a multiple of 256."""
+    if scales.dtype != torch.float32 or k % SUPER_COLUMNS or SUPER_COLUMNS % group:
+        return None
+    held = []
+    for t in (scales, offsets):
+        factored = None if t is None else KERNELS.module.int4_int8_super(t.contiguous(), group)
+        if t is not None and not factored.numel():
+            return None
+        held.append(factored)
+    return held[0], held[1]
+
+
+def _six_bits(w: Int8Rows) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
+    """(codes, scales, offsets) of an 8-bit weight held in 6 bits, or None: its codes fit (q - 32 .. 31 without
+    offsets, stored as q + 32; 0 .. 63 with, stored as q) and its scales and offsets take the super form (in groups
+    of 16: a group of 32 is two). A symmetric group of 32 (Q8_0, compressed-tensors INT8) keeps its bytes: its scales
+    are free floats."""
     n, k = w.shape
+    symmetric = not bool(w.offsets.any())
+    if w.group_size not in (QUANT_BLOCK // 2, QUANT_BLOCK) or (symmetric and w.group_size == QUANT_BLOCK):
+        return None
+    scales, offsets = w.scales.to(torch.float32), None if symmetric else w.offsets.to(torch.float32)
+    if w.group_size == QUANT_BLOCK:
+        scales, offsets = scales.repeat_interleave(2, 1), offsets.repeat_interleave(2, 1)
+    compact = _super_params(scales, offsets, QUANT_BLOCK // 2, k)
+    if compact is None:
+        return None
+    codes = KERNELS.module.int4_int8_pack6(w.codes.contiguous(), 32 if symmetric else 0)
+    return (codes, *compact) if codes.numel() else None
+
+
+def panel_values(w: PanelWeight, panels: torch.Tensor | None = None) -> torch.Tensor:
+    """The weight values of panels `panels` (all: None), float32 [len, 16, K] in the panels' column order: s c + o per
+    group where offsets are stored, else s (c - z) (z 8, 32 or 128; 0 for a code through its IQ4 level), so a
+    symmetric or K-quant weight's are its format's own dequantized values. Torch ops, for gather_rows without its
+    native call and for the tests."""
+    codes = _panel_codes(w, panels)
+    count, k = codes.shape[0], codes.shape[2]
+    groups = k // w.group_size
+    panels = torch.arange(w.codes.shape[0]) if panels is None else panels
+    scales = _panel_group_params(w.scales, panels, groups)[..., None]
+    codes = codes.view(count, PANEL_ROWS, groups, w.group_size)
+    if w.offsets is None:
+        zero = 0.0 if w.levels is not None else {4: 8.0, 6: 32.0, 8: 128.0}[w.bits]
+        return ((codes - zero) * scales).view(count, PANEL_ROWS, k)
+    offsets = _panel_group_params(w.offsets, panels, groups)[..., None]
+    return (codes * scales + offsets).view(count, PANEL_ROWS, k)
+
+
+def _panel_codes(w: PanelWeight, panels: torch.Tensor | None) -> torch.Tensor:
+    """Panels' codes (an IQ4 code as its level) as float32 [len, 16, K], columns in the panels' order."""
+    p_all, k = w.codes.shape[0], w.shape[1]
+    panels = torch.arange(p_all) if panels is None else panels
+    blocks, count = k // BLOCK, panels.shape[0]
+    if w.bits == 8:
+        codes = w.codes.view(p_all, blocks, 8, PANEL_ROWS, 4)[panels].permute(0, 3, 1, 2, 4)
+    else:
+        z = w.codes.view(p_all, blocks, 64 * w.bits)[panels]
+        chunks = z[..., :256].view(count, blocks, 4, 64)
+        halves = [chunks & 0x0F, chunks >> 4]  # the first 16 columns, the last 16
+        if w.bits == 6:
+            pairs = z[..., 256:].view(count, blocks, 4, 32)
+            for h in range(2):
+                high = torch.cat([(pairs >> (4 * h)) & 3, (pairs >> (4 * h + 2)) & 3], dim=-1)
+                halves[h] = halves[h] | (high << 4)
+        codes = torch.stack([c.view(count, blocks, 4, PANEL_ROWS, 4) for c in halves], dim=2)
+        codes = codes.permute(0, 4, 1, 2, 3, 5)  # [count, 16, blocks, half, L, i]
+    codes = codes.reshape(count, PANEL_ROWS, k)
+    if w.levels is not None:
+        return (w.levels.to(torch.float32) - 128.0)[codes.long()]
+    return codes.to(torch.float32)
+
+
+def _panel_group_params(t: torch.Tensor, panels: torch.Tensor, groups: int) -> torch.Tensor:
+    """Panels' scales (or offsets) per row and group, float32 [len, 16, groups], from either held form."""
+    if t.dtype != torch.int8:
+        return t[panels].to(torch.float32).transpose(1, 2)
+    held = t[panels]  # [len, K / 256, 64 + 16 G]
+    count, supers = held.shape[:2]
+    d = held[..., :64].contiguous().view(torch.float32)  # [len, supers, 16]
+    sub = held[..., 64:].reshape(count, supers, groups // supers, PANEL_ROWS).to(torch.float32)
+    return (d[:, :, None, :] * sub).reshape(count, groups, PANEL_ROWS).transpose(1, 2)
+
+
+def gather_rows(w: PanelWeight, ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The float rows `ids` [...] -> [..., K] of a symmetric 8- or 6-bit panel weight in input order (an embedding
+    table whose codes are held once, as the tied vocabulary projection's panels): row t lies in panel t // 16 at lane
+    t % 16; w = s (c - z) = s q (z 128 or 32), the table's own rows exactly (an asymmetric one's s c + o' would round
+    otherwise: not served)."""
+    if w.bits == 4 or w.perm is not None or w.offsets is not None:
+        raise ValueError("gather_rows: a symmetric 8- or 6-bit panel weight with its columns in order")
+    k = w.shape[1]
     flat = ids.reshape(-1)
-    rows = fused_cpu.int8_panel_rows(w.codes, w.scales, flat)  # one native call where built
-    if rows is not None:
-        return rows.view(*ids.shape, k).to(dtype)
-    panel, lane = flat // PANEL_ROWS, flat % PANEL_ROWS
-    codes = w.codes.view(n // PANEL_ROWS, k // BLOCK, 8, PANEL_ROWS, 4)[panel, :, :, lane, :]  # [r, K / 32, 8, 4]
-    codes = codes.reshape(flat.shape[0], k // w.group_size, w.group_size).to(torch.float32)
-    scales = w.scales[panel, :, lane].to(torch.float32)[..., None]  # [r, K / group, 1]
-    return ((codes - 128.0) * scales).view(*ids.shape, k).to(dtype)
+    rows = fused_cpu.int8_panel_rows(w.codes, w.scales, flat, w.bits)  # one native call where built
+    if rows is None:
+        rows = panel_values(w, flat // PANEL_ROWS)[torch.arange(flat.shape[0]), flat % PANEL_ROWS]
+    return rows.view(*ids.shape, k).to(dtype)
 
 
 def _panel_params(t: torch.Tensor | None) -> torch.Tensor | None:

@@ -573,19 +573,20 @@ class Int8Embedding(nn.Module):
 
 
 class PanelEmbedding(nn.Module):
-    """An int8 embedding whose codes are held once, in the panels of its tied vocabulary projection (an Int8DotLinear
-    under --activation-dtype int8, models/int8_activations.py): a lookup widens only the rows it reads, from there."""
+    """An 8-bit embedding whose codes are held once, in the (8- or 6-bit) panels of its tied vocabulary projection (an
+    Int8DotLinear under --activation-dtype int8, models/int8_activations.py): a lookup widens only the rows it reads,
+    from there."""
 
     def __init__(self, head: "Int8DotLinear", dtype: torch.dtype):
         super().__init__()
         self.dtype = dtype
         self.num_embeddings, self.embedding_dim = head.out_features, head.in_features
-        self.group_size = head.group_size
+        self.group_size, self.bits = head.group_size, head.bits
         self.register_buffer("codes", head.codes)  # the head's own tensors: the ledger counts them once
         self.register_buffer("scales", head.scales)  # symmetric: no offsets (models/int8_activations.py)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        w = int4_int8.PanelWeight(self.codes, self.scales, None, self.group_size, bits=8)
+        w = int4_int8.PanelWeight(self.codes, self.scales, None, self.group_size, bits=self.bits)
         return int4_int8.gather_rows(w, ids, self.dtype)
 
 

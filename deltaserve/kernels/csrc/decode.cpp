@@ -22,7 +22,7 @@
 
 namespace {
 
-// One projection: float32 weight [N, K] (group 0), packed 4-bit (int4_cpu's layout, group > 0) or 4- or 8-bit codes
+// One projection: float32 weight [N, K] (group 0), packed 4-bit (int4_cpu's layout, group > 0) or 4-, 6- or 8-bit codes
 // in int4_int8's 16-row panels times int8 activations (group < 0: --activation-dtype int8), and an optional bias.
 struct Lin {
   int64_t N = 0, K = 0, group = 0;
@@ -33,36 +33,12 @@ struct Lin {
   const float* bias = nullptr;
 };
 
-// A panel weight (int4_int8_linear's checks): codes [N / 16, K * 8] (4-bit) or [N / 16, K * 16] (8-bit) uint8, scales
-// (and offsets, or empty: symmetric) [N / 16, K / group, 16] float32, bfloat16 or float16.
-i8dotk::Weight panel_of(const torch::Tensor& codes, const torch::Tensor& scales, const torch::Tensor& offsets,
-                        const torch::Tensor& levels, int64_t group, int64_t K) {
-  using namespace i8dotk;
-  TORCH_CHECK(codes.scalar_type() == torch::kUInt8 && codes.is_contiguous() && codes.dim() == 2 &&
-              (codes.size(1) == K * 8 || codes.size(1) == K * 16) && K % QB == 0 &&
-              (group % QB == 0 || (group == QB / 2 && codes.size(1) == K * 16)) && group > 0 && K % group == 0,
-              "decode block: panel codes must be [N / 16, K * 8 or K * 16] uint8, K a multiple of 32, the group too "
-              "(or 16, 8-bit codes)");
-  TORCH_CHECK(scales.is_contiguous() && scales.dim() == 3 && scales.size(0) == codes.size(0) &&
-              scales.size(1) * group == K && scales.size(2) == RI,
-              "decode block: panel scales [N / 16, K / group, 16]");
-  const bool symmetric = offsets.numel() == 0;
-  TORCH_CHECK(symmetric || (offsets.sizes() == scales.sizes() && offsets.scalar_type() == scales.scalar_type() &&
-                            offsets.is_contiguous()), "decode block: panel offsets shaped and typed as the scales");
-  TORCH_CHECK(levels.numel() == 0 || (levels.scalar_type() == torch::kUInt8 && levels.numel() == 16 &&
-                                      levels.is_contiguous() && codes.size(1) == K * 8),
-              "decode block: panel levels must be uint8 [16] beside 4-bit codes");
-  return Weight{codes.data_ptr<uint8_t>(), scales.data_ptr(), symmetric ? nullptr : offsets.data_ptr(),
-                kind_of(scales), K, group, K / group, codes.size(1) == K * 16 ? 8 : 4,
-                levels.numel() ? levels.data_ptr<uint8_t>() : nullptr};
-}
-
 // t[i .. i + 4]: weight or packed codes, scales, offsets, level table, bias (empty tensors where absent).
 Lin lin_of(const std::vector<torch::Tensor>& t, size_t i, int64_t group, int64_t K) {
   Lin l;
   l.group = group;
   if (group < 0) {
-    l.p8 = panel_of(t[i], t[i + 1], t[i + 2], t[i + 3], -group, K);
+    l.p8 = i8dotk::panel_weight(t[i], t[i + 1], t[i + 2], t[i + 3], -group, K, "decode block");
     l.i8 = true;
     l.N = t[i].size(0) * i8dotk::RI;
   } else if (group == 0) {

@@ -460,36 +460,70 @@ torch::Tensor int8_rows(torch::Tensor codes, torch::Tensor scales, torch::Tensor
   return out;
 }
 
-// Rows ids of a symmetric 8-bit panel table (kernels/int4_int8.py repack_int8: an embedding whose codes are held once,
-// in its tied vocabulary projection's panels) widened to float32: out[i, k] = (float(c) - 128) * s, c the code byte
-// (q + 128) and s its group's scale, kernels/int4_int8.py gather_rows' arithmetic. codes [N / 16, K * 16] uint8: row
-// t's code of column 32b + 4L + i at byte 512b + 64L + 4(t % 16) + i of panel t / 16; scales [N / 16, K / g, 16].
-// One call where gather_rows' torch indexing was six ops (~110 us of a SmolLM2 decode step between its native calls).
-torch::Tensor int8_panel_rows(torch::Tensor codes, torch::Tensor scales, torch::Tensor ids) {
+// Rows ids of a symmetric 8- or 6-bit panel table (kernels/int4_int8.py repack_int8: an embedding whose codes are
+// held once, in its tied vocabulary projection's panels) widened to float32: out[i, k] = (float(c) - z) * s, c the
+// code (q + z, z 128 for 8 bits, 32 for 6) and s its group's scale, kernels/int4_int8.py gather_rows' arithmetic.
+// 8-bit codes [N / 16, K * 16] uint8: row t's code of column 32b + 4L + i at byte 512b + 64L + 4(t % 16) + i of panel
+// t / 16; 6-bit [N / 16, K * 12]: its low 4 bits in the nibble of byte 384b + 64(L % 4) + 4(t % 16) + i (low nibble
+// for L < 4), the 2 above in byte 384b + 256 + 32(L % 4) + j at bit 2(j' / 32) + 4(L / 4), j' = 4(t % 16) + i, j = j'
+// % 32 (int4_int8dot.cpp's header). Scales float32 [N / 16, K / g, 16], or int8 SUPER [N / 16, K / 256, 64 + 16 G]
+// (per 256 columns the rows' float32 d, then G x 16 int8: s = d * sub). One call where gather_rows' torch indexing
+// was six ops (~110 us of a SmolLM2 decode step between its native calls).
+torch::Tensor int8_panel_rows(torch::Tensor codes, torch::Tensor scales, torch::Tensor ids, int64_t bits) {
   TORCH_CHECK(codes.scalar_type() == torch::kUInt8 && codes.is_contiguous() && codes.dim() == 2 &&
-              codes.size(1) % 512 == 0, "int8_panel_rows: codes must be contiguous uint8 [N / 16, K * 16]");
-  const int64_t P = codes.size(0), K = codes.size(1) / 16, N = P * 16;
-  TORCH_CHECK(scales.scalar_type() == torch::kFloat32 && scales.is_contiguous() && scales.dim() == 3 &&
-              scales.size(0) == P && scales.size(2) == 16 && scales.size(1) > 0 && K % scales.size(1) == 0,
-              "int8_panel_rows: scales must be contiguous float32 [N / 16, K / group, 16]");
+              (bits == 8 || bits == 6) && codes.size(1) % (64 * bits) == 0,
+              "int8_panel_rows: codes must be contiguous uint8 [N / 16, K * 2 * bits], bits 8 or 6");
+  const int64_t P = codes.size(0), K = codes.size(1) / (2 * bits), N = P * 16, block = 64 * bits;
+  const bool super = scales.scalar_type() == torch::kInt8;
+  int64_t G = 0, group = 0;
+  if (super) {
+    TORCH_CHECK(scales.is_contiguous() && scales.dim() == 3 && scales.size(0) == P && K % 256 == 0 &&
+                scales.size(1) == K / 256 && scales.size(2) > 64 && (scales.size(2) - 64) % 16 == 0 &&
+                256 % ((scales.size(2) - 64) / 16) == 0,
+                "int8_panel_rows: super scales must be contiguous int8 [N / 16, K / 256, 64 + 16 G]");
+    G = (scales.size(2) - 64) / 16;
+    group = 256 / G;
+  } else {
+    TORCH_CHECK(scales.scalar_type() == torch::kFloat32 && scales.is_contiguous() && scales.dim() == 3 &&
+                scales.size(0) == P && scales.size(2) == 16 && scales.size(1) > 0 && K % scales.size(1) == 0,
+                "int8_panel_rows: scales must be contiguous float32 [N / 16, K / group, 16] or int8 super");
+    G = scales.size(1);
+    group = K / G;
+  }
   const int64_t* id = table_ids(ids, N, "int8_panel_rows");
-  const int64_t R = ids.size(0), G = scales.size(1), group = K / G;
-  auto out = torch::empty({R, K}, scales.options());
+  const int64_t R = ids.size(0);
+  const float zero = bits == 8 ? 128.0f : 32.0f;
+  auto out = torch::empty({R, K}, codes.options().dtype(torch::kFloat32));
   float* o = out.data_ptr<float>();
   const uint8_t* cp = codes.data_ptr<uint8_t>();
-  const float* sp = scales.data_ptr<float>();
   #pragma omp parallel for schedule(static) if (R > 64)
   for (int64_t r = 0; r < R; ++r) {
     const int64_t panel = id[r] / 16, lane = id[r] % 16;
-    const uint8_t* c = cp + panel * K * 16 + lane * 4;
-    const float* s = sp + panel * G * 16 + lane;
+    const uint8_t* c = cp + panel * K * 2 * bits;
     float* row = o + r * K;
-    for (int64_t b = 0; b < K / 32; ++b)
-      for (int64_t L = 0; L < 8; ++L)
-        for (int64_t i = 0; i < 4; ++i) {
-          const int64_t k = 32 * b + 4 * L + i;
-          row[k] = (static_cast<float>(c[512 * b + 64 * L + i]) - 128.0f) * s[(k / group) * 16];
-        }
+    for (int64_t k = 0; k < K; ++k) {
+      const int64_t b = k / 32, col = k % 32, L = col % 16 / 4, i = col % 4, upper = col / 16;
+      const int64_t t = 4 * lane + i;  // the code's byte in its 64-byte chunk
+      float code;
+      if (bits == 8) {
+        code = static_cast<float>(c[block * b + 64 * (L + 4 * upper) + t]);
+      } else {
+        const uint8_t nibble = (c[block * b + 64 * L + t] >> (4 * upper)) & 0x0F;
+        const uint8_t pair = (c[block * b + 256 + 32 * L + t % 32] >> (2 * (t / 32) + 4 * upper)) & 0x03;
+        code = static_cast<float>(nibble | (pair << 4));
+      }
+      const int64_t g = k / group;
+      float s;
+      if (super) {
+        const int8_t* at = scales.data_ptr<int8_t>() + (panel * (K / 256) + k / 256) * (64 + 16 * G);
+        float d;
+        std::memcpy(&d, at + 4 * lane, 4);
+        s = d * static_cast<float>(at[64 + 16 * (g % G) + lane]);
+      } else {
+        s = scales.data_ptr<float>()[(panel * G + g) * 16 + lane];
+      }
+      row[k] = (code - zero) * s;
+    }
   }
   return out;
 }

@@ -21,7 +21,13 @@
 // and a 16-byte table of l + 128 turns each nibble into a byte by vpshufb, multiplied as the 8-bit codes are.
 // 8-bit codes may come in groups of 16 (GGUF Q6_K's scale per 16 weights): the chunks 0-3 and 4-7 of a block are its
 // two halves, summed apart, and the activations' group sums are then per half block.
-// Scales (and offsets) are held [N / 16, K / group, 16] in the checkpoint's dtype (float32, bfloat16, float16).
+// Codes that fit in 6 bits (GGUF Q6_K's q + 32, Q5_K's q: int4_int8_pack6) are held in 6: a block's 384 bytes are the
+// 4-bit layout's 256 (each code's low 4 bits) and four 32-byte runs, one a chunk, of the 2 bits above them (byte i:
+// bits 0-1 over chunk byte i's low nibble, 2-3 over byte i + 32's, 4-5 over byte i's high nibble, 6-7 over byte
+// i + 32's); their groups are 16 (halves: the low and the high nibbles), the offset -32 s where none is stored.
+// Scales (and offsets) are held [N / 16, K / group, 16] in the checkpoint's dtype (float32, bfloat16, float16), or,
+// where each is exactly a float32 per 256 columns times an int8 per group (GGUF K-quants' d x sc, dmin x m: what the
+// file holds; int4_int8_super factors them), as those: per panel and 256 columns 16 float32 then the groups' int8s.
 // AVX-512 VNNI builds take 16 rows a register; AVX2 builds 8 (the two halves of each chunk) with vpmaddubsw
 // (u8 x s8 pairs summed to int16: at most 2 * 15 * 127 = 3810 per pair, 8 of them 30480 < 2^15, so the block's
 // int16 sums never saturate) and vpmaddwd by ones to int32; AVX-VNNI builds without AVX-512 (Alder Lake, Raptor
@@ -30,6 +36,8 @@
 // are exact integers on every path (at most 32 x 255 x 127 < 2^24, so exact in float32 too), so the AVX-VNNI and
 // AVX2 builds agree bit for bit.
 #include "int4_int8_tile.h"
+
+#include <numeric>
 
 using namespace i8dotk;
 
@@ -55,24 +63,11 @@ std::vector<torch::Tensor> int4_int8_quantize(torch::Tensor x, int64_t group) {
 // (4-bit codes through a level table, each level + 128) or empty.
 torch::Tensor int4_int8_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, torch::Tensor offsets,
                                int64_t group, torch::Tensor levels) {
-  const int64_t M = x.size(0), K = x.dim() == 2 ? x.size(1) : 0, panels = codes.size(0), N = panels * RI;
-  TORCH_CHECK(codes.scalar_type() == torch::kUInt8 && codes.is_contiguous() && codes.dim() == 2 && K > 0 &&
-              (codes.size(1) == K * 8 || codes.size(1) == K * 16),
-              "int4_int8_linear: codes [N / 16, K * 8] (4-bit) or [N / 16, K * 16] (8-bit) uint8 for x [M, K]");
-  TORCH_CHECK(scales.is_contiguous() && scales.dim() == 3 && scales.size(0) == panels && scales.size(2) == RI &&
-              scales.size(1) * group == K, "int4_int8_linear: scales [N / 16, K / group, 16]");
-  const bool symmetric = offsets.numel() == 0;
-  TORCH_CHECK(symmetric || (offsets.sizes() == scales.sizes() && offsets.scalar_type() == scales.scalar_type() &&
-                            offsets.is_contiguous()), "int4_int8_linear: offsets shaped and typed as the scales");
-  TORCH_CHECK(levels.numel() == 0 || (levels.scalar_type() == torch::kUInt8 && levels.numel() == 16 &&
-                                      levels.is_contiguous() && codes.size(1) == K * 8),
-              "int4_int8_linear: levels uint8 [16] with 4-bit codes, or empty");
-  TORCH_CHECK(group != QB / 2 || codes.size(1) == K * 16, "int4_int8_linear: groups of 16 with 8-bit codes only");
+  const int64_t M = x.size(0), K = x.dim() == 2 ? x.size(1) : 0, N = codes.size(0) * RI;
+  TORCH_CHECK(x.dim() == 2, "int4_int8_linear: x must be [M, K]");
+  const Weight w = panel_weight(codes, scales, offsets, levels, group, K, "int4_int8_linear");
   auto parts = int4_int8_quantize(x, group);
   const Act a{parts[0].data_ptr<int8_t>(), parts[1].data_ptr<float>(), parts[2].data_ptr<float>(), K, K / group};
-  const Weight w{codes.data_ptr<uint8_t>(), scales.data_ptr(), symmetric ? nullptr : offsets.data_ptr(),
-                 kind_of(scales), K, group, K / group, codes.size(1) == K * 16 ? 8 : 4,
-                 levels.numel() ? levels.data_ptr<uint8_t>() : nullptr};
   auto y = torch::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;
   float* yp = y.data_ptr<float>();
@@ -85,6 +80,112 @@ torch::Tensor int4_int8_linear(torch::Tensor x, torch::Tensor codes, torch::Tens
     else column<1>(a, m_begin, m_end, w, u0, yp, N);
   }
   return y;
+}
+
+// codes int8 [N, K] (N a multiple of 16, K of 32) -> their 6-bit panel codes [N / 16, K * 12] uint8 (the header's
+// layout), each code q held as c = q + `shift` (Q6_K: 32; Q5_K: 0); empty where some c falls outside 0 .. 63.
+torch::Tensor int4_int8_pack6(torch::Tensor codes, int64_t shift) {
+  TORCH_CHECK(codes.scalar_type() == torch::kInt8 && codes.is_contiguous() && codes.dim() == 2 &&
+              codes.size(0) % RI == 0 && codes.size(1) % QB == 0,
+              "int4_int8_pack6: codes must be contiguous int8 [N, K], N a multiple of 16, K of 32");
+  const int64_t N = codes.size(0), K = codes.size(1), panels = N / RI, blocks = K / QB;
+  const int8_t* q = codes.data_ptr<int8_t>();
+  bool fits = true;
+  #pragma omp parallel for schedule(static) reduction(&& : fits)
+  for (int64_t i = 0; i < N * K; ++i) fits = fits && q[i] + shift >= 0 && q[i] + shift <= 63;
+  if (!fits) return torch::empty({0}, codes.options().dtype(torch::kUInt8));
+  auto out = torch::empty({panels, K * 12}, codes.options().dtype(torch::kUInt8));
+  uint8_t* o = out.data_ptr<uint8_t>();
+  #pragma omp parallel for schedule(static)
+  for (int64_t pb = 0; pb < panels * blocks; ++pb) {
+    const int64_t p = pb / blocks, b = pb % blocks;
+    uint8_t* block = o + (p * blocks + b) * panel_block(6);
+    for (int L = 0; L < 4; ++L) {
+      uint8_t c[2][64];  // chunk L's codes: [low nibble's column, high nibble's][byte 4r + i]
+      for (int r = 0; r < RI; ++r)
+        for (int i = 0; i < 4; ++i)
+          for (int h = 0; h < 2; ++h)
+            c[h][4 * r + i] = static_cast<uint8_t>(q[(RI * p + r) * K + QB * b + 16 * h + 4 * L + i] + shift);
+      for (int t = 0; t < 64; ++t) block[CHUNK * L + t] = (c[0][t] & 0x0F) | ((c[1][t] & 0x0F) << 4);
+      for (int t = 0; t < 32; ++t)
+        block[4 * CHUNK + 32 * L + t] = (c[0][t] >> 4) | ((c[0][t + 32] >> 4) << 2) | ((c[1][t] >> 4) << 4) |
+                                        ((c[1][t + 32] >> 4) << 6);
+    }
+  }
+  return out;
+}
+
+namespace {
+// v[0 .. G) = d * sub[j] exactly, d float32 and sub int8 (the largest such |d|: the greatest common divisor of the
+// values' integer significands over their least exponent, of either sign), or false where no such pair exists.
+bool factor(const float* v, int64_t G, float* d, int8_t* sub) {
+  int64_t mant[16], n[16], g = 0;
+  int exps[16], least = 0;
+  bool any = false;
+  for (int64_t j = 0; j < G; ++j) {
+    if (!std::isfinite(v[j])) return false;
+    mant[j] = 0;
+    if (v[j] == 0.0f) continue;
+    const float m = std::frexp(v[j], &exps[j]);
+    mant[j] = static_cast<int64_t>(std::ldexp(m, 24));  // exact: a float32's 24-bit significand
+    least = any ? std::min(least, exps[j]) : exps[j];
+    any = true;
+  }
+  if (!any) {
+    *d = 0.0f;
+    std::fill(sub, sub + G, int8_t{0});
+    return true;
+  }
+  for (int64_t j = 0; j < G; ++j) {
+    if (mant[j] == 0) { n[j] = 0; continue; }
+    if (exps[j] - least > 30) return false;
+    n[j] = mant[j] * (int64_t{1} << (exps[j] - least));
+    g = std::gcd(g, n[j] < 0 ? -n[j] : n[j]);
+  }
+  int64_t low = 0, high = 0;
+  for (int64_t j = 0; j < G; ++j) {
+    low = std::min(low, n[j] / g);
+    high = std::max(high, n[j] / g);
+  }
+  // a negative d times -128 (Q6_K's sub-scales reach it) factors as the negated pair
+  const int64_t sign = high <= 127 && low >= -128 ? 1 : -high >= -128 && -low <= 127 ? -1 : 0;
+  if (sign == 0) return false;
+  *d = static_cast<float>(std::ldexp(static_cast<double>(sign * g), least - 24));
+  for (int64_t j = 0; j < G; ++j) {
+    sub[j] = static_cast<int8_t>(sign * n[j] / g);
+    if (*d * static_cast<float>(sub[j]) != v[j]) return false;  // the kernel's product, checked bit for bit
+  }
+  return true;
+}
+}  // namespace
+
+// scales float32 [N, K / group] (N a multiple of 16, group dividing 256, K a multiple of 256) -> the SUPER form
+// int8 [N / 16, K / 256, 64 + 16 G], G = 256 / group: per panel and 256 columns the 16 rows' float32 d, then G x 16
+// int8 sub-scales, d x sub equal to each scale bit for bit; empty where some 256 columns' scales do not factor so.
+torch::Tensor int4_int8_super(torch::Tensor scales, int64_t group) {
+  TORCH_CHECK(scales.scalar_type() == torch::kFloat32 && scales.is_contiguous() && scales.dim() == 2 &&
+              scales.size(0) % RI == 0 && group > 0 && 256 % group == 0 && (scales.size(1) * group) % 256 == 0,
+              "int4_int8_super: scales must be contiguous float32 [N, K / group], N a multiple of 16, the group "
+              "dividing 256, K a multiple of 256");
+  const int64_t N = scales.size(0), G = 256 / group, supers = scales.size(1) / G, width = 64 + 16 * G;
+  auto out = torch::empty({N / RI, supers, width}, scales.options().dtype(torch::kInt8));
+  const float* s = scales.data_ptr<float>();
+  int8_t* o = out.data_ptr<int8_t>();
+  bool exact = true;
+  #pragma omp parallel for schedule(static) reduction(&& : exact)
+  for (int64_t ns = 0; ns < N * supers; ++ns) {
+    const int64_t n = ns / supers, j = ns % supers;
+    int8_t* at = o + ((n / RI) * supers + j) * width;
+    float d;
+    int8_t sub[16];
+    if (!factor(s + n * scales.size(1) + j * G, G, &d, sub)) {
+      exact = false;
+      continue;
+    }
+    std::memcpy(at + 4 * (n % RI), &d, 4);
+    for (int64_t g = 0; g < G; ++g) at[64 + 16 * g + n % RI] = sub[g];
+  }
+  return exact ? out : torch::empty({0}, out.options());
 }
 
 // Which dot product this build multiplies with
