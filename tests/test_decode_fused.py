@@ -28,11 +28,11 @@ VOCAB = 256
 SLOTS_PER_SEQ = 64
 
 
-def tiny_dense(kind: str, weights: str):
+def tiny_dense(kind: str, weights: str, hidden: int = 128, intermediate: int = 192):
     """A tiny random Llama ("llama", with q/k/v biases) or Qwen3 ("qwen3", q/k norms) in our model classes, its
     projections float32 ("fp32") or packed 4-bit ("int4", "iq4": a 16-level table)."""
     torch.manual_seed(3)
-    common = dict(vocab_size=VOCAB, hidden_size=128, intermediate_size=192, num_hidden_layers=3,
+    common = dict(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=3,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, rope_theta=10000.0,
                   tie_word_embeddings=False)
     if kind == "qwen3":

@@ -137,6 +137,41 @@ def quantized_to_iq4(model) -> int:
     return replace_linears(model, make)
 
 
+def quantized_to_kquant(model, kind: str) -> int:
+    """replace_linears with the layers a GGUF K-quant loads as (weights/gguf_int4.py, gguf_int8.py), rounded in its
+    structure: per 256 columns a float16 d (and dmin), per group an integer sub-scale (and minimum), so each scale is
+    a float16 times a small integer as in the file: "q6_k" (codes -32 .. 31 per 16, signed 8-bit sub-scales), "q5_k"
+    (0 .. 31 per 32, 6-bit sub-scales and minima), "q4_k" (0 .. 15 per 32, packed 4-bit)."""
+    from deltaserve.kernels.int8 import Int8Rows
+    from deltaserve.models.layers import Int8Linear
+
+    group, top = {"q6_k": (16, 31), "q5_k": (32, 31), "q4_k": (32, 15)}[kind]
+
+    def factored(values: torch.Tensor, most: int) -> torch.Tensor:
+        """values [N, K / group] >= 0 as f16(d) x an integer 0 .. most per 256 columns (d from the largest)."""
+        per = values.view(values.shape[0], -1, 256 // group)
+        d = (per.amax(-1, keepdim=True) / most).clamp_min(1e-6).half().float()
+        return (d * torch.round(per / d).clamp(0, most)).view(values.shape)
+
+    def make(w, bias):
+        w = w.reshape(w.shape[0], -1, group)
+        if kind == "q6_k":
+            scales = factored((w.abs().amax(-1) / 31).clamp_min(1e-6), 127) * torch.where(
+                torch.rand(w.shape[:2]) < 0.5, -1.0, 1.0)  # Q6_K's sub-scales are signed
+            scales = torch.where(scales == 0, 1e-3, scales)
+            q = torch.round(w / scales[..., None]).clamp(-32, 31)
+            return Int8Linear(Int8Rows(q.to(torch.int8).view(w.shape[0], -1), scales, torch.zeros_like(scales), 16),
+                              bias)
+        low = -factored((-w.amin(-1)).clamp_min(0), 63)  # w = s q - dmin m with dmin m >= 0
+        scales = factored(((w.amax(-1) - low) / top).clamp_min(1e-6), 63)
+        scales = torch.where(scales == 0, 1e-3, scales)
+        q = torch.round((w - low[..., None]) / scales[..., None]).clamp(0, top)
+        if kind == "q5_k":
+            return Int8Linear(Int8Rows(q.to(torch.int8).view(w.shape[0], -1), scales, low, 32), bias)
+        return Int4Linear(Int4Codes(q.to(torch.uint8).view(w.shape[0], -1), scales, low, 32), bias)
+    return replace_linears(model, make)
+
+
 def int8_model(model):
     model = copy.deepcopy(model)
     swapped, _ = use_int8_activations(model)
@@ -215,6 +250,25 @@ def test_fused_decode_of_byte_valued_weights_equals_the_per_op_int8_path(kind, f
     assert all(group < 0 for group in attn[1][4:]) and all(group < 0 for group in mlp[1])
     float_fused, _, _, _, _ = steps_both_ways(float_model, prompts, torch.float32, steps=1)
     assert (fused[0] - float_fused[0]).abs().max() > logits_rtol(3, 192) * float_fused.abs().max()
+
+
+@pytest.mark.parametrize("kind,form", [("llama", "q6_k"), ("qwen3", "q5_k"), ("qwen3", "q4_k")])
+@torch.inference_mode()
+def test_fused_decode_of_k_quants_held_as_their_files_hold_them(kind, form, int8_isa):
+    """K-quant layers at widths of 256 columns (so their scales take the super form: kernels/int4_int8.py) in 6-bit
+    (Q6_K, Q5_K) and 4-bit (Q4_K) panels with int8 super scales: the blocks take them as the per-op kernel does
+    (int4_int8_tile.h's SIXES and SUPER), one decode_stack call a step."""
+    float_model = tiny_dense(kind, "fp32", hidden=256, intermediate=512)
+    assert quantized_to_kquant(float_model, form) == 3 * 7
+    model = int8_model(float_model)
+    held = [m for m in model.model.layers.modules() if type(m) is Int8DotLinear]
+    assert len(held) == 3 * 7 and all(m.scales.dtype == torch.int8 for m in held)
+    assert {m.bits for m in held} == {4 if form == "q4_k" else 6}
+    gen = torch.Generator().manual_seed(SEED8)
+    prompts = [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in (5, 17, 1, 40, 9)]
+    assert_fused_int8_equals_per_op(model, prompts, torch.float32, 3, 512)
+    attn, mlp = model.model.layers[0].fused.parts
+    assert all(group < 0 for group in attn[1][4:]) and all(group < 0 for group in mlp[1])
 
 
 @pytest.mark.parametrize("name", ["qwen3_5_text", "qwen3_5_text_tied"])

@@ -267,7 +267,7 @@ class Engine:
         swapped, refusals = use_int8_activations(model, release=return_freed_memory, in_place=True)
         for line in refusals:
             self._log(line)
-        kinds = Counter("8-bit" if m.bits == 8 else "IQ4" if m.levels is not None else "4-bit"
+        kinds = Counter(f"{m.bits}-bit" if m.bits != 4 else "IQ4" if m.levels is not None else "4-bit"
                         for m in model.modules() if isinstance(m, Int8DotLinear))
         self._log(f"activations: {swapped} layers ({', '.join(f'{k} {n}' for k, n in kinds.items())}) multiply int8 "
                   f"activations ({int4_int8.isa()} integer dot products)")

@@ -60,9 +60,9 @@ def built() -> bool:
 
 def declines(out_features: int, in_features: int, group_size: int, lut: torch.Tensor | None = None,
              offsets: bool = False, bits: int = 4) -> str | None:
-    """Why the kernel cannot take a packed 4-bit or (`bits` 8) int8 weight of this shape and form (int4_int8_linear's
-    TORCH_CHECKs and the layout's conditions; `lut`: a 4-bit weight's level table, `offsets`: whether it stores
-    offsets), or None. 8-bit codes may come in groups of 16 (GGUF Q6_K): half a block of 32 each."""
+    """Why the kernel cannot take a packed 4-bit or (`bits` 8, or 6 as held) int8 weight of this shape and form
+    (int4_int8_linear's TORCH_CHECKs and the layout's conditions; `lut`: a 4-bit weight's level table, `offsets`:
+    whether it stores offsets), or None. 6- and 8-bit codes may come in groups of 16 (GGUF Q6_K): half a block each."""
     if lut is not None:
         if offsets:
             return "a level table with offsets (no format stores both)"
@@ -70,9 +70,9 @@ def declines(out_features: int, in_features: int, group_size: int, lut: torch.Te
             return "a level table whose levels are not integers in -128 .. 127 (the int8 dot product's bytes)"
     if out_features % PANEL_ROWS:
         return f"{out_features} output rows, not a multiple of the {PANEL_ROWS}-row panel"
-    half_blocks = bits == 8 and group_size == QUANT_BLOCK // 2
+    half_blocks = bits in (6, 8) and group_size == QUANT_BLOCK // 2
     if in_features % QUANT_BLOCK or (group_size % QUANT_BLOCK and not half_blocks) or in_features % group_size:
-        return f"input width {in_features} and group {group_size} not multiples of {QUANT_BLOCK} (or, 8-bit, a group" \
+        return f"input width {in_features} and group {group_size} not multiples of {QUANT_BLOCK} (or, 6-/8-bit, a group" \
                f" of {QUANT_BLOCK // 2}), the group dividing the width"
     return None
 
