@@ -74,6 +74,13 @@ def torch_int4_layout(device: str, dtype: str) -> bool:
     return str(device).split(":")[0] == "cuda" and str(dtype).removeprefix("torch.") == "bfloat16"
 
 
+def int8_activation_panels(device: str, activation_dtype: str) -> bool:
+    """Whether the packed 4-bit and 8-bit linears the int8 dot-product kernel takes are swapped into its panels
+    (models/int8_activations.py), GGUF's K-quants held there as compactly as the file holds them: on CPU, with
+    --activation-dtype int8. The engine and the ledger both ask this."""
+    return str(device).split(":")[0] == "cpu" and activation_dtype == "int8"
+
+
 def parse_bytes(text: str | int) -> int:
     """'24GiB', '512MiB', '1.5GB', '8G' (binary), '4096' -> bytes. KB/MB/GB are decimal, K/M/G and KiB.. binary.
 

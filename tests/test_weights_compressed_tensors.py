@@ -259,9 +259,11 @@ LAYOUTS = ["dequantized", "packed", "torch_int4"]
 
 def load_as(path, layout: str, monkeypatch) -> tuple[torch.nn.Module, object, str]:
     """The model loaded in `layout`, and the EngineConfig and device kind its ledger is planned with. dequantized and
-    packed: on the CPU, float32. torch_int4: what a bfloat16 model holds on CUDA (kernels/int4_torch.py), built here
-    from torch's CPU form of that layout, which holds the same bytes (codes half a byte a weight, the same scales and
-    zeros): the loader's choice is made to take the CPU, nothing else changes."""
+    packed: on the CPU, float32; packed as loaded, before the int8-activation swap (--activation-dtype float32 holds
+    it so; tests/test_budget_panels.py prices the swap's panels). torch_int4: what a bfloat16 model holds on CUDA
+    (kernels/int4_torch.py), built here from torch's CPU form of that layout, which holds the same bytes (codes half
+    a byte a weight, the same scales and zeros): the loader's choice is made to take the CPU, nothing else
+    changes."""
     from deltaserve.config import EngineConfig
     from deltaserve.engine.loader import load_model
     from deltaserve.kernels import int4_torch
@@ -271,7 +273,8 @@ def load_as(path, layout: str, monkeypatch) -> tuple[torch.nn.Module, object, st
         model = load_model(path, dtype=torch.bfloat16, dequantize=False).model
         return model, EngineConfig(max_total_tokens=64, device="cuda", dtype="bfloat16"), "cuda"
     model = load_model(path, dequantize=layout == "dequantized").model
-    return model, EngineConfig(max_total_tokens=64, dequantize_weights=layout == "dequantized"), "cpu"
+    return model, EngineConfig(max_total_tokens=64, dequantize_weights=layout == "dequantized",
+                               activation_dtype="float32"), "cpu"
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

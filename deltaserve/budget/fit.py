@@ -34,8 +34,10 @@ def fit_to_device(spec: ModelMemorySpec, config: EngineConfig, total: int,
     every setting fitting moves, `config` comes back unchanged with {} and
     None (plan_budget refuses it as before). Raises BudgetError where even the fitted settings do not fit."""
     before = draft_ledger(spec, config, total, kind)
-    if before.shortfall <= 0 or before.kv_pages >= 1:  # fits, or a --max-total-tokens / --context-length given is
-        return config, {}, None                        # what does not: the user's size stands, and so does the refusal
+    # fits, or a --max-total-tokens / --context-length given is what does not: the user's size stands, and so does the
+    # refusal; the load's peak (the weights as loaded) is fitted, by --mem-fraction alone
+    if before.shortfall <= 0 or before.kv_pages >= 1 and not before.load_short:
+        return config, {}, None
     c, fitted, reasons = config, {}, []
 
     def take(name: str, value, why: str) -> None:
@@ -47,6 +49,10 @@ def fit_to_device(spec: ModelMemorySpec, config: EngineConfig, total: int,
 
     if kind == "cpu" and config.mem_fraction is None:
         take("mem_fraction", CPU_FIT_MEM_FRACTION, f"at the default {before.c.mem_fraction}, {_why(before)}")
+    if draft_ledger(spec, c, total, kind).load_short:  # fewer requests or a shorter context cannot help
+        if not fitted:
+            return config, {}, None
+        raise _refusal(spec, draft_ledger(spec, c, total, kind), kind, reasons)
     if not _holds(spec, c, total, kind) and config.max_running_requests is None:
         start = draft_ledger(spec, c, total, kind)
         n = DEFAULT_MAX_RUNNING_REQUESTS
@@ -103,6 +109,9 @@ def _contexts(model_context: int, page: int) -> list[int]:
 def _why(d: Draft) -> str:
     """What did not fit in draft `d`, in MiB or tokens."""
     tokens = d.kv_pages * d.c.page_size
+    if d.load_short:
+        return (f"the load's peak (the weights as loaded, the runtime) takes {mib(d.load_bytes)} MiB of "
+                f"{mib(d.usable)} MiB usable")
     if d.shortfall > 0 and d.kv_pages < 1:
         fixed = d.usable - d.lines["free"][0] - d.lines["kv_pool"][0]
         return f"the lines before the KV pool take {mib(fixed)} MiB of {mib(d.usable)} MiB usable"

@@ -22,18 +22,20 @@ VISION_RE = re.compile(r"(^|\.)(visual|vision_tower|vision_model)\.")
 MTP_RE = re.compile(r"^(model\.)?mtp\.")
 
 
-def spec_from_checkpoint(path: str | Path) -> ModelMemorySpec:
-    """Exact weight bytes from a checkpoint folder (safetensors), a .gguf file, or an estimate from a config.json."""
+def spec_from_checkpoint(path: str | Path, *, tied_heads: bool | None = None) -> ModelMemorySpec:
+    """Exact weight bytes from a checkpoint folder (safetensors), a .gguf file, or an estimate from a config.json.
+    `tied_heads`: whether the int8-activation swap takes a vocabulary projection tied to an 8-bit GGUF embedding
+    (None: this CPU's answer, kernels/int4_int8.swaps_tied_heads; a test names both)."""
     path = Path(path)
     if not path.exists():
         raise SpecError(f"{path}: no such file or folder")
     if path.is_file() and path.suffix == ".gguf":
-        return _spec_from_gguf(path)
+        return _spec_from_gguf(path, tied_heads)
     if path.is_file():
         return spec_from_config(_read_json(path))
     ggufs = sorted(path.glob("*.gguf"))
     if not (path / "config.json").exists() and len(ggufs) == 1:
-        return _spec_from_gguf(ggufs[0])
+        return _spec_from_gguf(ggufs[0], tied_heads)
     config = _read_json(path / "config.json")
     files = sorted(path.glob("*.safetensors"))
     if not files:
@@ -148,26 +150,31 @@ def _group_of(name: str) -> str:
 
 
 def _groups_from_tensors(tensors) -> list[WeightGroup]:
-    """Groups from (name, params, stored bytes, held as floats?[, bytes held packed[, the same on CUDA in bfloat16]])
-    per tensor."""
+    """Groups from (name, params, stored bytes, held as floats?[, bytes held packed[, the same on CUDA in bfloat16[,
+    in the int8-activation panels]]]) per tensor (a variant not given: as packed)."""
     groups: dict[str, WeightGroup] = {}
     for name, params, nbytes, is_float, *held in tensors:
         key = _group_of(name)
-        g = groups.setdefault(key, WeightGroup(key, 0, 0, 0, 0, excluded=key in ("vision", "mtp"), torch_int4_bytes=0))
+        g = groups.setdefault(key, WeightGroup(key, 0, 0, 0, 0, excluded=key in ("vision", "mtp"), torch_int4_bytes=0,
+                                               panel_bytes=0))
         g.params += params
         g.stored_bytes += nbytes
         if is_float:
             g.float_params += params
         else:
-            g.quantized_bytes += held[0] if held else nbytes
-            g.torch_int4_bytes += held[-1] if held else nbytes
+            packed = held[0] if held else nbytes
+            g.quantized_bytes += packed
+            g.torch_int4_bytes += held[1] if len(held) > 1 else packed
+            g.panel_bytes += held[2] if len(held) > 2 else packed
     order = ("embedding", "lm_head", "layers", "vision", "mtp")
     return [groups[k] for k in order if k in groups]
 
 
-def _spec_from_gguf(path: Path) -> ModelMemorySpec:
+def _spec_from_gguf(path: Path, tied_heads: bool | None = None) -> ModelMemorySpec:
     """The config the loader synthesizes from the GGUF metadata (weights/gguf.py gguf_config, one synthesis for
-    both: the ledger prices the model the loader builds); weight bytes from the tensor infos."""
+    both: the ledger prices the model the loader builds); weight bytes from the tensor infos. `tied_heads`: whether
+    the int8-activation swap takes a vocabulary projection tied to an 8-bit embedding (None: this CPU's answer,
+    kernels/int4_int8.swaps_tied_heads)."""
     from deltaserve.weights import CheckpointError
     from deltaserve.weights.gguf import gguf_config, mtp_from, open_gguf, tensor_name  # the loader's reader and names
 
@@ -182,36 +189,42 @@ def _spec_from_gguf(path: Path) -> ModelMemorySpec:
     spec, _ = spec_shape(config)
     first_mtp = mtp_from(reader)  # blocks from there on are the MTP head's: its group, not the layers'
     tied = config["tie_word_embeddings"]
-    spec.weight_groups = _groups_from_tensors((tensor_name(t.name, first_mtp), *_gguf_held(t, tied)[1:])
+    spec.weight_groups = _groups_from_tensors((tensor_name(t.name, first_mtp), *_gguf_held(t, tied, tied_heads)[1:])
                                               for t in reader.tensors)
     spec.weight_source = "checkpoint headers"
     spec.quantization = "gguf " + ", ".join(sorted({t.tensor_type.name for t in reader.tensors}))
     return spec
 
 
-def _gguf_held(t, tied: bool) -> tuple:
-    """(name, params, stored bytes, held as floats?, bytes held packed[, on CUDA in bfloat16]) of one GGUF tensor.
+def _gguf_held(t, tied: bool, tied_heads: bool | None) -> tuple:
+    """(name, params, stored bytes, held as floats?, bytes held packed[, on CUDA in bfloat16, in the int8-activation
+    panels]) of one GGUF tensor.
 
     What weights/gguf.py keeps packed (kernels/int4.py: half a byte per weight, per 32 the block's float16 scale (and
     Q4_1's float16 offset) or float32 products of two scales (Q4_K, IQ4_XS), the level table of IQ4_NL / IQ4_XS; a
     Q8_0 / Q6_K / Q5_K matrix a byte per weight plus a float32 scale per group (32; Q6_K 16) and Q5_K's float32
     offset per 32, an embedding's shared by a tied lm_head: weights/gguf_int8.held_bytes) is counted at that size;
     the rest in the compute dtype. On CUDA in bfloat16 the affine 4-bit matrices torch's int4 kernel takes are held
-    in its layout (gguf.int4_torch_held_bytes), and the 8-bit linears, dequantized there, in bfloat16. An untied
-    4-bit embedding is held packed on every device (models/layers.Int4Embedding); a `tied` one as floats."""
+    in its layout (gguf.int4_torch_held_bytes), and the 8-bit linears, dequantized there, in bfloat16. On CPU with
+    int8 activations the layers the swap takes hold its panels, K-quants as compact as the file
+    (weights/gguf_panels.py; a tied head where `tied_heads`, None: this CPU's answer). An untied 4-bit embedding is
+    held packed on every device (models/layers.Int4Embedding); a `tied` one as floats."""
     from deltaserve.weights.gguf import int4_held_bytes, int4_torch_held_bytes, int8_held_bytes, kept_int4, kept_int8
+    from deltaserve.weights.gguf_panels import int4_panel_bytes, int8_panel_bytes
 
-    params, shape = int(t.n_elements), tuple(int(d) for d in reversed(t.shape))
-    if kept_int4(t.tensor_type, t.name, shape, tied):
+    params, shape, kind = int(t.n_elements), tuple(int(d) for d in reversed(t.shape)), t.tensor_type
+    if kept_int4(kind, t.name, shape, tied):
         if t.name.startswith("token_embd"):
-            held = int4_held_bytes(params, t.tensor_type)
-            return t.name, params, int(t.n_bytes), False, held, held
+            held = int4_held_bytes(params, kind)
+            return t.name, params, int(t.n_bytes), False, held, held, held
         matrices = shape[0] if len(shape) == 3 else 1  # stacked experts: one packed matrix each
-        return (t.name, params, int(t.n_bytes), False, int4_held_bytes(params, t.tensor_type, matrices),
-                int4_torch_held_bytes(shape, t.tensor_type))
-    if kept_int8(t.tensor_type, t.name, shape):
-        held = int8_held_bytes(params, t.tensor_type)
+        packed = int4_held_bytes(params, kind, matrices)
+        return (t.name, params, int(t.n_bytes), False, packed, int4_torch_held_bytes(shape, kind),
+                int4_panel_bytes(kind, t.name, shape, packed))
+    if kept_int8(kind, t.name, shape):
+        held = int8_held_bytes(params, kind)
+        panels = int8_panel_bytes(kind, t.name, shape, held, tied, tied_heads)
         if t.name.startswith("token_embd"):
-            return t.name, params, int(t.n_bytes), False, held
-        return t.name, params, int(t.n_bytes), False, held, 2 * params
+            return t.name, params, int(t.n_bytes), False, held, held, panels
+        return t.name, params, int(t.n_bytes), False, held, 2 * params, panels
     return t.name, params, int(t.n_bytes), True

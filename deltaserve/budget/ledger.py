@@ -50,7 +50,7 @@ class Budget:
     max_new_tokens_cap: int
     default_max_tokens: int | None  # None: what remains of the context, capped
     max_running_requests: int
-    required_bytes: int  # what must be free at start: every consumer line
+    required_bytes: int  # what must be free at start: every consumer line, or the load's peak where higher
     weight_source: str
     model_type: str
     settings: dict

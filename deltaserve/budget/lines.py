@@ -9,7 +9,7 @@ from dataclasses import dataclass, replace
 
 from deltaserve.budget.errors import SpecError
 from deltaserve.budget.spec import ModelMemorySpec
-from deltaserve.config import DTYPE_BYTES, EngineConfig, MiB, torch_int4_layout
+from deltaserve.config import DTYPE_BYTES, EngineConfig, MiB, int8_activation_panels, torch_int4_layout
 
 SAMPLER_PASSES = 6  # [batch, vocab] buffers: fp32 logits, penalised copy, probs, sorted values, int64 indices (2)
 # prompt log-probabilities (SamplingParams.prompt_logprobs): at most this many prompt rows' logits a step, and
@@ -38,10 +38,15 @@ class Draft:
     context: int
     shortfall: int
     problem: str
+    load_bytes: int = 0  # the load's peak, before any pool: the weights as loaded, the vision tower, the runtime
+    load_short: bool = False  # the shortfall is the load's: its peak needs more than the usable memory, and more
+    # than any other line does (CPU, int8 activations: the weights as loaded exceed their panels)
 
     @property
     def required(self) -> int:
-        return sum(self.lines[name][0] for name in CONSUMER_LINES)
+        """What must be free at start: every consumer line, or the load's peak where it is higher (CPU, int8
+        activations: the weights as loaded exceed their panels, and the load comes before the pools)."""
+        return max(sum(self.lines[name][0] for name in CONSUMER_LINES), self.load_bytes)
 
 
 def draft_ledger(spec: ModelMemorySpec, config: EngineConfig, device_total: int, kind: str,
@@ -85,6 +90,13 @@ def draft_ledger(spec: ModelMemorySpec, config: EngineConfig, device_total: int,
     if not (shortfall or pricing) and c.context_length is not None and c.context_length > kv_pages * c.page_size:
         shortfall = (c.context_length - kv_pages * c.page_size) * bpt
         problem = f"--context-length {c.context_length} is longer than the KV pool of {kv_pages * c.page_size} tokens"
+    loaded = loaded_weight_bytes(spec, c)
+    load = loaded + lines["vision_weights"][0] + lines["runtime"][0]  # the pools come after the load (engine.py)
+    load_short = not pricing and load - usable > shortfall
+    if load_short:
+        shortfall = load - usable
+        problem = (f"the load holds the weights as loaded ({mib(loaded)} MiB, before the int8-activation swap makes "
+                   f"its panels), the vision tower and the runtime: {mib(load)} MiB of {mib(usable)} MiB usable")
     kv_bytes = kv_pages * page_bytes
     mtp = " (1 of them the MTP head's, --speculative mtp)" if c.speculative == "mtp" else ""
     lines["kv_pool"] = (kv_bytes, f"{kv_pages * c.page_size:,} tokens x {bpt:,} bytes/token ({spec.attention_layers} "
@@ -93,7 +105,7 @@ def draft_ledger(spec: ModelMemorySpec, config: EngineConfig, device_total: int,
     lines["headroom"] = (c.headroom, "kept free for other processes (--headroom)")
     lines["free"] = (remaining - kv_bytes, free_reason)
     lines["outside_fraction"] = (total - budgeted, f"1 - mem-fraction {c.mem_fraction} of the device: not budgeted")
-    return Draft(c, total, lines, usable, kv_pages, bpt, context, shortfall, problem)
+    return Draft(c, total, lines, usable, kv_pages, bpt, context, shortfall, problem, load, load_short)
 
 
 def has_mtp_head(spec: ModelMemorySpec) -> bool:
@@ -146,25 +158,45 @@ def _fixed_lines(spec: ModelMemorySpec, c: EngineConfig, context: int, kind: str
 
 
 def _weights_line(spec: ModelMemorySpec, c: EngineConfig) -> tuple[int, str]:
-    cb = DTYPE_BYTES[c.dtype]
-    loaded = [g for g in spec.weight_groups if not g.excluded]
-    if c.dequantize_weights:
-        held = sum(g.params * cb if g.held_dequantized_bytes is None else g.held_dequantized_bytes for g in loaded)
-        how = f"held dequantized in {c.dtype}"
-    elif torch_int4_layout(c.device, c.dtype):
-        held = sum(g.float_params * cb + (g.quantized_bytes if g.torch_int4_bytes is None else g.torch_int4_bytes)
-                   for g in loaded)
-        how = f"4-bit matrices in torch's int4 layout (4-bit codes + per group a bfloat16 scale, and a zero unless " \
-              f"symmetric) where its CUDA kernel takes them, else packed, the rest in {c.dtype}"
-    else:
-        held = sum(g.float_params * cb + g.quantized_bytes for g in loaded)
-        how = f"4-bit matrices packed (4-bit codes + per group the checkpoint's 16-bit scale, or a float32 scale and " \
-              f"offset where 16 bits cannot hold them), 8-bit ones (INT8, GGUF Q8_0 / Q6_K / Q5_K) a byte a " \
-              f"weight + per group a float32 scale (and offset), the rest in {c.dtype}"
+    held, how = _held_weights(spec, c, panels=int8_activation_panels(c.device, c.activation_dtype))
     skipped = [f"{g.name} {mib(g.stored_bytes)} MiB" for g in spec.weight_groups
                if g.excluded and not (g.name == "vision" and serves_images(spec, c))]
     reason = f"{mib(spec.weight_bytes)} MiB in the checkpoint ({spec.weight_source}); {how}"
+    loaded = loaded_weight_bytes(spec, c)
+    if loaded != held:
+        reason += f"; loaded as {mib(loaded)} MiB (packed) before the swap, checked to fit in the usable memory"
     return held, reason + (f"; not loaded: {', '.join(skipped)}" if skipped else "")
+
+
+def loaded_weight_bytes(spec: ModelMemorySpec, c: EngineConfig) -> int:
+    """The weights as the load holds them: the held form, except that on CPU with int8 activations the layers are
+    loaded packed and only then swapped into the kernel's panels (models/int8_activations.py), one at a time."""
+    return _held_weights(spec, c, panels=False)[0]
+
+
+def _held_weights(spec: ModelMemorySpec, c: EngineConfig, panels: bool) -> tuple[int, str]:
+    """(bytes, how) of the language model's weights as held; `panels`: after the int8-activation swap."""
+    cb = DTYPE_BYTES[c.dtype]
+    groups = [g for g in spec.weight_groups if not g.excluded]
+    if c.dequantize_weights:
+        held = sum(g.params * cb if g.held_dequantized_bytes is None else g.held_dequantized_bytes for g in groups)
+        return held, f"held dequantized in {c.dtype}"
+    if torch_int4_layout(c.device, c.dtype):
+        held = sum(g.float_params * cb + (g.quantized_bytes if g.torch_int4_bytes is None else g.torch_int4_bytes)
+                   for g in groups)
+        return held, f"4-bit matrices in torch's int4 layout (4-bit codes + per group a bfloat16 scale, and a zero " \
+                     f"unless symmetric) where its CUDA kernel takes them, else packed, the rest in {c.dtype}"
+    packed = "4-bit matrices packed (4-bit codes + per group the checkpoint's 16-bit scale, or a float32 scale and " \
+             "offset where 16 bits cannot hold them), 8-bit ones (INT8, GGUF Q8_0 / Q6_K / Q5_K) a byte a weight + " \
+             "per group a float32 scale (and offset)"
+    if panels:
+        held = sum(g.float_params * cb + (g.quantized_bytes if g.panel_bytes is None else g.panel_bytes)
+                   for g in groups)
+        return held, f"the layers the int8-activation kernel takes in its panels, GGUF's K-quants as compact as the " \
+                     f"file (codes at their width, per row and 256 columns a float32 scale and int8 sub-scales, " \
+                     f"offsets alike), the rest as loaded: {packed}, floats in {c.dtype}"
+    held = sum(g.float_params * cb + g.quantized_bytes for g in groups)
+    return held, f"{packed}, the rest in {c.dtype}"
 
 
 def serves_images(spec: ModelMemorySpec, c: EngineConfig) -> bool:

@@ -37,6 +37,9 @@ class WeightGroup:
     # quantized_bytes with the 4-bit matrices torch's int4 kernel takes held in its layout (CUDA, bfloat16:
     # kernels/int4_torch.py); None: the same as quantized_bytes
     torch_int4_bytes: int | None = None
+    # quantized_bytes with the layers the int8-activation swap takes held in its panels (CPU, --activation-dtype int8:
+    # GGUF's K-quants as compact as the file, weights/gguf_panels.py); None: the same as quantized_bytes
+    panel_bytes: int | None = None
 
 
 @dataclass

@@ -39,7 +39,7 @@ from deltaserve.budget import Budget, default_model_path, measure_vs_predicted, 
 from deltaserve.cache.kv_pool import KVPool
 from deltaserve.cache.prefix import CheckpointPool, PrefixCache
 from deltaserve.cache.state_pool import StatePool
-from deltaserve.config import EngineConfig, device_memory_bytes
+from deltaserve.config import EngineConfig, device_memory_bytes, int8_activation_panels
 from deltaserve.images import ImageLimits, PreparedImage, PreprocessorSettings
 from deltaserve.engine import door
 from deltaserve.engine.admission import AdmissionPolicy
@@ -194,7 +194,7 @@ class Engine:
                       "--activation-dtype float32 for the bfloat16 prefill")
         elif c.prefill_dtype == "bfloat16":
             self._bf16_prefill(loaded.model)
-        if c.activation_dtype == "int8":
+        if int8_activation_panels(c.device, c.activation_dtype):
             self._int8_activations(loaded.model)
         if c.attention_backend == "paged":
             paged_cpu.load(self._log)

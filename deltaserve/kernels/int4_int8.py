@@ -279,3 +279,20 @@ def quantize(rows: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.T
 def isa() -> str:
     """The dot product the loaded build uses: avx512_vnni, avx_vnni (256-bit, no AVX-512) or avx2."""
     return KERNELS.module.int4_int8_isa()
+
+
+def swaps_tied_heads(build_isa: str | None = None) -> bool:
+    """Whether the swap (models/int8_activations.py) takes a vocabulary projection tied to an int8 embedding: where
+    the dot product (`build_isa`: isa()) is not AVX2 alone. None: the native build's, read from the CPU's flags as
+    -march=native (kernels/cpp_build.py) sees them, so the ledger knows it without compiling; False where they
+    cannot be read (the ledger then prices the larger, unswapped head)."""
+    if build_isa is None:
+        try:
+            with open("/proc/cpuinfo") as f:
+                lines = f.read().splitlines()
+        except OSError:
+            return False
+        flags = set(next((line.split(":", 1)[1].split() for line in lines if line.startswith("flags")), ()))
+        build_isa = ("avx512_vnni" if {"avx512f", "avx512_vnni"} <= flags else
+                     "avx_vnni" if "avx_vnni" in flags else "avx2")
+    return build_isa != "avx2"
