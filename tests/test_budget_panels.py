@@ -7,8 +7,7 @@ the family's names and shapes): a tied Q4_K_M (Q4_K body, Q5_K attn_qkv, Q6_K ff
 llama-quantize gives more bits, the Q6_K tied embedding) and an untied IQ4_XS (Q6_K output). The oracle of the
 formulas is the super form's own tensor shapes, written out here from the issue: per 16-row panel and 256-column
 super-block 16 float32 super-scales then G x 16 int8 sub-scales, offsets the same again; GGUF's tensor infos give
-each tensor's type and shape. The swapped model's own bytes equal the line only once the compact panels land in
-kernels/int4_int8.py (the lead's change): that test is marked strict xfail until then.
+each tensor's type and shape; the swapped model's own bytes equal the line.
 Planted and seen to fail (2026-12-07): Q5_K's offsets left out of its compact form, the tied Q6_K table priced as
 packed where its head is swapped, the kernel's refusal of a 2-row matrix ignored, the panels priced under
 --activation-dtype float32, the load's check dropped (and fitting blind to it), the loaded form priced as the
@@ -149,8 +148,6 @@ def test_load_form_beyond_the_usable_memory_is_refused_or_fitted(small):
     assert fitted.required_bytes == draft.load_bytes  # what must be free at start covers the load
 
 
-@pytest.mark.xfail(strict=True, reason="the swap holds the compact K-quant panels only once the lead's change to "
-                                       "kernels/int4_int8.py lands (issue 53): then remove this mark")
 def test_swapped_model_holds_the_weights_line(tiny):
     """The model the engine serves (loaded, then swapped as the engine swaps it) holds the ledger's line, within 1%."""
     from deltaserve.engine.loader import load_model, return_freed_memory

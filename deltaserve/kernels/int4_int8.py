@@ -9,8 +9,8 @@ the same bits as AVX-VNNI: every block's sum is an exact integer either way). Th
 times the dequantized activations; against the float32 path it differs by the activations' rounding, at most half a
 quantum (d / 2) a column: |dy| <= sum_k |w_k| d_k / 2.
 
-`repack` moves a PackedInt4's bytes into 16-row panels (a permutation of the same bytes: a layer that holds the
-panel form holds exactly the packed layout's bytes, so the ledger's weights line does not change; IQ4_NL / IQ4_XS's
+`repack` moves a PackedInt4's codes into 16-row panels (a permutation of the same bytes; the scales as held or in
+the super form below, which the ledger's weights line counts: weights/gguf_panels.py; IQ4_NL / IQ4_XS's
 16 integer levels ride along as 16 bytes, level + 128, which the kernel looks each code up in). `repack_int8` does
 the same for an 8-bit weight (kernels/int8.Int8Rows: Q8_0, compressed-tensors INT8): each code q becomes q + 128, a
 byte vpdpbusd takes unsigned, and the offset o - 128 s carries the shift (symmetric weights store none: the kernel

@@ -2,8 +2,9 @@
 (Q8_0, compressed-tensors INT8) whose shapes kernels/int4_int8.py serves take their input rows quantized to int8 per
 block of 32 and multiplied by integer dot products; the rest keep their float32 paths.
 
-The swap moves each weight's bytes into the kernel's 16-row panels (the same bytes: the ledger's weights line does
-not change) and makes each layer an Int8DotLinear (models/layers.py). A vocabulary projection tied to an int8
+The swap moves each weight's bytes into the kernel's 16-row panels (the same bytes, but GGUF's K-quants, held as
+compactly as their file holds them: kernels/int4_int8.py; the ledger's weights line counts the panels,
+weights/gguf_panels.py) and makes each layer an Int8DotLinear (models/layers.py). A vocabulary projection tied to an int8
 embedding takes the panels too where the CPU has a dot-product instruction (AVX-512 VNNI, AVX-VNNI), and the
 embedding becomes a PanelEmbedding reading its rows from them, so the table is held once, as before. On AVX2 alone,
 where vpmaddubsw takes a byte a nibble at a time, the float32 path is as fast or faster, so a tied head stays there
@@ -36,7 +37,7 @@ def use_int8_activations(model: nn.Module, tied_heads: bool | None = None, relea
     outside the model holds its weights (a fresh load), so an 8-bit layer's panels are made in its codes' own storage
     where no other module reads them (a 248K-row head is not held twice)."""
     if tied_heads is None:
-        tied_heads = int4_int8.isa() != "avx2"
+        tied_heads = int4_int8.swaps_tied_heads(int4_int8.isa())
     forget_fused(model)  # parts built before the swap would hold every old weight until its end
     swapped, refusals, moved = 0, {}, 0
     embeddings = {(m.codes.data_ptr(), m.codes.shape): (parent, name) for parent in model.modules()
