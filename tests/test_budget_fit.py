@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from deltaserve.budget import BudgetError, plan_budget, spec_from_checkpoint, spec_from_config
-from deltaserve.budget.fit import CPU_FIT_MEM_FRACTION, FIT_CONTEXT_FLOOR
+from deltaserve.budget.fit import CPU_FIT_MEM_FRACTION, FIT_CONTEXT_FLOOR, FIT_KV_TOKENS
 from deltaserve.budget.lines import CONSUMER_LINES
 from deltaserve.config import CPU_MEM_FRACTION, EngineConfig, GiB, MiB
 from deltaserve.plan import main
@@ -31,10 +31,11 @@ def cpu_plan(spec, total=HOST, **settings):
 
 
 def within_usable(budget) -> bool:
-    """Every consumer and the runtime fit in usable, and the pool holds one request of the context (of the floor,
-    where the context is the model's own and longer: the pool limits requests then, as at the defaults)."""
+    """Every consumer and the runtime fit in usable, and the pool holds one request of the context (of
+    FIT_KV_TOKENS, an agent's prompt, where the context is the model's own and longer: the pool limits requests
+    then, as at the defaults)."""
     used = sum(budget.line(n).bytes for n in CONSUMER_LINES) + budget.line("runtime").bytes
-    return used <= budget.usable_bytes and budget.kv_tokens >= min(budget.context_length, FIT_CONTEXT_FLOOR)
+    return used <= budget.usable_bytes and budget.kv_tokens >= min(budget.context_length, FIT_KV_TOKENS)
 
 
 def test_defaults_that_do_not_fit_are_fitted_in_order_and_named(spec27):

@@ -4,8 +4,9 @@ get it through plan_budget (budget/ledger.py), so what `plan` prints is what `se
 A setting the user gave is never changed; where the ledger at the defaults does not fit, the ones left to their
 defaults move, in this order, each only as far as needed: --mem-fraction (CPU only) to CPU_FIT_MEM_FRACTION,
 --max-running-requests halved down to 1 (the state pool follows it), --context-length halved in whole pages down to
-FIT_CONTEXT_FLOOR, until the KV pool holds one request of the context. Where even that does not fit, the refusal
-gives the arithmetic there and the fixes it checked, before any weight is read.
+FIT_CONTEXT_FLOOR, until the KV pool holds one request of the context (or of FIT_KV_TOKENS, an agent's prompt,
+where the context is longer: the pool then limits the requests, as at the defaults). Where even that does not fit,
+the refusal gives the arithmetic there and the fixes it checked, before any weight is read.
 """
 
 from __future__ import annotations
@@ -25,6 +26,10 @@ CPU_FIT_MEM_FRACTION = 0.9
 # The shortest context fitting shortens to (llama.cpp's --fit keeps 4096 too): less is not a useful chat turn; a
 # model that cannot hold one request of it is refused instead
 FIT_CONTEXT_FLOOR = 4096
+# The KV tokens fitting keeps for one request where the context is longer: a coding agent's prompt (FIELD_NOTES: 10K-
+# 60K tokens; the first request of Codex CLI is ~9K, Qwen Code's ~15K). Requests halve before the pool falls below it
+# (the field's 27B on 24 GiB: 8 requests over 11,280 tokens had refused a 15K-token prompt)
+FIT_KV_TOKENS = 32768
 
 
 def fit_to_device(spec: ModelMemorySpec, config: EngineConfig, total: int,
@@ -92,9 +97,9 @@ def _refusal(spec: ModelMemorySpec, d: Draft, kind: str, reasons: list[str]) -> 
 
 
 def _holds(spec: ModelMemorySpec, config: EngineConfig, total: int, kind: str) -> bool:
-    """The ledger fits and its KV pool holds one request of the context, or of FIT_CONTEXT_FLOOR if shorter."""
+    """The ledger fits and its KV pool holds one request of the context, or of FIT_KV_TOKENS if shorter."""
     d = draft_ledger(spec, config, total, kind)
-    return d.shortfall <= 0 and d.kv_pages * d.c.page_size >= min(d.context, FIT_CONTEXT_FLOOR)
+    return d.shortfall <= 0 and d.kv_pages * d.c.page_size >= min(d.context, FIT_KV_TOKENS)
 
 
 def _contexts(model_context: int, page: int) -> list[int]:
