@@ -20,6 +20,7 @@ from deltaserve.kernels.int4 import Int4Codes, PackedTable, held_bytes, pack, pa
 from deltaserve.kernels.int8 import Int8Rows
 from deltaserve.weights import gguf_hybrid, gguf_int8
 from deltaserve.weights.gguf_int4 import held_scales, int4_codes
+from deltaserve.weights.gguf_reader import PlainViewReader
 from deltaserve.weights.errors import CheckpointError
 from deltaserve.weights.gguf_tokenizer import gguf_tokenizer
 from deltaserve.weights.progress import LoadProgress
@@ -48,19 +49,6 @@ Q4_BLOCK = 32  # weights per scale of every 4-bit GGUF type
 # 4-bit types kept packed when asked (kernels/int4.py): the affine ones and the two with a level table
 INT4_TYPES = (Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.IQ4_NL, Q.IQ4_XS)
 LUT_TYPES = (Q.IQ4_NL, Q.IQ4_XS)
-
-
-class PlainViewReader(GGUFReader):
-    """GGUFReader slicing a plain ndarray view of its memmap: np.memmap's per-slice hooks made
-    parsing a 100k-string vocabulary three times slower."""
-
-    def _get(self, offset, dtype, count=1, override_order=None):
-        plain = self.__dict__.get("_plain")
-        if plain is None:
-            plain = self._plain = self.data.view(np.ndarray)
-        count = int(count)
-        array = plain[offset:offset + np.dtype(dtype).itemsize * count].view(dtype=dtype)[:count]
-        return array.view(array.dtype.newbyteorder(self.byte_order if override_order is None else override_order))
 
 
 # The last GGUF file parsed, by (path, inode, size, times): a start reads the same file's headers three times
