@@ -122,6 +122,11 @@ class PackedInt4:
         return sum(t.numel() * t.element_size() for t in (self.packed, self.scales, self.offsets, self.lut)
                    if t is not None)
 
+    def rows(self, order: torch.Tensor) -> PackedInt4:
+        """The same weight with its output rows reordered (Int4Codes.rows, on the packed bytes)."""
+        return PackedInt4(self.packed[order], self.scales[order], None if self.offsets is None else self.offsets[order],
+                          self.group_size, self.lut, self.perm)
+
     def codes(self) -> torch.Tensor:
         """The codes [N, K] uint8 in stored column order (the inverse of `pack`'s nibble packing)."""
         n, half = self.packed.shape

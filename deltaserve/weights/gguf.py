@@ -16,14 +16,15 @@ from gguf import GGUFReader, GGUFValueType
 from gguf.quants import dequantize
 
 from deltaserve.kernels import int4_torch
-from deltaserve.kernels.int4 import Int4Codes, PackedTable, held_bytes, pack, packable
+from deltaserve.kernels import gguf_blocks_cpu
+from deltaserve.kernels.int4 import PackedInt4, PackedTable, held_bytes, packable
 from deltaserve.kernels.int8 import Int8Rows
 from deltaserve.weights import gguf_hybrid, gguf_int8
-from deltaserve.weights.gguf_int4 import held_scales, int4_codes
+from deltaserve.weights.gguf_int4 import held_scales, packed_int4
 from deltaserve.weights.gguf_reader import PlainViewReader
 from deltaserve.weights.errors import CheckpointError
 from deltaserve.weights.gguf_tokenizer import gguf_tokenizer
-from deltaserve.weights.progress import LoadProgress
+from deltaserve.weights.progress import LoadProgress, log
 
 SUPPORTED_TYPES = (Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_NL, Q.IQ4_XS)
 SUPPORTED_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM",
@@ -235,8 +236,8 @@ def read_gguf_tokenizer(path: Path):
 def load_gguf(path: Path, dtype: torch.dtype, skip_prefixes: tuple[str, ...], keep_int4: bool = False):
     """(config, tensors, tokenizer, generation_config, skipped) of a GGUF file, tensors dequantized.
 
-    With `keep_int4`, INT4_TYPES matrices come packed (kernels/int4.PackedInt4, read from their blocks, never
-    dequantized), and Q8_0 / Q6_K / Q5_K matrices as Int8Rows (weights/gguf_int8.py: held 8-bit; a tied lm_head
+    With `keep_int4`, INT4_TYPES matrices come packed (kernels/int4.PackedInt4, made from their blocks, never
+    dequantized; the block kernels built first where they can be, kernels/gguf_blocks_cpu.py), and Q8_0 / Q6_K / Q5_K matrices as Int8Rows (weights/gguf_int8.py: held 8-bit; a tied lm_head
     multiplies the embedding's codes). Stacked
     experts come as one matrix per expert; Qwen3-Next's two halves of in_proj_qkvz as one."""
     reader = open_gguf(path)
@@ -244,6 +245,8 @@ def load_gguf(path: Path, dtype: torch.dtype, skip_prefixes: tuple[str, ...], ke
     tokenizer = gguf_tokenizer(reader, path)
     tensors, skipped, halves = {}, {}, {}
     first_mtp = mtp_from(reader)
+    if keep_int4:
+        gguf_blocks_cpu.load(log.info)
     progress = LoadProgress(path.name, sum(int(t.n_bytes) for t in reader.tensors))
     for tensor in reader.tensors:
         name = tensor_name(tensor.name, first_mtp)
@@ -275,7 +278,7 @@ def load_gguf(path: Path, dtype: torch.dtype, skip_prefixes: tuple[str, ...], ke
 
 
 def _read(tensor, name: str, config: dict, dtype: torch.dtype, keep_int4: bool):
-    """One GGUF tensor in HF layout: Int4Codes (kept 4-bit), Int8Rows (kept 8-bit) or a `dtype` tensor, the
+    """One GGUF tensor in HF layout: PackedInt4 (kept 4-bit), Int8Rows (kept 8-bit) or a `dtype` tensor, the
     converter's changes undone."""
     shape = tuple(int(d) for d in reversed(tensor.shape))
     kind = tensor.name.split(".")[-2] if "." in tensor.name else ""
@@ -285,10 +288,10 @@ def _read(tensor, name: str, config: dict, dtype: torch.dtype, keep_int4: bool):
     hybrid = config["model_type"] in HYBRID_MODEL_TYPES
     kept = None
     if keep_int4 and kept_int4(tensor.tensor_type, tensor.name, shape, config["tie_word_embeddings"]):
-        kept = int4_codes(tensor.data, tensor.tensor_type, (math.prod(shape[:-1]), shape[-1]))
+        kept = packed_int4(tensor.data, tensor.tensor_type, (math.prod(shape[:-1]), shape[-1]))
     elif keep_int4 and kept_int8(tensor.tensor_type, tensor.name, shape):
         kept = gguf_int8.int8_rows(tensor.data, tensor.tensor_type, shape)
-    if kept is not None:  # Int4Codes or Int8Rows: rows reordered, the stored column order kept as `perm`
+    if kept is not None:  # PackedInt4 or Int8Rows: rows reordered, the stored column order kept as `perm`
         if heads is not None:
             kept = kept.rows(torch.from_numpy(unpermute_rotary(np.arange(shape[0]), heads)))
         rows = gguf_hybrid.row_order(config, name) if hybrid else None
@@ -320,19 +323,16 @@ def _drop_pages(reader: GGUFReader, tensor) -> None:
 
 
 def _held(name: str, value):
-    """A tensor as the model gets it: 4-bit codes packed (half a byte a weight), an embedding's as a PackedTable
-    (models/layers.Int4Embedding looks up its rows)."""
-    if not isinstance(value, Int4Codes):
-        return value
-    packed = pack(value)
-    if name == "model.embed_tokens.weight":
-        return PackedTable(packed.packed, packed.scales, packed.offsets, packed.group_size, packed.lut, packed.perm)
-    return packed
+    """A tensor as the model gets it; a packed 4-bit embedding as a PackedTable (models/layers.Int4Embedding looks
+    up its rows)."""
+    if isinstance(value, PackedInt4) and name == "model.embed_tokens.weight":
+        return PackedTable(value.packed, value.scales, value.offsets, value.group_size, value.lut, value.perm)
+    return value
 
 
 def _per_expert(value, experts: int) -> list:
-    """A stacked [experts, out, in] tensor (Int4Codes: [experts x out, in]) as one matrix per expert."""
-    if isinstance(value, Int4Codes):
+    """A stacked [experts, out, in] tensor (PackedInt4: [experts x out, in]) as one matrix per expert."""
+    if isinstance(value, PackedInt4):
         out = value.shape[0] // experts
         return [value.rows(torch.arange(e * out, (e + 1) * out)) for e in range(experts)]
     return list(value.unbind(0))
@@ -341,18 +341,18 @@ def _per_expert(value, experts: int) -> list:
 def _fused_qkvz(config: dict, qkv, z):
     """Qwen3-Next's in_proj_qkvz from its two GGUF halves (gguf_hybrid.qkvz_order)."""
     order = torch.from_numpy(gguf_hybrid.qkvz_order(config))
-    if isinstance(qkv, Int4Codes) and isinstance(z, Int4Codes) and qkv.group_size == z.group_size and (
+    if isinstance(qkv, PackedInt4) and isinstance(z, PackedInt4) and qkv.group_size == z.group_size and \
+            qkv.scales.dtype == z.scales.dtype and (qkv.offsets is None) == (z.offsets is None) and (
             (qkv.lut is None and z.lut is None) or (qkv.lut is not None and z.lut is not None
                                                     and torch.equal(qkv.lut, z.lut))):
-        offsets = None if qkv.offsets is None and z.offsets is None else \
-            torch.cat([qkv.offset_values(), z.offset_values()])
-        both = Int4Codes(torch.cat([qkv.codes, z.codes]), torch.cat([qkv.scales, z.scales]), offsets,
-                         qkv.group_size, qkv.lut)
+        offsets = None if qkv.offsets is None else torch.cat([qkv.offsets, z.offsets])
+        both = PackedInt4(torch.cat([qkv.packed, z.packed]), torch.cat([qkv.scales, z.scales]), offsets,
+                          qkv.group_size, qkv.lut)
         return both.rows(order)
     if isinstance(qkv, Int8Rows) and isinstance(z, Int8Rows) and qkv.group_size == z.group_size:
         return Int8Rows(torch.cat([qkv.codes, z.codes]), torch.cat([qkv.scales, z.scales]),
                         torch.cat([qkv.offsets, z.offsets]), qkv.group_size).rows(order)
-    as_float = [t.dequantize() if isinstance(t, (Int4Codes, Int8Rows)) else t for t in (qkv, z)]
+    as_float = [t.dequantize() if isinstance(t, (PackedInt4, Int8Rows)) else t for t in (qkv, z)]
     return torch.cat(as_float)[order]
 
 
