@@ -10,7 +10,7 @@ import pytest
 from gguf import GGUFEndian, GGUFValueType
 
 from deltaserve.weights import CheckpointError
-from deltaserve.weights.gguf import open_gguf
+from deltaserve.weights.gguf import READ_AHEAD_BYTES, open_gguf
 from deltaserve.weights.gguf_reader import PlainViewReader
 from test_weights_gguf import smollm2_gguf
 
@@ -76,3 +76,23 @@ def test_string_array_cut_short_is_refused(tmp_path):
         open_gguf(short)
     message = str(info.value)
     assert "\n" not in message and "truncated or corrupt" in message and "string 3 of an array of 6" in message
+
+
+@pytest.mark.parametrize("ahead", [1 << 12, READ_AHEAD_BYTES])
+def test_read_ahead_asks_for_every_tensor_before_it_is_read(monkeypatch, ahead):
+    """load_gguf's read-ahead (MADV_WILLNEED in large calls): when a tensor is made, the file has been asked for
+    through its last byte and, short of the file's end, at least half the read-ahead beyond; each call is large
+    unless it reaches the end."""
+    import deltaserve.weights.gguf as loader
+
+    monkeypatch.setattr(loader, "READ_AHEAD_BYTES", ahead)
+    path = DATA / "tiny-qwen35-q4_k.gguf"
+    reader = PlainViewReader(path)
+    size = path.stat().st_size
+    asked = 0
+    for tensor in reader.tensors:
+        before = asked
+        end = int(tensor.data_offset) + int(tensor.n_bytes)
+        asked = loader._read_ahead(reader, asked, end + ahead)
+        assert asked >= min(end + ahead // 2, size), tensor.name
+        assert asked == before or asked - before >= ahead // 2 or asked == size, tensor.name

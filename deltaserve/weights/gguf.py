@@ -47,6 +47,7 @@ LAYER_NAMES = {
 HYBRID_MODEL_TYPES = {names[1] for names in gguf_hybrid.ARCHITECTURES.values()}
 GGUF_MAGIC = b"GGUF"
 Q4_BLOCK = 32  # weights per scale of every 4-bit GGUF type
+READ_AHEAD_BYTES = 256 << 20  # how far past the tensor being made the file is asked for, in calls of at least half
 # 4-bit types kept packed when asked (kernels/int4.py): the affine ones and the two with a level table
 INT4_TYPES = (Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.IQ4_NL, Q.IQ4_XS)
 LUT_TYPES = (Q.IQ4_NL, Q.IQ4_XS)
@@ -237,9 +238,10 @@ def load_gguf(path: Path, dtype: torch.dtype, skip_prefixes: tuple[str, ...], ke
     """(config, tensors, tokenizer, generation_config, skipped) of a GGUF file, tensors dequantized.
 
     With `keep_int4`, INT4_TYPES matrices come packed (kernels/int4.PackedInt4, made from their blocks, never
-    dequantized; the block kernels built first where they can be, kernels/gguf_blocks_cpu.py), and Q8_0 / Q6_K / Q5_K matrices as Int8Rows (weights/gguf_int8.py: held 8-bit; a tied lm_head
-    multiplies the embedding's codes). Stacked
-    experts come as one matrix per expert; Qwen3-Next's two halves of in_proj_qkvz as one."""
+    dequantized; the block kernels built first where they can be, kernels/gguf_blocks_cpu.py), and Q8_0 / Q6_K /
+    Q5_K matrices as Int8Rows (weights/gguf_int8.py: held 8-bit; a tied lm_head multiplies the embedding's codes).
+    Stacked experts come as one matrix per expert; Qwen3-Next's two halves of in_proj_qkvz as one. The file is
+    read ahead of the tensor being made, READ_AHEAD_BYTES at a time (_read_ahead)."""
     reader = open_gguf(path)
     config = gguf_config(reader, path)
     tokenizer = gguf_tokenizer(reader, path)
@@ -248,7 +250,9 @@ def load_gguf(path: Path, dtype: torch.dtype, skip_prefixes: tuple[str, ...], ke
     if keep_int4:
         gguf_blocks_cpu.load(log.info)
     progress = LoadProgress(path.name, sum(int(t.n_bytes) for t in reader.tensors))
+    asked = 0  # the file's bytes before this offset are asked for already
     for tensor in reader.tensors:
+        asked = _read_ahead(reader, asked, int(tensor.data_offset) + int(tensor.n_bytes) + READ_AHEAD_BYTES)
         name = tensor_name(tensor.name, first_mtp)
         prefix = next((p for p in skip_prefixes if name.startswith(p)), None)
         if prefix is not None:
@@ -307,6 +311,23 @@ def _read(tensor, name: str, config: dict, dtype: torch.dtype, keep_int4: bool):
     if hybrid:
         values = gguf_hybrid.to_checkpoint(config, name, values)
     return torch.from_numpy(np.array(values, dtype=np.float32)).to(dtype)
+
+
+def _read_ahead(reader: GGUFReader, asked: int, until: int) -> int:
+    """Ask the kernel to read the file's bytes from `asked` to `until` into the page cache now (MADV_WILLNEED: large
+    asynchronous reads while the tensor before them is made); the new `asked`. Faulted in page by page instead, a
+    file not in the page cache read at ~300 MB/s here where the disk gives 2.2 GB/s (the 27B's 14.7 GB: ~36 s of its
+    load). Nothing where the platform has no madvise."""
+    area = getattr(reader.data, "_mmap", None)
+    if area is None or not hasattr(mmap, "MADV_WILLNEED"):
+        return asked
+    until = min(until, len(area))
+    if until - asked < READ_AHEAD_BYTES // 2 and until < len(area):  # a short step: asked with a later, longer one
+        return asked
+    start = asked // mmap.PAGESIZE * mmap.PAGESIZE
+    if until > start:
+        area.madvise(mmap.MADV_WILLNEED, start, until - start)
+    return max(asked, until)
 
 
 def _drop_pages(reader: GGUFReader, tensor) -> None:
