@@ -15,8 +15,7 @@ from gguf import GGMLQuantizationType as Q
 from gguf import GGUFReader, GGUFValueType
 from gguf.quants import dequantize
 
-from deltaserve.kernels import int4_torch
-from deltaserve.kernels import gguf_blocks_cpu
+from deltaserve.kernels import gguf_blocks_cpu, int4_torch
 from deltaserve.kernels.int4 import PackedInt4, PackedTable, held_bytes, packable
 from deltaserve.kernels.int8 import Int8Rows
 from deltaserve.weights import gguf_hybrid, gguf_int8

@@ -1,4 +1,5 @@
-"""GGUF's 4-bit blocks read as Int4Codes (codes, per-32 scales and offsets, optional level table), not dequantized.
+"""GGUF's 4-bit blocks read as Int4Codes (codes, per-32 scales and offsets, optional level table), or straight
+into the packed layout (packed_int4, what the loader holds), never dequantized.
 
 Block layouts (ggml-common.h): Q4_0 / Q4_1 and IQ4_NL hold 32 weights, byte j of the 16 code bytes holding code j
 in its low nibble and code j + 16 in its high one. Q4_K and IQ4_XS hold 256 weights in 8 sub-blocks of 32: IQ4_XS
