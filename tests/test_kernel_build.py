@@ -14,7 +14,8 @@ import time
 
 import pytest
 
-from deltaserve.kernels import cpp_build, decode_cpu, fused_cpu, int4_cpu, int4_int8, linear_cpu, paged_cpu, prefill_cpu
+from deltaserve.kernels import (cpp_build, decode_cpu, fused_cpu, gguf_blocks_cpu, int4_cpu, int4_int8, linear_cpu,
+                                paged_cpu, prefill_cpu)
 from deltaserve.kernels.cpp_build import CompiledKernels
 
 TINY = "int64_t add_one(int64_t x) { return x + 1; }\n"
@@ -131,7 +132,7 @@ def test_an_edited_header_rebuilds_every_source_that_includes_it(tmp_path, monke
 def test_the_kernel_sources_are_files_that_include_the_prelude():
     """Every module's C++ is a file in csrc/; decode.cpp shares the other modules' pieces through headers, never
     pasted text."""
-    for module in (fused_cpu, linear_cpu, decode_cpu, int4_cpu, paged_cpu, prefill_cpu):
+    for module in (fused_cpu, linear_cpu, decode_cpu, int4_cpu, paged_cpu, prefill_cpu, gguf_blocks_cpu):
         kernels = module.KERNELS
         assert kernels.source_file.parent == cpp_build.CSRC and kernels.source == kernels.source_file.read_text()
         assert cpp_build.CSRC / "prelude.h" in cpp_build.included_headers(kernels.source)

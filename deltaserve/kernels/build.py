@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import sys
 
-from deltaserve.kernels import decode_cpu, fused_cpu, int4_cpu, int4_int8, linear_cpu, paged_cpu, prefill_cpu
+from deltaserve.kernels import (decode_cpu, fused_cpu, gguf_blocks_cpu, int4_cpu, int4_int8, linear_cpu, paged_cpu,
+                                prefill_cpu)
 
-MODULES = (fused_cpu, linear_cpu, paged_cpu, prefill_cpu, int4_cpu, decode_cpu, int4_int8)
+MODULES = (fused_cpu, linear_cpu, paged_cpu, prefill_cpu, int4_cpu, decode_cpu, int4_int8, gguf_blocks_cpu)
 
 
 def main() -> int:

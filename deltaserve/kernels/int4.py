@@ -122,6 +122,14 @@ class PackedInt4:
         return sum(t.numel() * t.element_size() for t in (self.packed, self.scales, self.offsets, self.lut)
                    if t is not None)
 
+    def rows(self, order: torch.Tensor) -> PackedInt4:
+        """The same weight with its output rows reordered (Int4Codes.rows, on the packed bytes; index_select copies a
+        row at a time, ~2x indexing's speed on a 27B's GDN projections)."""
+        def take(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.index_select(0, order)
+
+        return PackedInt4(take(self.packed), take(self.scales), take(self.offsets), self.group_size, self.lut, self.perm)
+
     def codes(self) -> torch.Tensor:
         """The codes [N, K] uint8 in stored column order (the inverse of `pack`'s nibble packing)."""
         n, half = self.packed.shape

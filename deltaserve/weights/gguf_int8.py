@@ -15,6 +15,7 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType as Q
 
+from deltaserve.kernels import gguf_blocks_cpu
 from deltaserve.kernels.int8 import Int8Rows
 from deltaserve.weights.gguf_int4 import _k_scale_min
 
@@ -32,24 +33,31 @@ def held_bytes(params: int, kind: Q) -> int:
 
 
 def int8_rows(data, kind: Q, shape: tuple[int, int]) -> Int8Rows:
-    """The Int8Rows of a Q8_0 / Q6_K / Q5_K matrix of HF-order `shape` [N, K], straight from its blocks."""
+    """The Int8Rows of a Q8_0 / Q6_K / Q5_K matrix of HF-order `shape` [N, K], straight from its blocks (Q6_K and
+    Q5_K by the C++ kernel where built, kernels/gguf_blocks_cpu.py; numpy otherwise, the same values)."""
     n, k = shape
     blocks = np.ascontiguousarray(data).view(np.uint8).reshape(-1, BLOCK_BYTES[kind])
     if kind == Q.Q8_0:
         scales = blocks[:, :2].copy().view(np.float16).astype(np.float32)
         codes, offsets = blocks[:, 2:].copy().view(np.int8), None
     elif kind == Q.Q6_K:
-        codes, scales = _q6_k(blocks)
+        codes, scales = gguf_blocks_cpu.unpack("q6_k_codes", blocks) or _q6_k(blocks)
         offsets = None
     elif kind == Q.Q5_K:
-        codes, scales, offsets = _q5_k(blocks)
+        codes, scales, offsets = gguf_blocks_cpu.unpack("q5_k_codes", blocks) or _q5_k(blocks)
     else:
         raise ValueError(f"GGUF type {kind.name} is not read as 8-bit codes; 8-bit: {', '.join(t.name for t in TYPES)}")
     groups = k // GROUPS[kind]
-    scales = torch.from_numpy(np.ascontiguousarray(scales).reshape(n, groups))
-    offsets = torch.zeros_like(scales) if offsets is None else \
-        torch.from_numpy(np.ascontiguousarray(offsets).reshape(n, groups))
-    return Int8Rows(torch.from_numpy(np.ascontiguousarray(codes).reshape(n, k)), scales, offsets, GROUPS[kind])
+    scales = _tensor(scales).reshape(n, groups)
+    # a symmetric type's zero offsets: one value expanded, not a tensor of the scales' size (127 MB for a 248K table)
+    offsets = torch.zeros((), dtype=scales.dtype).expand(n, groups) if offsets is None else \
+        _tensor(offsets).reshape(n, groups)
+    return Int8Rows(_tensor(codes).reshape(n, k), scales, offsets, GROUPS[kind])
+
+
+def _tensor(values) -> torch.Tensor:
+    """A kernel's tensor as it is, a numpy array's values as a tensor (shared, not copied)."""
+    return values if isinstance(values, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(values))
 
 
 def _q6_k(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
