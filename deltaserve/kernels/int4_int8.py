@@ -151,7 +151,7 @@ def _super_params(scales: torch.Tensor, offsets: torch.Tensor | None, group: int
                   k: int) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """(scales, offsets) [N, K / group] float32 in the super form (module docstring), or None where either does not
     factor exactly, is not float32 or K is not a multiple of 256."""
-    if scales.dtype != torch.float32 or k % SUPER_COLUMNS or SUPER_COLUMNS % group:
+    if scales.dtype != torch.float32 or k % SUPER_COLUMNS or (SUPER_COLUMNS // 4) % group:
         return None
     held = []
     for t in (scales, offsets):
@@ -230,7 +230,9 @@ def _panel_group_params(t: torch.Tensor, panels: torch.Tensor, groups: int) -> t
     held = t[panels]  # [len, K / 256, 64 + 16 G]
     count, supers = held.shape[:2]
     d = held[..., :64].contiguous().view(torch.float32)  # [len, supers, 16]
-    sub = held[..., 64:].reshape(count, supers, groups // supers, PANEL_ROWS).to(torch.float32)
+    per = groups // supers  # runs of 64 bytes: dword r holds row r's sub-scales of 4 groups
+    sub = held[..., 64:].reshape(count, supers, per // 4, PANEL_ROWS, 4).transpose(3, 4).reshape(
+        count, supers, per, PANEL_ROWS).to(torch.float32)
     return (d[:, :, None, :] * sub).reshape(count, groups, PANEL_ROWS).transpose(1, 2)
 
 

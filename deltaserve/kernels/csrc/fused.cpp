@@ -467,7 +467,8 @@ torch::Tensor int8_rows(torch::Tensor codes, torch::Tensor scales, torch::Tensor
 // t / 16; 6-bit [N / 16, K * 12]: its low 4 bits in the nibble of byte 384b + 64(L % 4) + 4(t % 16) + i (low nibble
 // for L < 4), the 2 above in byte 384b + 256 + 32(L % 4) + j at bit 2(j' / 32) + 4(L / 4), j' = 4(t % 16) + i, j = j'
 // % 32 (int4_int8dot.cpp's header). Scales float32 [N / 16, K / g, 16], or int8 SUPER [N / 16, K / 256, 64 + 16 G]
-// (per 256 columns the rows' float32 d, then G x 16 int8: s = d * sub). One call where gather_rows' torch indexing
+// (per 256 columns the rows' float32 d, then the int8 sub-scales four groups a dword: s = d * sub). One call where
+// gather_rows' torch indexing
 // was six ops (~110 us of a SmolLM2 decode step between its native calls).
 torch::Tensor int8_panel_rows(torch::Tensor codes, torch::Tensor scales, torch::Tensor ids, int64_t bits) {
   TORCH_CHECK(codes.scalar_type() == torch::kUInt8 && codes.is_contiguous() && codes.dim() == 2 &&
@@ -518,7 +519,7 @@ torch::Tensor int8_panel_rows(torch::Tensor codes, torch::Tensor scales, torch::
         const int8_t* at = scales.data_ptr<int8_t>() + (panel * (K / 256) + k / 256) * (64 + 16 * G);
         float d;
         std::memcpy(&d, at + 4 * lane, 4);
-        s = d * static_cast<float>(at[64 + 16 * (g % G) + lane]);
+        s = d * static_cast<float>(at[64 + 64 * (g % G / 4) + 4 * lane + g % 4]);
       } else {
         s = scales.data_ptr<float>()[(panel * G + g) * 16 + lane];
       }

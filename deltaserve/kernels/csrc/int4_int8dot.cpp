@@ -27,7 +27,8 @@
 // i + 32's); their groups are 16 (halves: the low and the high nibbles), the offset -32 s where none is stored.
 // Scales (and offsets) are held [N / 16, K / group, 16] in the checkpoint's dtype (float32, bfloat16, float16), or,
 // where each is exactly a float32 per 256 columns times an int8 per group (GGUF K-quants' d x sc, dmin x m: what the
-// file holds; int4_int8_super factors them), as those: per panel and 256 columns 16 float32 then the groups' int8s.
+// file holds; int4_int8_super factors them), as those: per panel and 256 columns 16 float32 then the groups' int8s,
+// four groups a dword (int4_int8_tile.h's SUPER).
 // AVX-512 VNNI builds take 16 rows a register; AVX2 builds 8 (the two halves of each chunk) with vpmaddubsw
 // (u8 x s8 pairs summed to int16: at most 2 * 15 * 127 = 3810 per pair, 8 of them 30480 < 2^15, so the block's
 // int16 sums never saturate) and vpmaddwd by ones to int32; AVX-VNNI builds without AVX-512 (Alder Lake, Raptor
@@ -159,14 +160,15 @@ bool factor(const float* v, int64_t G, float* d, int8_t* sub) {
 }
 }  // namespace
 
-// scales float32 [N, K / group] (N a multiple of 16, group dividing 256, K a multiple of 256) -> the SUPER form
-// int8 [N / 16, K / 256, 64 + 16 G], G = 256 / group: per panel and 256 columns the 16 rows' float32 d, then G x 16
-// int8 sub-scales, d x sub equal to each scale bit for bit; empty where some 256 columns' scales do not factor so.
+// scales float32 [N, K / group] (N a multiple of 16, group 16, 32 or 64, K a multiple of 256) -> the SUPER form
+// int8 [N / 16, K / 256, 64 + 16 G], G = 256 / group: per panel and 256 columns the 16 rows' float32 d, then the int8
+// sub-scales in runs of 64 bytes (run j's dword r: row r's of groups 4j .. 4j + 3: int4_int8_tile.h), d x sub equal to
+// each scale bit for bit; empty where some 256 columns' scales do not factor so.
 torch::Tensor int4_int8_super(torch::Tensor scales, int64_t group) {
   TORCH_CHECK(scales.scalar_type() == torch::kFloat32 && scales.is_contiguous() && scales.dim() == 2 &&
-              scales.size(0) % RI == 0 && group > 0 && 256 % group == 0 && (scales.size(1) * group) % 256 == 0,
+              scales.size(0) % RI == 0 && group > 0 && 64 % group == 0 && (scales.size(1) * group) % 256 == 0,
               "int4_int8_super: scales must be contiguous float32 [N, K / group], N a multiple of 16, the group "
-              "dividing 256, K a multiple of 256");
+              "16, 32 or 64, K a multiple of 256");
   const int64_t N = scales.size(0), G = 256 / group, supers = scales.size(1) / G, width = 64 + 16 * G;
   auto out = torch::empty({N / RI, supers, width}, scales.options().dtype(torch::kInt8));
   const float* s = scales.data_ptr<float>();
@@ -183,7 +185,7 @@ torch::Tensor int4_int8_super(torch::Tensor scales, int64_t group) {
       continue;
     }
     std::memcpy(at + 4 * (n % RI), &d, 4);
-    for (int64_t g = 0; g < G; ++g) at[64 + 16 * g + n % RI] = sub[g];
+    for (int64_t g = 0; g < G; ++g) at[64 + 64 * (g / 4) + 4 * (n % RI) + g % 4] = sub[g];
   }
   return exact ? out : torch::empty({0}, out.options());
 }
