@@ -86,9 +86,10 @@ def expected_panels(path: Path, tied_heads: bool) -> tuple[int, int]:
 
 
 def cpu(path: Path, tied_heads: bool, **settings):
+    """The plan on CPU with --compact-weights (unless `settings` say otherwise)."""
     spec = spec_from_checkpoint(path, tied_heads=tied_heads)
-    return plan_budget(spec, EngineConfig(max_total_tokens=64, **settings), device_total_bytes=4 * 2**30,
-                       device_kind="cpu")
+    return plan_budget(spec, EngineConfig(max_total_tokens=64, **{"compact_weights": True, **settings}),
+                       device_total_bytes=4 * 2**30, device_kind="cpu")
 
 
 @pytest.mark.parametrize("tied_heads", [True, False], ids=["vnni", "avx2"])
@@ -100,6 +101,7 @@ def test_weights_line_holds_the_compact_panels(tiny, tied_heads):
     assert weights.bytes == panels, (weights.bytes, panels)
     assert panels < loaded and f"loaded as {-(-loaded // MiB):,} MiB (packed) before the swap" in weights.reason
     assert cpu(tiny, tied_heads, activation_dtype="float32").line("weights").bytes == loaded
+    assert cpu(tiny, tied_heads, compact_weights=False).line("weights").bytes == loaded  # the panels: moved bytes
 
 
 def test_other_devices_and_forms_keep_their_line(tiny):
@@ -131,7 +133,7 @@ def test_load_form_beyond_the_usable_memory_is_refused_or_fitted(small):
     """A host where the panels and every pool fit but the load's packed form does not: `plan` refuses with the load's
     arithmetic where --mem-fraction is given, and fitting raises it where it is not."""
     spec = spec_from_checkpoint(small, tied_heads=True)
-    config = EngineConfig(mem_fraction=0.5, **LEANER)
+    config = EngineConfig(mem_fraction=0.5, compact_weights=True, **LEANER)
     sized = draft_ledger(spec, config, 64 * 2**30, "cpu")
     lines = sum(sized.lines[n][0] for n in (*CONSUMER_LINES, "runtime"))  # all usable must hold (the pool fixed)
     assert lines + 4 * MiB < sized.load_bytes, "the fixture must load more than its lines hold, or it proves nothing"
@@ -143,7 +145,8 @@ def test_load_form_beyond_the_usable_memory_is_refused_or_fitted(small):
         plan_budget(spec, config, device_total_bytes=total, device_kind="cpu")
     message = str(err.value)
     assert "the load holds the weights as loaded" in message and "Fix: raise --mem-fraction" in message
-    fitted = plan_budget(spec, EngineConfig(**LEANER), device_total_bytes=total, device_kind="cpu")
+    fitted = plan_budget(spec, EngineConfig(compact_weights=True, **LEANER), device_total_bytes=total,
+                         device_kind="cpu")
     assert fitted.fitted == {"mem_fraction": CPU_FIT_MEM_FRACTION} and "the load's peak" in fitted.notes[0]
     assert fitted.required_bytes == draft.load_bytes  # what must be free at start covers the load
 
@@ -157,7 +160,30 @@ def test_swapped_model_holds_the_weights_line(tiny):
     if int4_int8.load() is None:
         pytest.skip("the int8 dot-product kernel cannot be built here")
     model = load_model(tiny, dequantize=False).model
-    use_int8_activations(model, release=return_freed_memory, in_place=True)
+    use_int8_activations(model, release=return_freed_memory, in_place=True, compact=True)
     predicted = cpu(tiny, int4_int8.swaps_tied_heads(int4_int8.isa())).line("weights").bytes
     measured = resident_bytes(model)
     assert abs(predicted - measured) <= 0.01 * measured, (predicted, measured)
+
+
+def test_compact_weights_are_fitted_only_where_the_model_needs_the_memory(small):
+    """--compact-weights left unset: off where the model fits in its packed form (decode is faster so), fitted on,
+    first, at the smallest host where only the compact form fits (the pools need what it frees); given off, it stays
+    off there and the plan is refused."""
+    spec = spec_from_checkpoint(small, tied_heads=True)
+    settings = dict(mem_fraction=0.5, context_length=8192, max_running_requests=1, prefix_cache=False,
+                    speculative="off")
+
+    def fits(total: int, **given) -> bool:
+        try:
+            plan_budget(spec, EngineConfig(**settings, **given), device_total_bytes=total, device_kind="cpu")
+            return True
+        except BudgetError:
+            return False
+
+    roomy = plan_budget(spec, EngineConfig(**settings), device_total_bytes=64 * 2**30, device_kind="cpu")
+    assert "compact_weights" not in roomy.fitted
+    total = next(t * 16 * MiB for t in range(8, 4096) if fits(t * 16 * MiB, compact_weights=True))
+    assert not fits(total, compact_weights=False), "the fixture must need the compact form somewhere"
+    fitted = plan_budget(spec, EngineConfig(**settings), device_total_bytes=total, device_kind="cpu")
+    assert fitted.fitted == {"compact_weights": True} and "--compact-weights (" in fitted.notes[0]

@@ -172,9 +172,9 @@ def quantized_to_kquant(model, kind: str) -> int:
     return replace_linears(model, make)
 
 
-def int8_model(model):
+def int8_model(model, compact: bool = False):
     model = copy.deepcopy(model)
-    swapped, _ = use_int8_activations(model)
+    swapped, _ = use_int8_activations(model, compact=compact)
     assert swapped > 0
     return model
 
@@ -260,7 +260,7 @@ def test_fused_decode_of_k_quants_held_as_their_files_hold_them(kind, form, int8
     (int4_int8_tile.h's SIXES and SUPER), one decode_stack call a step."""
     float_model = tiny_dense(kind, "fp32", hidden=256, intermediate=512)
     assert quantized_to_kquant(float_model, form) == 3 * 7
-    model = int8_model(float_model)
+    model = int8_model(float_model, compact=True)  # --compact-weights
     held = [m for m in model.model.layers.modules() if type(m) is Int8DotLinear]
     assert len(held) == 3 * 7 and all(m.scales.dtype == torch.int8 for m in held)
     assert {m.bits for m in held} == {4 if form == "q4_k" else 6}

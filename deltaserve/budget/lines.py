@@ -158,7 +158,8 @@ def _fixed_lines(spec: ModelMemorySpec, c: EngineConfig, context: int, kind: str
 
 
 def _weights_line(spec: ModelMemorySpec, c: EngineConfig) -> tuple[int, str]:
-    held, how = _held_weights(spec, c, panels=int8_activation_panels(c.device, c.activation_dtype))
+    held, how = _held_weights(spec, c, panels=c.compact_weights and int8_activation_panels(c.device,
+                                                                                           c.activation_dtype))
     skipped = [f"{g.name} {mib(g.stored_bytes)} MiB" for g in spec.weight_groups
                if g.excluded and not (g.name == "vision" and serves_images(spec, c))]
     reason = f"{mib(spec.weight_bytes)} MiB in the checkpoint ({spec.weight_source}); {how}"
@@ -175,7 +176,8 @@ def loaded_weight_bytes(spec: ModelMemorySpec, c: EngineConfig) -> int:
 
 
 def _held_weights(spec: ModelMemorySpec, c: EngineConfig, panels: bool) -> tuple[int, str]:
-    """(bytes, how) of the language model's weights as held; `panels`: after the int8-activation swap."""
+    """(bytes, how) of the language model's weights as held; `panels`: after the int8-activation swap into the
+    compact K-quant panels (--compact-weights; without it the panels are the packed bytes, moved)."""
     cb = DTYPE_BYTES[c.dtype]
     groups = [g for g in spec.weight_groups if not g.excluded]
     if c.dequantize_weights:

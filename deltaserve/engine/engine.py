@@ -264,7 +264,8 @@ class Engine:
             self._log("note: --activation-dtype int8 needs the int8 dot-product kernel, not built here: float32 stays")
             return
         # a fresh load: nothing outside the model holds its weights
-        swapped, refusals = use_int8_activations(model, release=return_freed_memory, in_place=True)
+        swapped, refusals = use_int8_activations(model, release=return_freed_memory, in_place=True,
+                                                 compact=bool(self.config.compact_weights))
         for line in refusals:
             self._log(line)
         kinds = Counter(f"{m.bits}-bit" if m.bits != 4 else "IQ4" if m.levels is not None else "4-bit"

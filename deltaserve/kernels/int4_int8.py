@@ -100,17 +100,18 @@ class PanelWeight:
                    if t is not None)
 
 
-def repack(w: PackedInt4) -> PanelWeight:
+def repack(w: PackedInt4, compact: bool = True) -> PanelWeight:
     """The panel layout of a packed weight (csrc/int4_int8dot.cpp's header): byte i of a 32-column run holds columns
-    i and i + 16 in both layouts, so the codes' bytes are only moved; the kernel must not decline it."""
+    i and i + 16 in both layouts, so the codes' bytes are only moved; the kernel must not decline it. `compact`: the
+    scales (and offsets) in the super form where they factor exactly (module docstring)."""
     n, k = w.shape
     reason = declines(n, k, w.group_size, w.lut, w.offsets is not None)
     if reason:
         raise ValueError(f"int4_int8: cannot take a {n} x {k} weight in groups of {w.group_size}: {reason}")
     codes = w.packed.view(n // PANEL_ROWS, PANEL_ROWS, k // BLOCK, 4, 4).permute(0, 2, 3, 1, 4)
     levels = None if w.lut is None else (w.lut.round().to(torch.int16) + 128).to(torch.uint8).contiguous()
-    compact = _super_params(w.scales, w.offsets, w.group_size, k) if w.group_size == QUANT_BLOCK else None
-    scales, offsets = compact or (_panel_params(w.scales), _panel_params(w.offsets))
+    factored = _super_params(w.scales, w.offsets, w.group_size, k) if compact and w.group_size == QUANT_BLOCK else None
+    scales, offsets = factored or (_panel_params(w.scales), _panel_params(w.offsets))
     return PanelWeight(codes.reshape(n // PANEL_ROWS, k * 8).contiguous(), scales, offsets, w.group_size, w.perm,
                        levels=levels)
 
@@ -118,18 +119,20 @@ def repack(w: PackedInt4) -> PanelWeight:
 PANELS_AT_ONCE = 256  # panels rearranged at a time by an in-place repack_int8 (16 rows each: 40 MiB at K = 5,120)
 
 
-def repack_int8(w: Int8Rows, perm: torch.Tensor | None = None, in_place: bool = False) -> PanelWeight:
+def repack_int8(w: Int8Rows, perm: torch.Tensor | None = None, in_place: bool = False,
+                compact: bool = True) -> PanelWeight:
     """The panel layout of an 8-bit weight (module docstring, csrc/int4_int8dot.cpp's header): codes q + 128 with
     row r's columns 4L .. 4L + 3 of each 32-column block at bytes 4r .. 4r + 3 of its chunk L; offsets only where some
     are not zero (o - 128 s); the kernel must not decline it. `perm`: the input permutation the weight's columns
     follow (None: in order). `in_place`: the panels are made in the codes' own storage, PANELS_AT_ONCE at a time (a
     panel's 16 rows occupy the same bytes in both layouts), so a 248K-row head is never held twice; `w.codes` is
-    overwritten (the caller's last use of it)."""
+    overwritten (the caller's last use of it). `compact`: in 6 bits where the codes and scales allow (module
+    docstring; never in place)."""
     n, k = w.shape
     reason = declines(n, k, w.group_size, bits=8)
     if reason:
         raise ValueError(f"int4_int8: cannot take a {n} x {k} 8-bit weight in groups of {w.group_size}: {reason}")
-    six = _six_bits(w)
+    six = _six_bits(w) if compact else None
     if six is not None:
         return PanelWeight(*six, QUANT_BLOCK // 2, perm, bits=6)
     rows = w.codes.view(torch.uint8).view(n // PANEL_ROWS, PANEL_ROWS, k // BLOCK, 8, 4)

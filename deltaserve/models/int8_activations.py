@@ -27,7 +27,7 @@ RELEASE_EVERY = 32 << 20  # bytes swapped between two calls of `release`
 
 
 def use_int8_activations(model: nn.Module, tied_heads: bool | None = None, release=None,
-                        in_place: bool = False) -> tuple[int, list[str]]:
+                        in_place: bool = False, compact: bool = False) -> tuple[int, list[str]]:
     """Swap every Int4Linear and Int8Linear the kernel serves (int4_int8.declines, asked per layer) for an
     Int8DotLinear (a tied one, where `tied_heads`, with its embedding for a PanelEmbedding over the same panels;
     None: where the build has a dot-product instruction, the module docstring); the number swapped and a log line
@@ -35,7 +35,8 @@ def use_int8_activations(model: nn.Module, tied_heads: bool | None = None, relea
     panels replace it; `release()`, called after every RELEASE_EVERY bytes swapped, gives the freed pages back to the
     OS (the allocator keeps them otherwise, and the swap would peak near twice the weights). `in_place`: nothing
     outside the model holds its weights (a fresh load), so an 8-bit layer's panels are made in its codes' own storage
-    where no other module reads them (a 248K-row head is not held twice)."""
+    where no other module reads them (a 248K-row head is not held twice). `compact` (--compact-weights): GGUF's
+    K-quants in the compact panels (kernels/int4_int8.py), else their packed bytes moved."""
     if tied_heads is None:
         tied_heads = int4_int8.swaps_tied_heads(int4_int8.isa())
     forget_fused(model)  # parts built before the swap would hold every old weight until its end
@@ -69,11 +70,11 @@ def use_int8_activations(model: nn.Module, tied_heads: bool | None = None, relea
             continue
         if type(child) is Int4Linear:
             panel = int4_int8.repack(PackedInt4(child.packed, child.scales, child.offsets, child.group_size, child.lut,
-                                                child.perm))
+                                                child.perm), compact=compact)
         else:
             # in the codes' own storage where nothing but this layer (and the table it replaces) reads them
             alone = in_place and holders[child.codes.data_ptr()] == (2 if child.tied else 1)
-            panel = int4_int8.repack_int8(child.rows(), child.perm, in_place=alone)
+            panel = int4_int8.repack_int8(child.rows(), child.perm, in_place=alone, compact=compact)
         head = Int8DotLinear(panel, child.bias)
         setattr(parent, name, head)
         if type(child) is Int8Linear and child.tied:
