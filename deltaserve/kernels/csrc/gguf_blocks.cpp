@@ -37,6 +37,17 @@ void each_block(int64_t count, F&& body) {
   });
 }
 
+// A Q4_K / Q5_K block's 8 scales d * sc and offsets -(dmin * m): float16 d and dmin, then 12 bytes of 6-bit (sc, m)
+void k_scales(const uint8_t* block, float* scales, float* offsets) {
+  const float d = half_at(block), dmin = half_at(block + 2);
+  int sc[8], mn[8];
+  scale_min_k4(block + 4, sc, mn);
+  for (int j = 0; j < 8; ++j) {
+    scales[j] = d * static_cast<float>(sc[j]);
+    offsets[j] = -(dmin * static_cast<float>(mn[j]));
+  }
+}
+
 }  // namespace
 
 // Q4_K blocks [count, 144] -> (packed [count, 128] uint8, scales d * sc and offsets -(dmin * m) [count, 8] float32).
@@ -54,13 +65,7 @@ std::vector<torch::Tensor> q4_k_packed(torch::Tensor blocks) {
   float* op = offsets.data_ptr<float>();
   each_block(count, [&](int64_t b) {
     const uint8_t* block = in + 144 * b;
-    const float d = half_at(block), dmin = half_at(block + 2);
-    int sc[8], mn[8];
-    scale_min_k4(block + 4, sc, mn);
-    for (int j = 0; j < 8; ++j) {
-      sp[8 * b + j] = d * static_cast<float>(sc[j]);
-      op[8 * b + j] = -(dmin * static_cast<float>(mn[j]));
-    }
+    k_scales(block, sp + 8 * b, op + 8 * b);
     const uint8_t* qs = block + 16;
     uint8_t* dst = out + 128 * b;
     for (int r = 0; r < 4; ++r) {
@@ -142,13 +147,7 @@ std::vector<torch::Tensor> q5_k_codes(torch::Tensor blocks) {
   float* op = offsets.data_ptr<float>();
   each_block(count, [&](int64_t b) {
     const uint8_t* block = in + 176 * b;
-    const float d = half_at(block), dmin = half_at(block + 2);
-    int sc[8], mn[8];
-    scale_min_k4(block + 4, sc, mn);
-    for (int j = 0; j < 8; ++j) {
-      sp[8 * b + j] = d * static_cast<float>(sc[j]);
-      op[8 * b + j] = -(dmin * static_cast<float>(mn[j]));
-    }
+    k_scales(block, sp + 8 * b, op + 8 * b);
     const uint8_t* qh = block + 16;
     const uint8_t* qs = block + 48;
     int8_t* dst = out + 256 * b;
