@@ -16,14 +16,15 @@ the same for an 8-bit weight (kernels/int8.Int8Rows: Q8_0, compressed-tensors IN
 byte vpdpbusd takes unsigned, and the offset o - 128 s carries the shift (symmetric weights store none: the kernel
 takes -128 s), so a code's byte and a scale per group are all it holds, as the Int8Rows' own codes and scales.
 
-GGUF's K-quants are held as compactly as their file holds them (what a decode step reads: a Q4_K_M's 1,211 MiB file
-was 1,723 MiB of panels): scales (and offsets) that are exactly a float32 per 256 columns times an int8 per group
-(Q4_K / Q5_K's d x sc and dmin x m, IQ4_XS's d x (ls - 32), Q6_K's d x sc: products of a float16 and a small integer,
-so exact in float32) are held as those two (`int4_int8_super` finds them: per 256 columns, the greatest common
-divisor of the scales' significands; a scale that does not factor so keeps the float form), and 8-bit codes that fit in
-6 bits with such scales (Q6_K's q - 32, Q5_K's q) as 6-bit codes in groups of 16 (a Q5_K group of 32 is two): the
-kernel multiplies the same scales by the same codes (a 4-bit result is the same bits as the float form's; a 6-bit
-one sums c = q + 32 where the 8-bit panels sum q + 128: within the same bound, not the same bits).
+With `compact` (--compact-weights) GGUF's K-quants are held as compactly as their file holds them (a Q4_K_M's 1,211 MiB
+file is 1,723 MiB of packed panels, 1,243 compact; the one-row product is slower so here): scales (and offsets) that are
+exactly a float32 per 256 columns times an int8 per group (Q4_K / Q5_K's d x sc and dmin x m, IQ4_XS's d x (ls - 32),
+Q6_K's d x sc: products of a float16 and a small integer, so exact in float32) are held as those two (`int4_int8_super`
+finds them: per 256 columns, the greatest common divisor of the scales' significands; a scale that does not factor so
+keeps the float form), and 8-bit codes that fit in 6 bits with such scales (Q6_K's q - 32, Q5_K's q) as 6-bit codes in
+groups of 16 (a Q5_K group of 32 is two): the kernel multiplies the same scales by the same codes (a 4-bit result is the
+same bits as the float form's; a 6-bit one sums c = q + 32 where the 8-bit panels sum q + 128: within the same bound,
+not the same bits).
 """
 
 from __future__ import annotations
@@ -72,8 +73,8 @@ def declines(out_features: int, in_features: int, group_size: int, lut: torch.Te
         return f"{out_features} output rows, not a multiple of the {PANEL_ROWS}-row panel"
     half_blocks = bits in (6, 8) and group_size == QUANT_BLOCK // 2
     if in_features % QUANT_BLOCK or (group_size % QUANT_BLOCK and not half_blocks) or in_features % group_size:
-        return f"input width {in_features} and group {group_size} not multiples of {QUANT_BLOCK} (or, 6-/8-bit, a group" \
-               f" of {QUANT_BLOCK // 2}), the group dividing the width"
+        return f"input width {in_features} and group {group_size} not multiples of {QUANT_BLOCK} (or, 6-/8-bit, a " \
+               f"group of {QUANT_BLOCK // 2}), the group dividing the width"
     return None
 
 

@@ -536,7 +536,8 @@ ScaleKind kind_of(const torch::Tensor& t) {
   if (t.scalar_type() == torch::kFloat32) return F32;
   if (t.scalar_type() == torch::kBFloat16) return BF16;
   if (t.scalar_type() == torch::kInt8) return SUPER;
-  TORCH_CHECK(t.scalar_type() == torch::kFloat16, "int4_int8: scales must be float32, bfloat16, float16 or int8 (super)");
+  TORCH_CHECK(t.scalar_type() == torch::kFloat16,
+              "int4_int8: scales must be float32, bfloat16, float16 or int8 (super)");
   return F16;
 }
 
@@ -556,14 +557,16 @@ Weight panel_weight(const torch::Tensor& codes, const torch::Tensor& scales, con
   const ScaleKind kind = kind_of(scales);
   int shift = 0;
   if (kind == SUPER) {
-    TORCH_CHECK(64 % group == 0 && K % 256 == 0, who, ": super scales take groups of 16, 32 or 64, K a multiple of 256");
+    TORCH_CHECK(64 % group == 0 && K % 256 == 0, who,
+                ": super scales take groups of 16, 32 or 64, K a multiple of 256");
     while ((int64_t{1} << shift) * group < 256) ++shift;
     TORCH_CHECK(scales.is_contiguous() && scales.dim() == 3 && scales.size(0) == codes.size(0) &&
                 scales.size(1) == K / 256 && scales.size(2) == 64 + 16 * (int64_t{1} << shift),
                 who, ": super scales must be int8 [N / 16, K / 256, 64 + 16 * 256 / group]");
   } else {
     TORCH_CHECK(scales.is_contiguous() && scales.dim() == 3 && scales.size(0) == codes.size(0) &&
-                scales.size(1) * group == K && scales.size(2) == RI, who, ": panel scales must be [N / 16, K / group, 16]");
+                scales.size(1) * group == K && scales.size(2) == RI, who,
+                ": panel scales must be [N / 16, K / group, 16]");
   }
   const bool symmetric = offsets.numel() == 0;
   TORCH_CHECK(symmetric || (offsets.sizes() == scales.sizes() && offsets.scalar_type() == scales.scalar_type() &&
