@@ -139,11 +139,19 @@ MUTANTS = (
 
 def q4k_scale_nibble_swapped():
     """Q4_K's packed 6-bit scales and mins with the high nibbles of their last four read from each other's half of
-    the byte (ggml's get_scale_min_k4 with `mh >> 4` and `mh & 0x0F` swapped); Q5_K reads the same bytes."""
+    the byte (ggml's get_scale_min_k4 with `mh >> 4` and `mh & 0x0F` swapped); Q5_K reads the same bytes. Planted in
+    the numpy readers, which the load then takes (the C++ block kernels, kernels/gguf_blocks_cpu.py, give the same
+    bytes: tests/test_weights_gguf_blocks.py)."""
     import numpy as np
 
     import deltaserve.weights.gguf_int4 as gguf_int4
     import deltaserve.weights.gguf_int8 as gguf_int8
+    from deltaserve.kernels import gguf_blocks_cpu
+
+    def numpy_k_scales(original):
+        def unpack(function, data):
+            return None if function in ("q4_k_packed", "q5_k_codes") else original(function, data)
+        return unpack
 
     def swapped(original):
         def scale_min(scales):
@@ -156,6 +164,7 @@ def q4k_scale_nibble_swapped():
     stack = contextlib.ExitStack()
     stack.enter_context(patched(gguf_int4, "_k_scale_min", swapped))
     stack.enter_context(patched(gguf_int8, "_k_scale_min", swapped))
+    stack.enter_context(patched(gguf_blocks_cpu, "unpack", numpy_k_scales))
     return stack
 
 
