@@ -76,8 +76,8 @@ def torch_int4_layout(device: str, dtype: str) -> bool:
 
 def int8_activation_panels(device: str, activation_dtype: str) -> bool:
     """Whether the packed 4-bit and 8-bit linears the int8 dot-product kernel takes are swapped into its panels
-    (models/int8_activations.py), GGUF's K-quants held there as compactly as the file holds them: on CPU, with
-    --activation-dtype int8. The engine and the ledger both ask this."""
+    (models/int8_activations.py; GGUF's K-quants held there as compactly as the file where --compact-weights): on
+    CPU, with --activation-dtype int8. The engine and the ledger both ask this."""
     return str(device).split(":")[0] == "cpu" and activation_dtype == "int8"
 
 

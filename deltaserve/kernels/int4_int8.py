@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from deltaserve.kernels import fused_cpu
-from deltaserve.kernels.cpp_build import CSRC, CompiledKernels
+from deltaserve.kernels.cpp_build import CSRC, CompiledKernels, cpu_features
 from deltaserve.kernels.int4 import BLOCK, PackedInt4
 from deltaserve.kernels.int8 import Int8Rows
 
@@ -293,12 +293,7 @@ def swaps_tied_heads(build_isa: str | None = None) -> bool:
     -march=native (kernels/cpp_build.py) sees them, so the ledger knows it without compiling; False where they
     cannot be read (the ledger then prices the larger, unswapped head)."""
     if build_isa is None:
-        try:
-            with open("/proc/cpuinfo") as f:
-                lines = f.read().splitlines()
-        except OSError:
-            return False
-        flags = set(next((line.split(":", 1)[1].split() for line in lines if line.startswith("flags")), ()))
+        flags = set(cpu_features().split())  # a platform name where there is no /proc/cpuinfo: "avx2" below
         build_isa = ("avx512_vnni" if {"avx512f", "avx512_vnni"} <= flags else
                      "avx_vnni" if "avx_vnni" in flags else "avx2")
     return build_isa != "avx2"

@@ -4,8 +4,8 @@ kernels/int4_int8.py: on CPU with --activation-dtype int8) has made its panels: 
 
 The swap takes a packed 4-bit or 8-bit linear the kernel does not decline (int4_int8.declines), and a vocabulary
 projection tied to an 8-bit embedding only where the dot product is not AVX2 alone (int4_int8.swaps_tied_heads;
-then the embedding reads its rows from the panels: the table is held once, in them). It holds GGUF's K-quants as
-compactly as the file holds them: codes at their own width (Q5_K's and Q6_K's in 6 bits) and, per 16-row panel and
+then the embedding reads its rows from the panels: the table is held once, in them). With --compact-weights it
+holds GGUF's K-quants as compactly as the file holds them: codes at their own width (Q5_K's and Q6_K's in 6 bits) and, per 16-row panel and
 256-column super-block, 16 float32 super-scales then G x 16 int8 sub-scales (G = 256 / group; Q5_K's per-32 scales
 held per 16, each repeated), offsets where the type has them the same again; so per row and super-block 4 + G bytes
 of scales (and as many of offsets):
@@ -20,15 +20,15 @@ import torch
 from gguf import GGMLQuantizationType as Q
 
 from deltaserve.kernels import int4_int8
+from deltaserve.weights.gguf import LUT_TYPES
 from deltaserve.weights.gguf_int4 import GROUP, IQ4_LEVELS, held_scales
 from deltaserve.weights.gguf_int8 import GROUPS
 
-SUPER = 256  # columns of a K-quant super-block: one float32 super-scale per row and block
+SUPER = int4_int8.SUPER_COLUMNS  # columns of a K-quant super-block: one float32 super-scale per row and block
 CODE_BITS = {Q.Q4_K: 4, Q.IQ4_XS: 4, Q.Q6_K: 6, Q.Q5_K: 6}  # the compact forms' code widths
 SUB_SCALES = {Q.Q4_K: 8, Q.IQ4_XS: 8, Q.Q6_K: 16, Q.Q5_K: 16}  # G: int8 sub-scales per row and super-block
 WITH_OFFSETS = (Q.Q4_K, Q.Q5_K)
 LEVEL_TABLE_BYTES = 16  # IQ4's 16 levels, a byte each
-LUT_TYPES = (Q.IQ4_NL, Q.IQ4_XS)
 
 
 def compact_bytes(kind: Q, n: int, k: int) -> int:

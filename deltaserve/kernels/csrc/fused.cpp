@@ -468,8 +468,7 @@ torch::Tensor int8_rows(torch::Tensor codes, torch::Tensor scales, torch::Tensor
 // for L < 4), the 2 above in byte 384b + 256 + 32(L % 4) + j at bit 2(j' / 32) + 4(L / 4), j' = 4(t % 16) + i, j = j'
 // % 32 (int4_int8dot.cpp's header). Scales float32 [N / 16, K / g, 16], or int8 SUPER [N / 16, K / 256, 64 + 16 G]
 // (per 256 columns the rows' float32 d, then the int8 sub-scales four groups a dword: s = d * sub). One call where
-// gather_rows' torch indexing
-// was six ops (~110 us of a SmolLM2 decode step between its native calls).
+// gather_rows' torch indexing was six ops (~110 us of a SmolLM2 decode step between its native calls).
 torch::Tensor int8_panel_rows(torch::Tensor codes, torch::Tensor scales, torch::Tensor ids, int64_t bits) {
   TORCH_CHECK(codes.scalar_type() == torch::kUInt8 && codes.is_contiguous() && codes.dim() == 2 &&
               (bits == 8 || bits == 6) && codes.size(1) % (64 * bits) == 0,
@@ -497,6 +496,8 @@ torch::Tensor int8_panel_rows(torch::Tensor codes, torch::Tensor scales, torch::
   auto out = torch::empty({R, K}, codes.options().dtype(torch::kFloat32));
   float* o = out.data_ptr<float>();
   const uint8_t* cp = codes.data_ptr<uint8_t>();
+  const int8_t* super_p = super ? scales.data_ptr<int8_t>() : nullptr;
+  const float* float_p = super ? nullptr : scales.data_ptr<float>();
   #pragma omp parallel for schedule(static) if (R > 64)
   for (int64_t r = 0; r < R; ++r) {
     const int64_t panel = id[r] / 16, lane = id[r] % 16;
@@ -516,12 +517,12 @@ torch::Tensor int8_panel_rows(torch::Tensor codes, torch::Tensor scales, torch::
       const int64_t g = k / group;
       float s;
       if (super) {
-        const int8_t* at = scales.data_ptr<int8_t>() + (panel * (K / 256) + k / 256) * (64 + 16 * G);
+        const int8_t* at = super_p + (panel * (K / 256) + k / 256) * (64 + 16 * G);
         float d;
         std::memcpy(&d, at + 4 * lane, 4);
         s = d * static_cast<float>(at[64 + 64 * (g % G / 4) + 4 * lane + g % 4]);
       } else {
-        s = scales.data_ptr<float>()[(panel * G + g) * 16 + lane];
+        s = float_p[(panel * G + g) * 16 + lane];
       }
       row[k] = (code - zero) * s;
     }

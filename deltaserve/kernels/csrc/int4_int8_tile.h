@@ -95,7 +95,7 @@ enum CodeMode : int { NIBBLES = 4, SIXES = 6, BYTES = 8, LEVELS = 16, HALVES = 2
 struct Weight {
   const uint8_t* codes;  // [N / 16][K / 32][panel_block(bits)]
   const void* scales;    // [N / 16][K / group][16]
-  const void* offsets;   // the same, or nullptr: symmetric (offset -8 s for NIBBLES, -128 s for BYTES and LEVELS)
+  const void* offsets;   // the same, or nullptr: symmetric (offset -8 s for NIBBLES, -32 s for SIXES, -128 s else)
   ScaleKind kind;
   int64_t K, group, groups;
   int bits;              // 4, 6 or 8
